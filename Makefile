@@ -1,0 +1,29 @@
+# Two commands: `make run` serves everything locally, `make test` runs the test suite.
+PYTHON ?= python3
+# torch first and pinned: the package's range admits it, and an unpinned resolve could pull a newer
+# multi-GB build. On Linux with a GPU this is the CUDA build; where a CPU wheel is provided, that one.
+TORCH  ?= torch==2.13.0
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test install clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "error: Python 3.11+ is needed (set PYTHON=...)"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet '$(TORCH)'
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kevlaya run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .kevlaya kevlaya.db kevlaya.db-shm kevlaya.db-wal

@@ -1,0 +1,62 @@
+"""Dependencies as typed aliases, so routes read like sentences."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.errors import ApiError
+from shared.db import new_session
+from shared.keys import ensure_bootstrap_key, find_key
+from shared.models import ApiKey
+from shared.settings import Settings, get_settings
+
+
+def get_session() -> Iterator[Session]:
+    with new_session() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def current_key(
+    session: SessionDep,
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> ApiKey:
+    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+        raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    plain = credentials.credentials
+    bootstrap = settings.api_key.get_secret_value() if settings.api_key else None
+    if bootstrap and hmac.compare_digest(plain.encode(), bootstrap.encode()):
+        try:
+            row = ensure_bootstrap_key(session, plain)
+            session.commit()
+        except IntegrityError:  # another request created it first
+            session.rollback()
+            row = find_key(session, plain)
+        return row
+    row = find_key(session, plain)
+    if row is None:
+        raise _unauthorized("invalid API key")
+    if row.revoked_at is not None and row.revoked_at <= datetime.now(timezone.utc):
+        raise _unauthorized("API key revoked")
+    return row
+
+
+CurrentKey = Annotated[ApiKey, Depends(current_key)]

@@ -1,0 +1,39 @@
+"""Celery configuration (loaded with `config_from_object`). Why each value: DESIGN §3 and §11."""
+
+from shared.settings import get_settings
+
+_settings = get_settings()
+
+broker_url = _settings.redis_url
+# The jobs table is the status of record; Celery results would only grow Redis.
+task_ignore_result = True
+result_backend = None
+
+task_default_queue = "kevlaya.jobs"
+task_serializer = "json"
+accept_content = ["json"]
+
+# One GPU job stream: take one message at a time, ack only after results are committed,
+# and give the message back if the worker process dies mid-batch.
+task_acks_late = True
+task_reject_on_worker_lost = True
+worker_prefetch_multiplier = 1
+worker_concurrency = 1
+worker_pool = "prefork"
+worker_max_tasks_per_child = 1000
+
+task_time_limit = _settings.job_time_limit_s
+task_soft_time_limit = max(_settings.job_time_limit_s - 30, 5)
+
+# Redis re-delivers an unacked message after the visibility timeout: keep it above the longest task.
+broker_transport_options = {"visibility_timeout": _settings.visibility_timeout_s}
+result_backend_transport_options = {"visibility_timeout": _settings.visibility_timeout_s}
+broker_connection_retry_on_startup = True
+
+# Periodic sweep: re-queue expired leases and re-publish queued jobs whose wake-up message was lost.
+beat_schedule = {
+    "sweep": {"task": "kevlaya.sweep", "schedule": _settings.sweep_interval_s},
+}
+
+worker_send_task_events = True  # Flower
+task_send_sent_event = True

@@ -1,0 +1,58 @@
+"""Engine and sessions. One engine per process: the worker child builds its own after the fork."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from shared.settings import get_settings
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection, _record):  # noqa: ANN001
+            # WAL lets the API read while the worker writes; foreign keys are off by default in SQLite.
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+@lru_cache
+def get_engine() -> Engine:
+    return make_engine(get_settings().database_url)
+
+
+@lru_cache
+def _session_factory() -> sessionmaker[Session]:
+    return sessionmaker(get_engine(), expire_on_commit=False)
+
+
+def reset_engine() -> None:
+    """Forget this process's engine (after a fork, or when settings change in tests)."""
+    if get_engine.cache_info().currsize:
+        get_engine().dispose(close=False)
+    get_engine.cache_clear()
+    _session_factory.cache_clear()
+
+
+def new_session() -> Session:
+    return _session_factory()()
+
+
+@contextmanager
+def session_scope() -> Iterator[Session]:
+    """A unit of work: commits on success, rolls back on error."""
+    with new_session() as session, session.begin():
+        yield session

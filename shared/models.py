@@ -1,0 +1,129 @@
+"""SQLAlchemy 2 typed models: the `jobs` row is the source of truth for a job (DESIGN §7)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    Uuid,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Stores UTC; always returns an aware datetime (SQLite drops the zone, PostgreSQL keeps it)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(timezone.utc)
+            if dialect.name == "sqlite":
+                value = value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+
+class JobStatus:
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    FINISHED = (SUCCEEDED, FAILED, CANCELLED)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    name: Mapped[str] = mapped_column(String(100))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    rate_limit_per_minute: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    adapters: Mapped[str] = mapped_column(String(32))  # "kev", "laya" or "kev,laya"
+    size: Mapped[int] = mapped_column(Integer, default=0)
+    mixed: Mapped[bool] = mapped_column(Boolean, default=False)
+    switch_ms: Mapped[float | None] = mapped_column(Float)
+    prefill_ms: Mapped[float | None] = mapped_column(Float)
+    decode_ms: Mapped[float | None] = mapped_column(Float)
+    tokens: Mapped[int | None] = mapped_column(Integer)
+    peak_vram_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    worker: Mapped[str] = mapped_column(String(200))
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("api_key_id", "idempotency_key", name="uq_jobs_api_key_idempotency"),
+        Index("ix_jobs_status_adapter_created", "status", "adapter", "created_at"),
+        Index("ix_jobs_created_id", "created_at", "id"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    adapter: Mapped[str] = mapped_column(String(8))
+    requested_adapter: Mapped[str] = mapped_column(String(8))
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)
+    input: Mapped[Any] = mapped_column(JSON)
+    params: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    result_text: Mapped[str | None] = mapped_column(Text)
+    decision: Mapped[dict[str, Any] | None]
+    error_code: Mapped[str | None] = mapped_column(String(32))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
+    parent_job_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), index=True
+    )
+    batch_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("batches.id"), index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    queue_ms: Mapped[float | None] = mapped_column(Float)
+    switch_ms: Mapped[float | None] = mapped_column(Float)
+    prefill_ms: Mapped[float | None] = mapped_column(Float)
+    decode_ms: Mapped[float | None] = mapped_column(Float)
+    total_ms: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)

@@ -1,0 +1,62 @@
+"""Publishing wake-up messages. A message carries a job id and its adapter, never the prompt:
+the `jobs` row is the source of truth and the worker claims work from the database."""
+
+from __future__ import annotations
+
+import uuid
+from functools import lru_cache
+
+import redis
+from celery import Celery
+
+from shared.settings import get_settings
+
+RUN_TASK = "kevlaya.run_queued"
+SWEEP_TASK = "kevlaya.sweep"
+
+
+class QueueUnavailable(RuntimeError):
+    """The broker could not take the message."""
+
+
+@lru_cache
+def celery_app() -> Celery:
+    app = Celery("kevlaya")
+    app.config_from_object("shared.celeryconfig")
+    return app
+
+
+def publish_wakeup(job_id: uuid.UUID | None, adapter: str) -> None:
+    settings = get_settings()
+    try:
+        celery_app().send_task(
+            RUN_TASK,
+            args=[str(job_id) if job_id else None, adapter],
+            retry=settings.publish_retries > 0,
+            retry_policy={
+                "max_retries": settings.publish_retries,
+                "interval_start": 0,
+                "interval_step": 0.2,
+                "interval_max": 0.5,
+            },
+        )
+    except Exception as exc:  # kombu raises OperationalError, redis its own ConnectionError
+        raise QueueUnavailable(f"message broker unavailable: {exc}") from exc
+
+
+@lru_cache
+def redis_client() -> redis.Redis:
+    return redis.Redis.from_url(get_settings().redis_url, socket_timeout=2, socket_connect_timeout=2)
+
+
+def queue_length() -> int:
+    """Messages waiting in the jobs queue (Celery's Redis transport keeps them in a list of that name)."""
+    return int(redis_client().llen(celery_app().conf.task_default_queue))
+
+
+
+def ping_queue() -> None:
+    try:
+        redis_client().ping()
+    except redis.RedisError as exc:
+        raise QueueUnavailable(f"message broker unavailable: {exc}") from exc

@@ -1,0 +1,106 @@
+"""The one settings object. Every value comes from a `KEVLAYA_*` variable or `.env`; defaults run locally."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Adapter = Literal["kev", "laya"]
+ADAPTERS: tuple[Adapter, ...] = ("kev", "laya")
+
+DEFAULT_MODEL_DIR = Path("models/demo")
+
+
+class AdapterProfile(BaseModel):
+    """Per-role defaults: where the adapter lives and how it generates unless a job says otherwise."""
+
+    path: str
+    max_new_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    system_prompt: str
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KEVLAYA_", env_file=".env", env_nested_delimiter="__", extra="ignore"
+    )
+
+    # Endpoints
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    flower_host: str = "127.0.0.1"
+    flower_port: int = 5555
+    flower_basic_auth: SecretStr | None = Field(
+        default=None, description="user:password for Flower; required when Flower listens beyond localhost"
+    )
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    database_url: str = "sqlite:///./kevlaya.db"
+    api_key: SecretStr | None = Field(default=None, description="bootstrap admin key")
+
+    # Models
+    base_model: str = str(DEFAULT_MODEL_DIR / "base")
+    kev: AdapterProfile = AdapterProfile(
+        path=str(DEFAULT_MODEL_DIR / "kev"),
+        max_new_tokens=512,
+        temperature=0.3,
+        system_prompt="You are Kev, a deliberate analyst. Check every option against the constraints, "
+        "eliminate, compare, then answer with one JSON decision object.",
+    )
+    laya: AdapterProfile = AdapterProfile(
+        path=str(DEFAULT_MODEL_DIR / "laya"),
+        max_new_tokens=64,
+        temperature=0.1,
+        system_prompt="You are Laya, a fast decider. Answer with one short JSON decision object only.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    verify_manifests: bool = True
+
+    # Scheduler (DESIGN §4)
+    max_batch: int = Field(default=16, ge=1)
+    batch_window_ms: int = Field(default=5, ge=0)
+    max_wait_ms: int = Field(default=2000, ge=0)
+    max_consecutive_batches: int = Field(default=8, ge=1)
+    mixed_batches: bool = False
+    cascade_threshold: float = Field(default=0.7, ge=0, le=1)
+
+    # Reliability
+    lease_seconds: float = Field(default=60, gt=0, description="a running job is re-queued this long after its worker stops renewing it")
+    max_attempts: int = Field(default=3, ge=1, description="a job whose worker dies this many times fails")
+    job_time_limit_s: int = Field(default=900, ge=10, description="hard limit for one worker task (a drain of batches)")
+    drain_seconds: float = Field(default=60, gt=0, description="a task stops claiming new batches after this long")
+    sweep_interval_s: float = Field(default=10, gt=0)
+    heartbeat_ttl_s: int = Field(default=30, ge=2)
+    publish_retries: int = Field(default=2, ge=0)
+
+    # Request limits
+    max_prompt_chars: int = Field(default=16_000, ge=1)
+    max_new_tokens_limit: int = Field(default=1024, ge=1)
+    max_batch_submit: int = Field(default=256, ge=1)
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    max_wait_timeout_s: float = Field(default=60, gt=0)
+
+    # VRAM (the GPU runtime uses it; the CPU path ignores it)
+    vram_budget_gb: float = Field(default=6.0, gt=0)
+
+    @field_validator("api_key", "flower_basic_auth", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
+    def adapter_profile(self, adapter: Adapter) -> AdapterProfile:
+        return self.kev if adapter == "kev" else self.laya
+
+    @property
+    def visibility_timeout_s(self) -> int:
+        # Redis re-delivers an unacked message after this; it must outlast the longest task.
+        return self.job_time_limit_s * 2 + 60
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,222 @@
+"""Real services for the tests: a private Redis we can stop and restart, fresh SQLite and PostgreSQL
+databases migrated with Alembic, a tiny random-weight model with two LoRA adapters, and helpers that
+run the real API and Celery worker as processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from shared import db, queue
+from shared.migrate import upgrade
+from shared.settings import get_settings
+
+POSTGRES_ADMIN_URL = os.environ.get("KEVLAYA_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class RedisServer:
+    """A private redis-server on a free port, so a test can stop it without touching anyone else's."""
+
+    def __init__(self, directory: Path):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("the tests need `redis-server` on PATH (Debian/Ubuntu: apt-get install redis-server)")
+        self.binary, self.directory, self.port = binary, directory, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+             "--dir", str(self.directory), "--maxmemory-policy", "noeviction"],
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.url)
+        wait_until(lambda: self._pings(client), 10, what="redis-server to answer")
+
+    @staticmethod
+    def _pings(client: redis.Redis) -> bool:
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
+
+    def flush(self) -> None:
+        redis.Redis.from_url(self.url).flushall()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    engine = create_engine(POSTGRES_ADMIN_URL)
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except Exception as exc:
+        raise RuntimeError(
+            f"the tests need PostgreSQL at {POSTGRES_ADMIN_URL} (set KEVLAYA_TEST_POSTGRES_URL); "
+            f"it did not answer: {exc}"
+        ) from exc
+    finally:
+        engine.dispose()
+    return POSTGRES_ADMIN_URL
+
+
+def _fresh_postgres(admin_url: str) -> tuple[str, callable]:
+    name = f"kevlaya_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+
+    def drop() -> None:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+    return make_url(admin_url).set(database=name).render_as_string(hide_password=False), drop
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, migrated database of each kind the service supports."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'kevlaya.db'}"
+        upgrade(url)
+        yield url
+        return
+    url, drop = _fresh_postgres(request.getfixturevalue("postgres_admin_url"))
+    upgrade(url)
+    yield url
+    db.reset_engine()
+    drop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from worker.model_factory import build_random_model
+
+    return build_random_model(tmp_path_factory.mktemp("models"), "tiny", seed=0)
+
+
+API_KEY = "kl_test_bootstrap_key"
+
+
+@pytest.fixture
+def service_env(database_url: str, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """KEVLAYA_* settings for this test, applied to this process and handed to child processes."""
+    redis_server.flush()
+    env = {
+        "KEVLAYA_DATABASE_URL": database_url,
+        "KEVLAYA_REDIS_URL": redis_server.url,
+        "KEVLAYA_API_KEY": API_KEY,
+        "KEVLAYA_MAX_BATCH": "16",
+        "KEVLAYA_LEASE_SECONDS": "3",
+        "KEVLAYA_SWEEP_INTERVAL_S": "1",
+        "KEVLAYA_HEARTBEAT_TTL_S": "3",
+        "KEVLAYA_PUBLISH_RETRIES": "0",
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    reset_process_state()
+    yield env
+    reset_process_state()
+
+
+@pytest.fixture
+def worker_env(service_env: dict[str, str], tiny_model: dict[str, Path]) -> dict[str, str]:
+    """`service_env` plus the tiny model, for tests that run a worker."""
+    return {
+        **service_env,
+        "KEVLAYA_BASE_MODEL": str(tiny_model["base"]),
+        "KEVLAYA_KEV__PATH": str(tiny_model["kev"]),
+        "KEVLAYA_LAYA__PATH": str(tiny_model["laya"]),
+        "KEVLAYA_DEVICE": "cpu",
+    }
+
+
+def reset_process_state() -> None:
+    """Settings, engines and clients are cached per process; tests change them between runs."""
+    get_settings.cache_clear()
+    db.reset_engine()
+    queue.celery_app.cache_clear()
+    queue.redis_client.cache_clear()
+
+
+class ServiceProcess:
+    """A real `kevlaya` process (API or worker) with its output kept for the failure message."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path):
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.process = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def kill(self, sig: int = 9) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+            self.process.wait(30)
+
+    def stop(self) -> None:
+        self.kill(15)
+        self.log.close()
+
+
+@pytest.fixture
+def start_process(tmp_path: Path) -> Iterator[callable]:
+    started: list[ServiceProcess] = []
+
+    def start(kind: str, env: dict[str, str]) -> ServiceProcess:
+        kevlaya = str(Path(os.sys.executable).parent / "kevlaya")
+        proc = ServiceProcess([kevlaya, kind], env, tmp_path / f"{kind}-{len(started)}.log")
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        try:
+            proc.stop()
+        except Exception:
+            pass

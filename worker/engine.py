@@ -1,0 +1,155 @@
+"""Glue between the scheduler, the job ledger and the model runtime: claim a batch, run it, record it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+
+from shared.db import session_scope
+from shared.decision import parse_decision
+from shared.models import Batch, Job, JobStatus
+from shared.schemas import to_messages
+from shared.settings import Settings
+from worker.claims import JobOutcome, claim_batch, finish_job, queue_snapshot, renew_leases
+from worker.runtime import AdapterRuntime, GenerationRequest, GenerationResult
+from worker.scheduler import BatchPlan, SchedulerState, SchedulingPolicy, plan_next_batch
+
+log = logging.getLogger("kevlaya.worker")
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class BatchEngine:
+    """Owns the loaded runtime and the scheduler state of one worker process."""
+
+    def __init__(self, runtime: AdapterRuntime, settings: Settings):
+        self.runtime, self.settings = runtime, settings
+        self.state = SchedulerState()
+        self.policy = SchedulingPolicy(
+            max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
+            max_consecutive_batches=settings.max_consecutive_batches, mixed=settings.mixed_batches,
+        )
+        self.worker = worker_name()
+        self.draining = threading.Event()
+
+    def drain(self, budget_s: float) -> int:
+        """Run batches until nothing is queued or `budget_s` has passed; returns jobs processed."""
+        deadline = time.monotonic() + budget_s
+        processed = 0
+        self.draining.set()
+        try:
+            while time.monotonic() < deadline:
+                plan = self._next_plan()
+                if plan is None:
+                    break
+                processed += self.run_one(plan)
+        finally:
+            self.draining.clear()
+        return processed
+
+    def _next_plan(self) -> BatchPlan | None:
+        with session_scope() as session:
+            snapshot = queue_snapshot(session)
+        plan = plan_next_batch(snapshot, self.state, self.policy)
+        if plan is None or self.settings.batch_window_ms == 0:
+            return plan
+        if sum(snapshot.queued.get(a, 0) for a in plan.adapters) < plan.limit:
+            # A short gather window lets a burst coalesce into one batch.
+            time.sleep(self.settings.batch_window_ms / 1000)
+            with session_scope() as session:
+                plan = plan_next_batch(queue_snapshot(session), self.state, self.policy)
+        return plan
+
+    def run_one(self, plan: BatchPlan) -> int:
+        with session_scope() as session:
+            batch, jobs = claim_batch(session, plan, self.worker, self.settings.lease_seconds)
+        if not jobs:
+            with session_scope() as session:
+                session.query(Batch).filter(Batch.id == batch.id).delete()
+            return 0
+        log.info("batch %s: %d job(s) on %s%s", batch.id, len(jobs), batch.adapters,
+                 " (adapter switch)" if plan.switch else "")
+        try:
+            with self._lease_kept(batch.id):
+                outcome = self.runtime.run_batch([self._request(job) for job in jobs], mixed=plan.mixed)
+        except Exception as exc:  # a bug must fail the batch visibly, not re-run it forever
+            log.exception("batch %s failed", batch.id)
+            failure = JobOutcome(status=JobStatus.FAILED, error_code="internal",
+                                 error_message=f"{exc.__class__.__name__}: {exc}")
+            with session_scope() as session:
+                for job in jobs:
+                    finish_job(session, job, batch.id, failure)
+            return len(jobs)
+        self.state.advance(plan)
+        by_id = {r.job_id: r for r in outcome.results}
+        with session_scope() as session:
+            lost = 0
+            for job in jobs:
+                if not finish_job(session, job, batch.id, self._outcome(job, by_id[job.id], outcome.switch_ms)):
+                    lost += 1
+            session.query(Batch).filter(Batch.id == batch.id).update({
+                Batch.size: len(jobs), Batch.switch_ms: outcome.switch_ms, Batch.prefill_ms: outcome.prefill_ms,
+                Batch.decode_ms: outcome.decode_ms, Batch.tokens: outcome.tokens,
+                Batch.peak_vram_bytes: outcome.peak_vram_bytes, Batch.finished_at: datetime.now(timezone.utc),
+            })
+        if lost:
+            log.warning("batch %s: %d job(s) had lost their lease; their results were discarded", batch.id, lost)
+        return len(jobs)
+
+    def _request(self, job: Job) -> GenerationRequest:
+        profile = self.settings.adapter_profile(job.adapter)  # type: ignore[arg-type]
+        messages = to_messages(job.input)
+        if messages[0]["role"] != "system" and profile.system_prompt:
+            messages = [{"role": "system", "content": profile.system_prompt}, *messages]
+        params = job.params
+        return GenerationRequest(
+            job_id=job.id, adapter=job.adapter, messages=messages,
+            max_new_tokens=params.get("max_new_tokens", profile.max_new_tokens),
+            temperature=params.get("temperature", profile.temperature),
+            top_p=params.get("top_p", profile.top_p),
+            seed=params.get("seed"),
+        )
+
+    @staticmethod
+    def _outcome(job: Job, result: GenerationResult, switch_ms: float) -> JobOutcome:
+        timings = dict(switch_ms=switch_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
+                       prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
+        if result.error_code:
+            return JobOutcome(status=JobStatus.FAILED, result_text=result.text, error_code=result.error_code,
+                              error_message=result.error_message, **timings)
+        decision = parse_decision(result.text or "")
+        if decision is None and job.params.get("output", "decision") == "decision":
+            return JobOutcome(status=JobStatus.FAILED, result_text=result.text, error_code="invalid_output",
+                              error_message="the answer holds no valid JSON decision object; the raw text is kept",
+                              **timings)
+        return JobOutcome(status=JobStatus.SUCCEEDED, result_text=result.text, decision=decision, **timings)
+
+    @contextmanager
+    def _lease_kept(self, batch_id) -> Iterator[None]:  # noqa: ANN001
+        """Renew the batch's leases while it runs, so only a dead worker's jobs ever expire."""
+        stop = threading.Event()
+        interval = self.settings.lease_seconds / 3
+
+        def renew() -> None:
+            while not stop.wait(interval):
+                try:
+                    with session_scope() as session:
+                        renew_leases(session, batch_id, self.settings.lease_seconds)
+                except Exception:  # the next renewal may succeed; expiry is the safety net
+                    log.exception("lease renewal failed for batch %s", batch_id)
+
+        thread = threading.Thread(target=renew, name="lease-renewal", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()

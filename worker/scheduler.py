@@ -1,0 +1,83 @@
+"""Adapter-affinity batching (DESIGN §4). Pure: decides *what* runs next from plain data, never touches
+the model or the database, so it can be tested exhaustively."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class QueueSnapshot:
+    """What is waiting, per adapter: how many jobs and how long the oldest has waited."""
+
+    queued: dict[str, int]
+    oldest_wait_ms: dict[str, float]
+
+    def waiting(self) -> list[str]:
+        return sorted((a for a, n in self.queued.items() if n > 0), key=lambda a: -self.oldest_wait_ms[a])
+
+
+@dataclass(frozen=True)
+class SchedulingPolicy:
+    max_batch: int
+    max_wait_ms: float
+    max_consecutive_batches: int
+    mixed: bool = False
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    adapters: tuple[str, ...]
+    limit: int
+    switch: bool  # the active adapter changes for this batch
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.adapters) > 1
+
+
+@dataclass
+class SchedulerState:
+    active_adapter: str | None = None
+    consecutive_batches: int = 0
+    switches: int = field(default=0)
+
+    def advance(self, plan: BatchPlan) -> None:
+        """Record that `plan` ran."""
+        if plan.mixed:
+            self.consecutive_batches = 0
+            return
+        adapter = plan.adapters[0]
+        if adapter == self.active_adapter:
+            self.consecutive_batches += 1
+        else:
+            self.switches += self.active_adapter is not None
+            self.active_adapter, self.consecutive_batches = adapter, 1
+
+
+def plan_next_batch(snapshot: QueueSnapshot, state: SchedulerState, policy: SchedulingPolicy,
+                    capacity: int | None = None) -> BatchPlan | None:
+    """The next batch: stay on the active adapter unless it is empty, another adapter's oldest job has
+    waited past `max_wait_ms`, or the active one has had `max_consecutive_batches` in a row.
+
+    `capacity` is how many sequences the memory budget admits; the batch never exceeds it."""
+    waiting = snapshot.waiting()
+    if not waiting:
+        return None
+    limit = policy.max_batch if capacity is None else max(1, min(policy.max_batch, capacity))
+    if policy.mixed and len(waiting) > 1:
+        return BatchPlan(adapters=tuple(sorted(waiting)), limit=limit, switch=False)
+
+    active = state.active_adapter
+    others = [a for a in waiting if a != active]
+    if active in waiting:
+        starving = [a for a in others if snapshot.oldest_wait_ms[a] > policy.max_wait_ms]
+        if starving:
+            chosen = starving[0]
+        elif others and state.consecutive_batches >= policy.max_consecutive_batches:
+            chosen = others[0]
+        else:
+            chosen = active
+    else:
+        chosen = waiting[0]  # the adapter whose oldest job has waited longest
+    return BatchPlan(adapters=(chosen,), limit=limit, switch=chosen != active)

@@ -1,0 +1,94 @@
+"""Celery glue: the model is loaded once in the worker child; each wake-up message drains the queue.
+
+The message only says "there is work"; what runs is decided by the scheduler from the database."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from celery.signals import worker_process_init, worker_process_shutdown
+
+from shared.db import reset_engine, session_scope
+from shared.heartbeat import beat
+from shared.queue import RUN_TASK, celery_app, publish_wakeup
+from shared.settings import get_settings
+from worker.claims import requeue_expired, stale_queued_adapters
+from worker.engine import BatchEngine, worker_name
+
+log = logging.getLogger("kevlaya.worker")
+app = celery_app()
+
+_engine: BatchEngine | None = None
+_load_error: str | None = None
+_stop = threading.Event()
+
+
+@worker_process_init.connect
+def _load_model(**_kwargs: object) -> None:
+    """Runs in the forked child: CUDA and database connections must be created here, never in the parent."""
+    global _engine, _load_error
+    reset_engine()
+    settings = get_settings()
+    threading.Thread(target=_background_loop, name="heartbeat-sweeper", daemon=True).start()
+    try:
+        from worker.runtime import AdapterRuntime  # torch is imported only in the worker child
+
+        _engine = BatchEngine(AdapterRuntime.load(settings), settings)
+    except Exception as exc:
+        _load_error = f"{exc.__class__.__name__}: {exc}"
+        log.exception("model load failed; jobs stay queued until a worker loads the model")
+
+
+@worker_process_shutdown.connect
+def _stop_background(**_kwargs: object) -> None:
+    _stop.set()
+
+
+def sweep() -> None:
+    """Re-queue jobs of dead workers and re-publish wake-ups that were lost (e.g. Redis restarted)."""
+    settings = get_settings()
+    with session_scope() as session:
+        requeued = requeue_expired(session, settings.max_attempts)
+        stale = stale_queued_adapters(session, older_than_s=settings.sweep_interval_s)
+    if requeued:
+        log.warning("re-queued %d job(s) whose lease expired", len(requeued))
+    if _engine is not None and not _engine.draining.is_set():
+        for adapter in set(stale) | {a for a in ("kev", "laya") if requeued}:
+            publish_wakeup(None, adapter)
+
+
+def _background_loop() -> None:
+    """Heartbeat and sweep on a timer, beside the batches (tasks run one at a time in this process)."""
+    settings = get_settings()
+    name = worker_name()
+    interval = min(settings.sweep_interval_s, settings.heartbeat_ttl_s / 3)
+    while True:
+        try:
+            beat(name, _status(), settings.heartbeat_ttl_s)
+            sweep()
+        except Exception as exc:  # Redis or the database may be down for a while; keep trying
+            log.warning("heartbeat/sweep failed: %s", exc)
+        if _stop.wait(interval):
+            return
+
+
+def _status() -> dict[str, object]:
+    if _engine is None:
+        return {"model_loaded": False, "error": _load_error}
+    runtime = _engine.runtime
+    return {
+        "model_loaded": True,
+        "device": runtime.device,
+        "active_adapter": runtime.active_adapter,
+        "unavailable_adapters": runtime.unavailable,
+        "draining": _engine.draining.is_set(),
+    }
+
+
+@app.task(name=RUN_TASK, acks_late=True)
+def run_queued(job_id: str | None, adapter: str) -> int:
+    """Wake-up for job `job_id` on `adapter`: run batches (not only that job) until the queue is empty."""
+    if _engine is None:
+        raise RuntimeError(f"model not loaded: {_load_error}")
+    return _engine.drain(get_settings().drain_seconds)
