@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import uuid
@@ -94,6 +93,11 @@ def keys_revoke(key_id: Annotated[str, typer.Argument(help="the key's id (from `
     typer.echo(f"revoked {key_id}")
 
 
+def _exec_celery(args: list[str]) -> None:
+    """Replace this process with Celery's, so signals (docker stop, Ctrl-C) reach it directly."""
+    os.execv(sys.executable, [sys.executable, "-m", "celery", *args])
+
+
 @app.command("api")
 def api(reload: Annotated[bool, typer.Option(help="restart on code changes (development)")] = False) -> None:
     """Serve the REST API on KEVLAYA_API_HOST:KEVLAYA_API_PORT."""
@@ -107,8 +111,7 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
 @app.command("worker")
 def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:
     """Run the GPU worker: one Celery prefork child at concurrency 1 that loads the model."""
-    celery = shutil.which("celery") or _fail("the `celery` command is not installed")
-    os.execv(celery, [celery, "-A", "worker.tasks", "worker", "--pool", "prefork", "--concurrency", "1",
+    _exec_celery(["-A", "worker.tasks", "worker", "--pool", "prefork", "--concurrency", "1",
                       "--prefetch-multiplier", "1", "-E", "-n", f"kevlaya@{socket.gethostname()}",
                       "--loglevel", loglevel])
 
@@ -129,14 +132,13 @@ def worker_health() -> None:
 def flower() -> None:
     """Serve Flower (queue monitoring) on KEVLAYA_FLOWER_HOST:KEVLAYA_FLOWER_PORT."""
     settings = get_settings()
-    celery = shutil.which("celery") or _fail("the `celery` command is not installed")
-    args = [celery, "--broker", settings.redis_url, "flower",
+    args = ["--broker", settings.redis_url, "flower",
             f"--address={settings.flower_host}", f"--port={settings.flower_port}"]
     if settings.flower_basic_auth:
         args.append(f"--basic-auth={settings.flower_basic_auth.get_secret_value()}")
     elif settings.flower_host not in ("127.0.0.1", "localhost", "::1"):
         _fail("Flower listens beyond localhost: set KEVLAYA_FLOWER_BASIC_AUTH=user:password")
-    os.execv(celery, args)
+    _exec_celery(args)
 
 
 @models_app.command("random")

@@ -25,6 +25,23 @@ class AdapterProfile(BaseModel):
     system_prompt: str
 
 
+class KevProfile(AdapterProfile):
+    path: str = str(DEFAULT_MODEL_DIR / "kev")
+    max_new_tokens: int = Field(default=512, ge=1)
+    temperature: float = Field(default=0.3, ge=0)
+    system_prompt: str = (
+        "You are Kev, a deliberate analyst. Check every option against the constraints, "
+        "eliminate, compare, then answer with one JSON decision object."
+    )
+
+
+class LayaProfile(AdapterProfile):
+    path: str = str(DEFAULT_MODEL_DIR / "laya")
+    max_new_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=0.1, ge=0)
+    system_prompt: str = "You are Laya, a fast decider. Answer with one short JSON decision object only."
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KEVLAYA_", env_file=".env", env_nested_delimiter="__", extra="ignore"
@@ -44,19 +61,9 @@ class Settings(BaseSettings):
 
     # Models
     base_model: str = str(DEFAULT_MODEL_DIR / "base")
-    kev: AdapterProfile = AdapterProfile(
-        path=str(DEFAULT_MODEL_DIR / "kev"),
-        max_new_tokens=512,
-        temperature=0.3,
-        system_prompt="You are Kev, a deliberate analyst. Check every option against the constraints, "
-        "eliminate, compare, then answer with one JSON decision object.",
-    )
-    laya: AdapterProfile = AdapterProfile(
-        path=str(DEFAULT_MODEL_DIR / "laya"),
-        max_new_tokens=64,
-        temperature=0.1,
-        system_prompt="You are Laya, a fast decider. Answer with one short JSON decision object only.",
-    )
+    # Nested variables override single fields: KEVLAYA_KEV__PATH, KEVLAYA_LAYA__MAX_NEW_TOKENS, ...
+    kev: KevProfile = KevProfile()
+    laya: LayaProfile = LayaProfile()
     device: Literal["auto", "cpu", "cuda"] = "auto"
     verify_manifests: bool = True
 

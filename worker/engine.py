@@ -120,6 +120,9 @@ class BatchEngine:
 
     @staticmethod
     def _outcome(job: Job, result: GenerationResult, switch_ms: float) -> JobOutcome:
+        if result.text is not None:
+            # A model can emit a NUL byte; PostgreSQL text cannot store one.
+            result.text = result.text.replace("\x00", "\ufffd")
         timings = dict(switch_ms=switch_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
                        prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
         if result.error_code:

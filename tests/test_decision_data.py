@@ -1,0 +1,179 @@
+"""The decision scenario generator: determinism, the gold rule (re-derived here independently),
+label balance, targets that parse as decisions, and the dataset files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared.decision import parse_decision
+from worker.decision_data import (
+    LETTERS,
+    Scenario,
+    generate,
+    kev_target,
+    label_counts,
+    laya_target,
+    render_prompt,
+    score_decision,
+    write_dataset,
+)
+
+RISK_RANK = {"low": 0, "medium": 1, "high": 2}
+
+
+@pytest.fixture(scope="module")
+def scenarios() -> list[Scenario]:
+    return generate(2000, seed=7)
+
+
+def brute_force_feasible(s: Scenario) -> list[str]:
+    d = s.to_dict()
+    names = []
+    for o in d["options"]:
+        if d["budget"] is not None and o["cost"] > d["budget"]:
+            continue
+        if d["max_risk"] is not None and RISK_RANK[o["risk"]] > RISK_RANK[d["max_risk"]]:
+            continue
+        if d["deadline"] is not None and o["days"] > d["deadline"]:
+            continue
+        names.append(o["name"])
+    return names
+
+
+def beats(objective: str, a: dict, b: dict) -> bool:
+    """Whether option `a` is strictly better than `b` on the objective."""
+    if objective == "lowest cost":
+        return a["cost"] < b["cost"]
+    if objective == "shortest time":
+        return a["days"] < b["days"]
+    if objective == "highest quality":
+        return a["quality"] > b["quality"]
+    assert objective == "lowest risk"
+    return RISK_RANK[a["risk"]] < RISK_RANK[b["risk"]]
+
+
+def test_deterministic_for_a_seed_and_different_across_seeds() -> None:
+    a = [s.to_dict() for s in generate(200, seed=1)]
+    assert a == [s.to_dict() for s in generate(200, seed=1)]
+    assert a != [s.to_dict() for s in generate(200, seed=2)]
+
+
+def test_scenario_shape(scenarios: list[Scenario]) -> None:
+    for s in scenarios:
+        assert 2 <= len(s.options) <= 5
+        assert [o.name for o in s.options] == list(LETTERS[: len(s.options)])
+        assert 1 <= sum(c is not None for c in (s.budget, s.max_risk, s.deadline)) <= 3
+        for o in s.options:
+            assert 10 <= o.cost <= 99 and 1 <= o.days <= 30 and 1 <= o.quality <= 9
+            assert o.risk in RISK_RANK
+        # Cost, days and quality never tie inside a scenario (documented: only risk ties).
+        for attr in ("cost", "days", "quality"):
+            assert len({getattr(o, attr) for o in s.options}) == len(s.options)
+
+
+def test_gold_rule_matches_brute_force(scenarios: list[Scenario]) -> None:
+    for s in scenarios:
+        kept = brute_force_feasible(s)
+        options = {o["name"]: o for o in s.to_dict()["options"]}
+        if not kept:
+            assert s.label == "none"
+            continue
+        assert s.label in kept
+        chosen = options[s.label]
+        for name in kept:
+            assert not beats(s.objective, options[name], chosen)
+            # Ties (only possible on risk) go to the earlier letter.
+            if name < s.label:
+                assert beats(s.objective, chosen, options[name])
+
+
+def test_round_trip_and_scoring(scenarios: list[Scenario]) -> None:
+    for s in scenarios[:200]:
+        again = Scenario.from_dict(json.loads(json.dumps(s.to_dict())))
+        assert again == s and again.label == s.label
+        assert score_decision(again, s.label)
+        wrong = "none" if s.label != "none" else "A"
+        assert not score_decision(again, wrong)
+
+
+def test_label_distribution(scenarios: list[Scenario]) -> None:
+    counts = label_counts(scenarios)
+    assert sum(counts.values()) == 2000
+    assert abs(counts["none"] / 2000 - 0.15) < 0.03
+    for letter in "ABC":
+        assert counts[letter] / 2000 > 0.12, counts
+    for letter in "DE":
+        assert counts[letter] / 2000 > 0.03, counts
+
+    shifted = label_counts(generate(2000, seed=7, none_share=0.4))
+    assert abs(shifted["none"] / 2000 - 0.4) < 0.03
+
+
+def test_targets_parse_to_the_label(scenarios: list[Scenario]) -> None:
+    for s in scenarios:
+        laya = laya_target(s)
+        assert json.loads(laya) == {"decision": s.label}
+        assert parse_decision(laya)["decision"] == s.label
+
+        kev = kev_target(s)
+        parsed = parse_decision(kev)
+        assert parsed is not None and parsed["decision"] == s.label
+        assert parsed["options"] == brute_force_feasible(s)
+        assert parsed["rationale"] and parsed["risks"]
+        lines = kev.splitlines()
+        # One line per option, in order, then the comparison, then the JSON.
+        assert len(lines) == len(s.options) + 2
+        for o, line in zip(s.options, lines):
+            assert line.startswith(f"{o.name}: ")
+            assert line.endswith("-> keep" if o.name in parsed["options"] else "-> drop")
+
+
+def test_prompt_is_regular(scenarios: list[Scenario]) -> None:
+    for s in scenarios[:200]:
+        p = render_prompt(s)
+        assert p.startswith("Options: ") and p.endswith(f"Objective: {s.objective}.")
+        for o in s.options:
+            assert f"{o.name} cost {o.cost} risk {o.risk} days {o.days} quality {o.quality}" in p
+
+
+def test_write_dataset(tmp_path: Path) -> None:
+    paths = write_dataset(tmp_path, n_train=600, n_val=100, n_test=200, seed=3)
+    rows = {}
+    for adapter in ("kev", "laya"):
+        for split, n in (("train", 600), ("val", 100), ("test", 200)):
+            path = tmp_path / adapter / f"{split}.jsonl"
+            assert paths[f"{adapter}/{split}"] == path
+            records = [json.loads(line) for line in path.read_text().splitlines()]
+            assert len(records) == n
+            for r in records:
+                assert set(r) == {"prompt", "completion", "label"}
+                assert parse_decision(r["completion"])["decision"] == r["label"]
+            rows[adapter, split] = records
+
+    for adapter in ("kev", "laya"):
+        prompts = {split: {r["prompt"] for r in rows[adapter, split]} for split in ("train", "val", "test")}
+        assert len(prompts["test"]) == 200
+        assert not prompts["test"] & prompts["train"]
+        assert not prompts["val"] & prompts["train"]
+        assert not prompts["test"] & prompts["val"]
+    # Both adapters see the same prompts and labels.
+    assert [(r["prompt"], r["label"]) for r in rows["kev", "test"]] == [
+        (r["prompt"], r["label"]) for r in rows["laya", "test"]
+    ]
+
+    test_rows = [json.loads(line) for line in paths["test_scenarios"].read_text().splitlines()]
+    assert len(test_rows) == 200
+    assert len({r["id"] for r in test_rows}) == 200
+    for r, laya in zip(test_rows, rows["laya", "test"]):
+        assert set(r) == {"id", "scenario", "label"}
+        s = Scenario.from_dict(r["scenario"])
+        assert s.label == r["label"] == laya["label"]
+        assert render_prompt(s) == laya["prompt"]
+
+    assert sum(label_counts(rows["laya", "train"]).values()) == 600
+    # Same seed, same files.
+    again = write_dataset(tmp_path / "again", n_train=600, n_val=100, n_test=200, seed=3)
+    assert again["kev/train"].read_text() == paths["kev/train"].read_text()

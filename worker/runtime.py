@@ -1,0 +1,398 @@
+"""The model runtime: one base causal LM with the Kev and Laya LoRA adapters, batched generation, failure handling.
+
+No Celery or database here: the engine hands in `GenerationRequest`s and records the `BatchOutcome`.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from peft.tuners.lora.model import _adapter_names_pre_forward_hook
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BatchEncoding,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+from shared.manifest import verify_manifest
+from shared.settings import ADAPTERS, Settings
+
+log = logging.getLogger("kevlaya.runtime")
+
+
+@dataclass
+class GenerationRequest:
+    job_id: uuid.UUID
+    adapter: str  # "kev" | "laya"
+    messages: list[dict[str, str]]  # [{role, content}], system message already included by the caller
+    max_new_tokens: int
+    temperature: float  # 0 = greedy
+    top_p: float
+    seed: int | None
+
+
+@dataclass
+class GenerationResult:
+    job_id: uuid.UUID
+    text: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    error_code: str | None = None  # "numerical_error" | "out_of_memory" | "adapter_unavailable" | None
+    error_message: str | None = None
+
+
+@dataclass
+class BatchOutcome:
+    results: list[GenerationResult]  # same order as the requests
+    switch_ms: float  # time spent in set_adapter for this batch
+    prefill_ms: float
+    decode_ms: float
+    tokens: int  # completion tokens
+    peak_vram_bytes: int | None  # torch.cuda.max_memory_allocated on CUDA, None on CPU
+
+
+@dataclass
+class _Run:
+    """Results of one or more generate calls over a list of requests (in their order)."""
+
+    results: list[GenerationResult]
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+
+    def __add__(self, other: _Run) -> _Run:
+        return _Run(self.results + other.results, self.prefill_ms + other.prefill_ms, self.decode_ms + other.decode_ms)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc)
+    )
+
+
+def remove_stale_peft_hooks(model: torch.nn.Module) -> int:
+    """Remove `adapter_names` pre-forward hooks that a failed `generate(adapter_names=...)` left behind.
+
+    PEFT registers them in a context manager without try/finally (peft issue #3475), so after an exception they
+    stay and inject stale adapter names (of the failed batch's size) into every later forward pass.
+    """
+    removed = 0
+    for module in model.modules():
+        for hook_id, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, functools.partial) and hook.func is _adapter_names_pre_forward_hook:
+                # what RemovableHandle.remove() does for a pre-hook registered with_kwargs=True
+                del module._forward_pre_hooks[hook_id]
+                module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+                removed += 1
+    return removed
+
+
+class _Monitor(LogitsProcessor):
+    """Times prefill vs decode and stops rows whose logits went non-finite, without disturbing the other rows."""
+
+    def __init__(self, prompt_len: int, limits: torch.Tensor, eos_ids: torch.Tensor):
+        self.prompt_len, self.limits, self.eos_ids = prompt_len, limits, eos_ids
+        self.first_call: float | None = None
+        self.bad_step: dict[int, int] = {}  # row -> generated tokens before its logits went non-finite
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # -inf alone is legitimate (processors mask tokens with it); NaN, +inf or nothing left to pick is not.
+        broken = torch.isnan(scores).any(-1) | torch.isposinf(scores).any(-1) | torch.isneginf(scores).all(-1)
+        any_broken = bool(broken.any())  # also synchronises CUDA, so the first timestamp marks the real prefill end
+        if self.first_call is None:
+            self.first_call = time.perf_counter()
+        if not any_broken:
+            return scores
+        generated = input_ids[:, self.prompt_len:]
+        finished = torch.isin(generated, self.eos_ids).any(-1) | (generated.shape[1] >= self.limits)
+        for row in (broken & ~finished).nonzero().flatten().tolist():
+            self.bad_step.setdefault(row, generated.shape[1])
+        # Finished rows are sanitised too: their scores are still sampled (then replaced by padding), and
+        # multinomial sampling fails on NaN.
+        scores = scores.masked_fill(broken[:, None], float("-inf"))
+        scores[broken, self.eos_ids[0]] = 0.0
+        return scores
+
+
+class _RowLimits(StoppingCriteria):
+    """Per-row max_new_tokens: generate runs to the batch's maximum, each row stops at its own limit."""
+
+    def __init__(self, prompt_len: int, limits: torch.Tensor):
+        self.prompt_len, self.limits = prompt_len, limits
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: object) -> torch.BoolTensor:
+        return (input_ids.shape[1] - self.prompt_len) >= self.limits
+
+
+def _failure(request: GenerationRequest, code: str, message: str, prompt_tokens: int = 0) -> GenerationResult:
+    return GenerationResult(job_id=request.job_id, text=None, prompt_tokens=prompt_tokens, completion_tokens=0,
+                            prefill_ms=0.0, decode_ms=0.0, error_code=code, error_message=message)
+
+
+SamplingKey = tuple[float, float, int | None]
+
+
+def _sampling_key(request: GenerationRequest) -> SamplingKey:
+    # Greedy ignores top_p and seed, so all greedy requests can share one generate call.
+    if request.temperature == 0:
+        return (0.0, 1.0, None)
+    return (request.temperature, request.top_p, request.seed)
+
+
+def _resolve_device(setting: str) -> str:
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device is 'cuda' but torch sees no CUDA device")
+    return setting
+
+
+def _load_base(path: str, device: str, vram_budget_gb: float) -> PreTrainedModel:
+    if device == "cpu":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from transformers import BitsAndBytesConfig
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = vram_budget_gb * 2**30
+    if budget < total:
+        # Emulate the target card on a bigger one, so over-budget code fails here too (DESIGN §5).
+        torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float16,
+    )
+    return AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=quantization, dtype=torch.float16, device_map={"": 0},
+    )
+
+
+class AdapterRuntime:
+    """The base model with every available adapter loaded once; serves batches of requests."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: str,
+                 unavailable: dict[str, str]):
+        self.model, self.tokenizer, self.device = model, tokenizer, device
+        self.unavailable = unavailable
+        loaded = set(model.peft_config) if isinstance(model, PeftModel) else set()
+        self.adapters: set[str] = loaded - unavailable.keys()
+        self.active_adapter: str | None = model.active_adapter if self.adapters else None
+        self.numerical_errors = 0
+        eos = model.generation_config.eos_token_id
+        eos_ids = [tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])]
+        self.eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))  # tokenizer's first: it is forced
+        self.pad_id = tokenizer.pad_token_id
+        self._input_device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+
+    @classmethod
+    def load(cls, settings: Settings) -> AdapterRuntime:
+        started = time.perf_counter()
+        device = _resolve_device(settings.device)
+        base = settings.base_model
+        if settings.verify_manifests and (problems := verify_manifest(Path(base))):
+            raise RuntimeError(f"base model {base} failed verification: {'; '.join(problems)}")
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        tokenizer.padding_side = "left"  # decoder-only generation: prompts end where the new tokens start
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model: torch.nn.Module = _load_base(base, device, settings.vram_budget_gb)
+        log.info("loaded base model %s on %s in %.1fs", base, device, time.perf_counter() - started)
+
+        unavailable: dict[str, str] = {}
+        for name in ADAPTERS:
+            path = settings.adapter_profile(name).path
+            if settings.verify_manifests and (problems := verify_manifest(Path(path))):
+                unavailable[name] = f"adapter {name} ({path}) failed verification: {'; '.join(problems)}"
+                log.error("%s; it will not be served", unavailable[name])
+                continue
+            adapter_started = time.perf_counter()
+            try:
+                if isinstance(model, PeftModel):
+                    model.load_adapter(path, adapter_name=name)
+                else:
+                    model = PeftModel.from_pretrained(model, path, adapter_name=name)
+            except Exception as exc:  # e.g. trained for another base: refuse the adapter, keep the worker
+                unavailable[name] = f"adapter {name} ({path}) failed to load: {exc.__class__.__name__}: {exc}"
+                log.exception("%s; it will not be served", unavailable[name])
+                # PEFT injects the LoRA layers before loading their weights, so a failed load leaves a
+                # half-initialised adapter in the model: remove it, or start again from a clean base.
+                if isinstance(model, PeftModel):
+                    if name in model.peft_config:
+                        model.delete_adapter(name)
+                else:
+                    model = None
+                    gc.collect()
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                    model = _load_base(base, device, settings.vram_budget_gb)
+                continue
+            log.info("loaded adapter %s from %s in %.2fs", name, path, time.perf_counter() - adapter_started)
+        model.eval()
+        if device == "cuda":
+            torch.cuda.empty_cache()  # once after loading, never per job
+            log.info("resident after load: %.2f GiB", torch.cuda.memory_allocated() / 2**30)
+        log.info("runtime ready on %s in %.1fs; unavailable adapters: %s",
+                 device, time.perf_counter() - started, ", ".join(unavailable) or "none")
+        return cls(model, tokenizer, device, unavailable)
+
+    # -- batches -----------------------------------------------------------------------------------------------
+
+    def run_batch(self, requests: list[GenerationRequest], *, mixed: bool = False) -> BatchOutcome:
+        """Run `requests`; per-request failures are results, never exceptions.
+
+        Not mixed: one set_adapter per adapter group. Mixed: adapters are chosen per row (`adapter_names`).
+        Either way a group is split further by sampling settings, since one generate call has one config.
+        """
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        results: list[GenerationResult | None] = [None] * len(requests)
+        groups: dict[tuple[str | None, SamplingKey], list[int]] = {}
+        for index, request in enumerate(requests):
+            if reason := self._refusal(request.adapter):
+                results[index] = _failure(request, "adapter_unavailable", reason)
+            else:
+                groups.setdefault((None if mixed else request.adapter, _sampling_key(request)), []).append(index)
+
+        switch_ms = prefill_ms = decode_ms = 0.0
+        # The active adapter's groups first (saves a switch), then each other adapter's groups together.
+        order = sorted(groups.items(), key=lambda item: (item[0][0] != self.active_adapter, item[0][0] or ""))
+        for (adapter, _), indices in order:
+            if adapter is not None:
+                switch_ms += self._activate(adapter)
+            run = self._run_splitting([requests[i] for i in indices], mixed)
+            for index, result in zip(indices, run.results, strict=True):
+                results[index] = result
+            prefill_ms += run.prefill_ms
+            decode_ms += run.decode_ms
+
+        done = [r for r in results if r is not None]
+        assert len(done) == len(requests)
+        return BatchOutcome(
+            results=done, switch_ms=switch_ms, prefill_ms=prefill_ms, decode_ms=decode_ms,
+            tokens=sum(r.completion_tokens for r in done),
+            peak_vram_bytes=torch.cuda.max_memory_allocated() if self.device == "cuda" else None,
+        )
+
+    def _refusal(self, adapter: str) -> str | None:
+        """Why `adapter` cannot be served, or None; never fall back to the bare base model."""
+        if adapter in self.adapters:
+            return None
+        if adapter in self.unavailable:
+            return self.unavailable[adapter]
+        return f"unknown adapter {adapter!r}; this worker serves {', '.join(sorted(self.adapters)) or 'none'}"
+
+    def _activate(self, adapter: str) -> float:
+        if adapter == self.active_adapter:
+            return 0.0
+        started = time.perf_counter()
+        self.model.set_adapter(adapter, inference_mode=True)  # the default would make it trainable
+        self.active_adapter = adapter
+        return (time.perf_counter() - started) * 1000
+
+    def _run_splitting(self, batch: list[GenerationRequest], mixed: bool) -> _Run:
+        """Generate for `batch`; on out-of-memory clean up, split it in halves and retry each half.
+
+        A request that runs out of memory alone fails with `out_of_memory`; the others still succeed.
+        """
+        encoded = self._encode(batch)
+        try:
+            return self._generate(batch, encoded, mixed)
+        except Exception as exc:
+            if removed := remove_stale_peft_hooks(self.model):
+                log.warning("removed %d PEFT forward hook(s) left behind by a failed generate", removed)
+            if not is_out_of_memory(exc):
+                raise
+        # Retry only out here: inside the except block the traceback keeps the failed attempt's activations
+        # alive, and the retry would run out of memory as well.
+        self._free_memory()
+        if len(batch) == 1:
+            prompt_tokens = int(encoded["attention_mask"].sum())
+            log.warning("job %s ran out of memory alone (%d prompt tokens, max_new_tokens %d)",
+                        batch[0].job_id, prompt_tokens, batch[0].max_new_tokens)
+            return _Run([_failure(
+                batch[0], "out_of_memory",
+                f"out of memory even when run alone ({prompt_tokens} prompt tokens, "
+                f"max_new_tokens {batch[0].max_new_tokens}); shorten the input or lower max_new_tokens",
+                prompt_tokens,
+            )])
+        half = len(batch) // 2
+        log.warning("out of memory on a batch of %d; retrying as %d + %d", len(batch), half, len(batch) - half)
+        return self._run_splitting(batch[:half], mixed) + self._run_splitting(batch[half:], mixed)
+
+    def _free_memory(self) -> None:
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+    def _encode(self, batch: list[GenerationRequest]) -> BatchEncoding:
+        # Control tokens inside message content are encoded as text, so a user cannot forge role markers.
+        return self.tokenizer.apply_chat_template(
+            [r.messages for r in batch], add_generation_prompt=True, tokenize=True, return_dict=True,
+            padding=True, return_tensors="pt", sanitize_control_tokens=True,
+        ).to(self._input_device)
+
+    def _generate(self, batch: list[GenerationRequest], encoded: BatchEncoding, mixed: bool) -> _Run:
+        """One generate call; all rows share the sampling settings of the first."""
+        input_ids = encoded["input_ids"]
+        prompt_len = input_ids.shape[1]
+        limits = torch.tensor([r.max_new_tokens for r in batch], device=input_ids.device)
+        eos_ids = torch.tensor(self.eos_ids, device=input_ids.device)
+        monitor = _Monitor(prompt_len, limits, eos_ids)
+        temperature, top_p, seed = _sampling_key(batch[0])
+        options: dict[str, object] = dict(do_sample=temperature > 0)
+        if temperature > 0:
+            options.update(temperature=temperature, top_p=top_p)
+        if mixed:
+            options["adapter_names"] = [r.adapter for r in batch]
+        if seed is not None:
+            torch.manual_seed(seed)
+
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = self.model.generate(
+                input_ids=input_ids, attention_mask=encoded["attention_mask"],
+                max_new_tokens=int(limits.max()), pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
+                logits_processor=LogitsProcessorList([monitor]),
+                stopping_criteria=StoppingCriteriaList([_RowLimits(prompt_len, limits)]),
+                **options,
+            )
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        finished = time.perf_counter()
+        first = monitor.first_call or finished
+        prefill_ms, decode_ms = (first - started) * 1000, (finished - first) * 1000
+
+        prompt_tokens = encoded["attention_mask"].sum(-1).tolist()
+        eos = set(self.eos_ids)
+        results = []
+        for row, request in enumerate(batch):
+            tokens = output[row, prompt_len:prompt_len + request.max_new_tokens].tolist()
+            # A row ends at its first EOS (counted: the model produced it); after that it holds padding.
+            count = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+            result = GenerationResult(
+                job_id=request.job_id, text=self.tokenizer.decode(tokens[:count], skip_special_tokens=True),
+                prompt_tokens=int(prompt_tokens[row]), completion_tokens=count,
+                prefill_ms=prefill_ms, decode_ms=decode_ms,
+            )
+            if row in monitor.bad_step:
+                self.numerical_errors += 1
+                result.error_code = "numerical_error"
+                result.error_message = (f"non-finite logits (NaN/Inf) after {monitor.bad_step[row]} generated "
+                                        f"token(s); the sequence was stopped and its partial text kept")
+                log.error("job %s: %s", request.job_id, result.error_message)
+            results.append(result)
+        return _Run(results, prefill_ms, decode_ms)
