@@ -11,7 +11,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import ColumnElement, and_, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from api.deps import CurrentKey, SessionDep, SettingsDep
@@ -92,8 +92,9 @@ def _enqueue(session: Session, jobs: list[Job]) -> None:
             log.warning("job %s stored but its wake-up was not published; the sweeper will re-publish it", job.id)
 
 
-def _visible(key: ApiKey):  # noqa: ANN202 - a SQL condition
-    return True if key.is_admin else Job.api_key_id == key.id
+def _visible(key: ApiKey) -> ColumnElement[bool]:
+    """Admin keys see every job; other keys see their own."""
+    return true() if key.is_admin else Job.api_key_id == key.id
 
 
 def _get_visible(session: Session, key: ApiKey, job_id: uuid.UUID) -> Job:
