@@ -6,7 +6,7 @@ from fastapi import FastAPI
 
 from api.body_limit import BodySizeLimit
 from api.errors import install_error_handlers
-from api.routes import health, jobs
+from api.routes import chat, health, jobs
 from shared.settings import get_settings
 
 
@@ -19,6 +19,7 @@ def create_app() -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(chat.router)
     app.add_middleware(BodySizeLimit, max_bytes=get_settings().max_body_bytes)
     return app
 

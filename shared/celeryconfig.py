@@ -20,7 +20,8 @@ task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
 worker_concurrency = 1
 worker_pool = "prefork"
-worker_max_tasks_per_child = 1000
+# Every wake-up is a task and a restart reloads the model, so recycling is opt-in.
+worker_max_tasks_per_child = _settings.worker_recycle_after_tasks
 
 task_time_limit = _settings.job_time_limit_s
 task_soft_time_limit = max(_settings.job_time_limit_s - 30, 5)

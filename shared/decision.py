@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+_DECISION_VALUE = re.compile(r'"decision"\s*:\s*("(?:[^"\\]|\\.)*")')
 
 
 class Decision(BaseModel):
@@ -18,21 +22,35 @@ class Decision(BaseModel):
     risks: list[Any] | None = None
 
 
-def parse_decision(text: str) -> dict[str, Any] | None:
-    """The first JSON object in `text` that is a valid decision, or None.
+@dataclass(frozen=True)
+class FoundDecision:
+    value: dict[str, Any]
+    span: tuple[int, int]  # characters of the decision's value (inside the quotes) in the text
+
+
+def find_decision(text: str) -> FoundDecision | None:
+    """The first JSON object in `text` that is a valid decision, with where its decision value stands.
 
     Kev writes its analysis before the JSON, so the object is searched for rather than expected first."""
     decoder = json.JSONDecoder()
     start = text.find("{")
     while start != -1:
         try:
-            value, _ = decoder.raw_decode(text, start)
+            value, end = decoder.raw_decode(text, start)
         except json.JSONDecodeError:
             value = None
         if isinstance(value, dict):
             try:
-                return Decision.model_validate(value).model_dump(exclude_none=True)
+                decision = Decision.model_validate(value).model_dump(exclude_none=True)
             except ValidationError:
-                pass
+                decision = None
+            match = _DECISION_VALUE.search(text, start, end)
+            if decision is not None and match is not None:
+                return FoundDecision(decision, (match.start(1) + 1, match.end(1) - 1))
         start = text.find("{", start + 1)
     return None
+
+
+def parse_decision(text: str) -> dict[str, Any] | None:
+    found = find_decision(text)
+    return found.value if found else None

@@ -107,6 +107,18 @@ class JobAccepted(BaseModel):
     created_at: datetime
 
 
+class JobStage(BaseModel):
+    """One step of an `auto` job that was escalated: Laya's answer, then Kev's."""
+
+    id: uuid.UUID
+    adapter: str
+    status: str
+    result: JobResult | None
+    error: JobError | None
+    timings: JobTimings
+    tokens: JobTokens
+
+
 class JobOut(BaseModel):
     id: uuid.UUID
     status: str
@@ -122,6 +134,9 @@ class JobOut(BaseModel):
     attempts: int
     batch_id: uuid.UUID | None
     parent_job_id: uuid.UUID | None
+    cascade: list[JobStage] | None = Field(
+        default=None, description="for an escalated `auto` job: Laya's stage, then Kev's (whose answer is the result)"
+    )
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

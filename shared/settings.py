@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     # Reliability
     lease_seconds: float = Field(default=60, gt=0, description="a running job is re-queued this long after its worker stops renewing it")
     max_attempts: int = Field(default=3, ge=1, description="a job whose worker dies this many times fails")
+    worker_recycle_after_tasks: int | None = Field(
+        default=None, ge=1, description="restart the worker child (and reload the model) after this many tasks"
+    )
     job_time_limit_s: int = Field(default=900, ge=10, description="hard limit for one worker task (a drain of batches)")
     drain_seconds: float = Field(default=60, gt=0, description="a task stops claiming new batches after this long")
     sweep_interval_s: float = Field(default=10, gt=0)
@@ -90,6 +93,7 @@ class Settings(BaseSettings):
     max_batch_submit: int = Field(default=256, ge=1)
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     max_wait_timeout_s: float = Field(default=60, gt=0)
+    chat_timeout_s: float = Field(default=120, gt=0, description="how long /v1/chat/completions waits for its job")
 
     # VRAM (the GPU runtime uses it; the CPU path ignores it)
     vram_budget_gb: float = Field(default=6.0, gt=0)

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from sqlalchemy import create_engine, text
@@ -220,3 +221,56 @@ def start_process(tmp_path: Path) -> Iterator[callable]:
             proc.stop()
         except Exception:
             pass
+
+
+# -- a running service: the API as a process, and helpers to drive it ------------------------------------
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TEXT = {"output": "text"}  # random weights answer noise, so ask for the raw text rather than a decision
+
+
+@pytest.fixture
+def env(worker_env: dict[str, str]) -> dict[str, str]:
+    return {**worker_env, "KEVLAYA_API_PORT": str(free_port())}
+
+
+@pytest.fixture
+def api(env, start_process) -> httpx.Client:
+    process = start_process("api", env)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}", headers=AUTH, timeout=30)
+
+    def healthy() -> bool:
+        assert process.process.poll() is None, process.output()
+        try:
+            return client.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(healthy, 60, what="the API to answer")
+    yield client
+    client.close()
+
+
+def start_worker(start_process, env, api: httpx.Client):  # noqa: ANN001, ANN201
+    process = start_process("worker", env)
+
+    def ready() -> bool:
+        assert process.process.poll() is None, process.output()
+        return api.get("/readyz").status_code == 200
+
+    wait_until(ready, 120, interval=0.5, what="a worker with its model loaded")
+    return process
+
+
+def submit(api: httpx.Client, adapter: str, prompt: str, **params) -> str:
+    response = api.post("/v1/jobs", json={"adapter": adapter, "input": prompt, "params": {**TEXT, **params}})
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def wait_finished(api: httpx.Client, job_ids: list[str], timeout: float = 180) -> list[dict]:
+    def all_done():
+        jobs = [api.get(f"/v1/jobs/{job_id}").json() for job_id in job_ids]
+        return jobs if all(j["status"] in ("succeeded", "failed", "cancelled") for j in jobs) else None
+
+    return wait_until(all_done, timeout, interval=0.5, what=f"{len(job_ids)} jobs to finish")

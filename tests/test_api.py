@@ -10,9 +10,8 @@ from sqlalchemy import func, select
 from shared.db import session_scope
 from shared.keys import create_key
 from shared.models import Job
-from tests.conftest import API_KEY
+from tests.conftest import AUTH
 
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import uuid
@@ -158,6 +159,25 @@ def test_per_row_max_new_tokens(runtime: AdapterRuntime) -> None:
     assert counts[0] <= 3 and counts[3] == 1
     assert max(counts) > 3, "the longest row must not be cut at another row's limit"
     assert all(r.prompt_tokens > 0 for r in outcome.results)
+
+
+def test_token_logprobs_are_the_models_own_probabilities(runtime: AdapterRuntime) -> None:
+    """Each completion token's log-probability equals what a plain forward pass over prompt + completion
+    gives, also when sampling at temperature > 0 (they come from raw logits, before temperature/top-p)."""
+    req = request("laya", PROMPTS[1], max_new_tokens=12, temperature=0.7, seed=3)
+    result = runtime.run_batch([req]).results[0]
+    assert len(result.token_logprobs) == len(result.token_spans) == len(result.token_ids) == result.completion_tokens
+    assert result.token_spans[-1][1] == len(result.text)
+
+    prompt = runtime.tokenizer.apply_chat_template([req.messages], add_generation_prompt=True, return_dict=True,
+                                                   return_tensors="pt")["input_ids"]
+    ids = torch.tensor(result.token_ids)
+    with torch.inference_mode():
+        logits = runtime.model(torch.cat([prompt, ids[None]], dim=1)).logits[0, prompt.shape[1] - 1:-1]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, ids[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(result.token_logprobs), expected, atol=1e-4)
+    assert result.span_probability(0, len(result.text)) == pytest.approx(math.exp(sum(result.token_logprobs)))
+    assert result.span_probability(len(result.text), len(result.text) + 5) is None
 
 
 def test_seeded_sampling_is_reproducible(runtime: AdapterRuntime) -> None:

@@ -12,10 +12,12 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from shared.db import session_scope
-from shared.decision import parse_decision
+from shared.decision import find_decision
 from shared.models import Batch, Job, JobStatus
+from shared.queue import QueueUnavailable, publish_wakeup
 from shared.schemas import to_messages
 from shared.settings import Settings
+from worker.cascade import complete_parent, escalate, is_cascade_head, needs_escalation
 from worker.claims import JobOutcome, claim_batch, finish_job, queue_snapshot, renew_leases
 from worker.runtime import AdapterRuntime, GenerationRequest, GenerationResult
 from worker.scheduler import BatchPlan, SchedulerState, SchedulingPolicy, plan_next_batch
@@ -90,11 +92,21 @@ class BatchEngine:
             return len(jobs)
         self.state.advance(plan)
         by_id = {r.job_id: r for r in outcome.results}
+        escalated: list[Job] = []
         with session_scope() as session:
             lost = 0
             for job in jobs:
-                if not finish_job(session, job, batch.id, self._outcome(job, by_id[job.id], outcome.switch_ms)):
+                result = self._outcome(job, by_id[job.id], outcome.switch_ms)
+                if is_cascade_head(job) and needs_escalation(result, self.settings.cascade_threshold):
+                    child = escalate(session, job, batch.id, result)
+                    if child is None:
+                        lost += 1
+                    else:
+                        escalated.append(child)
+                elif not finish_job(session, job, batch.id, result):
                     lost += 1
+                elif job.parent_job_id is not None:
+                    complete_parent(session, job, result)
             session.query(Batch).filter(Batch.id == batch.id).update({
                 Batch.size: len(jobs), Batch.switch_ms: outcome.switch_ms, Batch.prefill_ms: outcome.prefill_ms,
                 Batch.decode_ms: outcome.decode_ms, Batch.tokens: outcome.tokens,
@@ -102,6 +114,12 @@ class BatchEngine:
             })
         if lost:
             log.warning("batch %s: %d job(s) had lost their lease; their results were discarded", batch.id, lost)
+        for child in escalated:
+            log.info("job %s: Laya was unsure, escalated to Kev as job %s", child.parent_job_id, child.id)
+            try:
+                publish_wakeup(child.id, child.adapter)
+            except QueueUnavailable:
+                pass  # this drain or the sweeper picks it up from the database anyway
         return len(jobs)
 
     def _request(self, job: Job) -> GenerationRequest:
@@ -128,7 +146,14 @@ class BatchEngine:
         if result.error_code:
             return JobOutcome(status=JobStatus.FAILED, result_text=result.text, error_code=result.error_code,
                               error_message=result.error_message, **timings)
-        decision = parse_decision(result.text or "")
+        found = find_decision(result.text or "")
+        decision = None
+        if found is not None:
+            # The confidence is the model's own probability of its decision, never a number it wrote.
+            decision = {k: v for k, v in found.value.items() if k != "confidence"}
+            probability = result.span_probability(*found.span)
+            if probability is not None:
+                decision["confidence"] = round(probability, 4)
         if decision is None and job.params.get("output", "decision") == "decision":
             return JobOutcome(status=JobStatus.FAILED, result_text=result.text, error_code="invalid_output",
                               error_message="the answer holds no valid JSON decision object; the raw text is kept",

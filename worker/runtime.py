@@ -8,9 +8,10 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -55,6 +56,16 @@ class GenerationResult:
     decode_ms: float
     error_code: str | None = None  # "numerical_error" | "out_of_memory" | "adapter_unavailable" | None
     error_message: str | None = None
+    # The model's own log-probability of each completion token (raw logits, before temperature/top-p),
+    # and the character span each token covers in `text`: a span's probability is a calibrated confidence.
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    token_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def span_probability(self, start: int, end: int) -> float | None:
+        """Probability the model gave to the tokens that produced text[start:end], or None if unknown."""
+        overlapping = [lp for lp, (a, b) in zip(self.token_logprobs, self.token_spans) if a < end and b > start]
+        return math.exp(sum(overlapping)) if overlapping else None
 
 
 @dataclass
@@ -109,8 +120,20 @@ class _Monitor(LogitsProcessor):
         self.prompt_len, self.limits, self.eos_ids = prompt_len, limits, eos_ids
         self.first_call: float | None = None
         self.bad_step: dict[int, int] = {}  # row -> generated tokens before its logits went non-finite
+        self.chosen_logprobs: list[torch.Tensor] = []  # per step: log p(chosen token) for every row
+        self._last_logprobs: torch.Tensor | None = None
+
+    def record_choice(self, chosen: torch.Tensor) -> None:
+        """Log-probability of the tokens picked from the previous step's distribution."""
+        if self._last_logprobs is not None:
+            self.chosen_logprobs.append(self._last_logprobs.gather(1, chosen[:, None]).squeeze(1))
+            self._last_logprobs = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # This processor runs before temperature/top-p, so these are the model's own probabilities.
+        if input_ids.shape[1] > self.prompt_len:
+            self.record_choice(input_ids[:, -1])
+        self._last_logprobs = torch.log_softmax(scores.float(), dim=-1)
         # -inf alone is legitimate (processors mask tokens with it); NaN, +inf or nothing left to pick is not.
         broken = torch.isnan(scores).any(-1) | torch.isposinf(scores).any(-1) | torch.isneginf(scores).all(-1)
         any_broken = bool(broken.any())  # also synchronises CUDA, so the first timestamp marks the real prefill end
@@ -345,6 +368,16 @@ class AdapterRuntime:
             padding=True, return_tensors="pt", sanitize_control_tokens=True,
         ).to(self._input_device)
 
+    def _decode_with_spans(self, tokens: list[int]) -> tuple[str, list[tuple[int, int]]]:
+        """The text of `tokens` and the character span of each token in it (decoding prefixes, because a
+        byte-level token can end inside a multi-byte character)."""
+        spans, previous = [], 0
+        for end in range(1, len(tokens) + 1):
+            length = len(self.tokenizer.decode(tokens[:end], skip_special_tokens=True))
+            spans.append((previous, max(previous, length)))
+            previous = max(previous, length)
+        return self.tokenizer.decode(tokens, skip_special_tokens=True), spans
+
     def _generate(self, batch: list[GenerationRequest], encoded: BatchEncoding, mixed: bool) -> _Run:
         """One generate call; all rows share the sampling settings of the first."""
         input_ids = encoded["input_ids"]
@@ -376,6 +409,8 @@ class AdapterRuntime:
         first = monitor.first_call or finished
         prefill_ms, decode_ms = (first - started) * 1000, (finished - first) * 1000
 
+        monitor.record_choice(output[:, -1])
+        logprobs = torch.stack(monitor.chosen_logprobs, dim=1).tolist() if monitor.chosen_logprobs else []
         prompt_tokens = encoded["attention_mask"].sum(-1).tolist()
         eos = set(self.eos_ids)
         results = []
@@ -383,10 +418,13 @@ class AdapterRuntime:
             tokens = output[row, prompt_len:prompt_len + request.max_new_tokens].tolist()
             # A row ends at its first EOS (counted: the model produced it); after that it holds padding.
             count = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+            text, spans = self._decode_with_spans(tokens[:count])
             result = GenerationResult(
-                job_id=request.job_id, text=self.tokenizer.decode(tokens[:count], skip_special_tokens=True),
+                job_id=request.job_id, text=text,
                 prompt_tokens=int(prompt_tokens[row]), completion_tokens=count,
                 prefill_ms=prefill_ms, decode_ms=decode_ms,
+                token_ids=tokens[:count], token_logprobs=logprobs[row][:count] if logprobs else [],
+                token_spans=spans,
             )
             if row in monitor.bad_step:
                 self.numerical_errors += 1

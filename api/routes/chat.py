@@ -1,0 +1,78 @@
+"""`POST /v1/chat/completions`: OpenAI-compatible, through the same queue as every job, waiting for it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.deps import CurrentKey, SessionDep, SettingsDep
+from api.errors import ApiError
+from api.submission import check_limits, enqueue, new_job, wait_finished
+from shared.schemas import JobCreate, JobOut, JobParams, Message, MessagesInput, RequestedAdapter
+
+router = APIRouter(prefix="/v1/chat", tags=["chat"])
+
+
+class ChatRequest(BaseModel):
+    # Unknown OpenAI fields (user, n=1, ...) are accepted and ignored, as other compatible servers do.
+    model_config = ConfigDict(extra="ignore")
+
+    model: RequestedAdapter
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    stream: Literal[False] | None = Field(default=None, description="streaming is not supported")
+    n: Literal[1] | None = None
+
+    def to_job(self) -> JobCreate:
+        return JobCreate(
+            adapter=self.model,
+            input=MessagesInput(messages=self.messages),
+            # Chat clients want the text; a decision is attached to the job when one parses.
+            params=JobParams(max_new_tokens=self.max_completion_tokens or self.max_tokens,
+                             temperature=self.temperature, top_p=self.top_p, seed=self.seed, output="text"),
+        )
+
+
+def _completion(job: JobOut, model: str) -> dict[str, Any]:
+    limit = job.params.get("max_new_tokens")
+    finish_reason = "length" if limit is not None and job.tokens.completion == limit else "stop"
+    prompt, completion = job.tokens.prompt or 0, job.tokens.completion or 0
+    return {
+        "id": f"chatcmpl-{job.id}",
+        "object": "chat.completion",
+        "created": int(job.created_at.timestamp()),
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": job.result.text if job.result else ""},
+            "finish_reason": finish_reason,
+            "logprobs": None,
+        }],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        # Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it.
+        "kevlaya": {"job_id": str(job.id), "decision": job.result.decision if job.result else None,
+                    "timings": job.timings.model_dump()},
+    }
+
+
+@router.post("/completions")
+async def chat_completions(request: ChatRequest, key: CurrentKey, session: SessionDep,
+                           settings: SettingsDep) -> dict[str, Any]:
+    job_request = request.to_job()
+    check_limits(job_request, settings)
+    job = new_job(job_request, key)
+    enqueue(session, [job])
+    session.close()  # the wait below must not hold a pooled connection
+    finished = await wait_finished(key, job.id, settings.chat_timeout_s)
+    if finished.status == "succeeded":
+        return _completion(finished, request.model)
+    if finished.status == "failed":
+        raise ApiError(422, finished.error.code, f"job {finished.id} failed: {finished.error.message}")
+    raise ApiError(504, "timeout", f"job {finished.id} did not finish within {settings.chat_timeout_s} s; "
+                   f"it stays queued: poll GET /v1/jobs/{finished.id}")

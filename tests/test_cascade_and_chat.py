@@ -1,0 +1,96 @@
+"""The `auto` cascade, decision confidence, and the OpenAI-compatible endpoint with the official client."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from openai import OpenAI
+
+from shared.models import Job
+from shared.settings import Settings
+from worker.cascade import needs_escalation
+from worker.claims import JobOutcome
+from worker.engine import BatchEngine
+from worker.runtime import GenerationResult
+from tests.conftest import start_worker, submit, wait_finished
+
+
+def result_for(text: str, token_texts: list[str], logprobs: list[float]) -> GenerationResult:
+    spans, position = [], 0
+    for piece in token_texts:
+        spans.append((position, position + len(piece)))
+        position += len(piece)
+    assert "".join(token_texts) == text
+    return GenerationResult(job_id=uuid.uuid4(), text=text, prompt_tokens=5, completion_tokens=len(token_texts),
+                            prefill_ms=1.0, decode_ms=2.0, token_ids=list(range(len(token_texts))),
+                            token_logprobs=logprobs, token_spans=spans)
+
+
+def outcome(text: str, tokens: list[str], logprobs: list[float], output: str = "decision") -> JobOutcome:
+    job = Job(params={"output": output})
+    return BatchEngine._outcome(job, result_for(text, tokens, logprobs), switch_ms=0.0)
+
+
+def test_confidence_is_the_probability_of_the_decision_tokens_not_the_written_number():
+    tokens = ['{"decision": "', "B", '", "confidence": 0.99}']
+    result = outcome("".join(tokens), tokens, [-0.01, -0.5, -0.02])
+    assert result.status == "succeeded"
+    assert result.decision["decision"] == "B"
+    assert result.decision["confidence"] == pytest.approx(0.6065, abs=1e-4)  # exp(-0.5): only the "B" token
+
+
+def test_unparsable_answers_fail_as_invalid_output_unless_text_was_asked_for():
+    failed = outcome("I think B", ["I think", " B"], [-1.0, -1.0])
+    assert failed.status == "failed" and failed.error_code == "invalid_output" and failed.result_text == "I think B"
+    text = outcome("I think B", ["I think", " B"], [-1.0, -1.0], output="text")
+    assert text.status == "succeeded" and text.decision is None
+
+
+@pytest.mark.parametrize(
+    ("laya", "escalate"),
+    [
+        (JobOutcome(status="succeeded", decision={"decision": "A", "confidence": 0.95}), False),
+        (JobOutcome(status="succeeded", decision={"decision": "A", "confidence": 0.5}), True),
+        (JobOutcome(status="succeeded", decision=None, result_text="noise"), True),
+        (JobOutcome(status="failed", error_code="invalid_output", result_text="noise"), True),
+    ],
+)
+def test_escalation_rule(laya, escalate):
+    assert needs_escalation(laya, Settings(_env_file=None).cascade_threshold) is escalate
+
+
+@pytest.mark.integration
+def test_an_unsure_laya_escalates_to_kev_and_the_parent_returns_kevs_answer(env, api, start_process):
+    start_worker(start_process, env, api)
+    job_id = submit(api, "auto", "Options: A cost 10; B cost 20. Objective: lowest cost.", max_new_tokens=6)
+    [job] = wait_finished(api, [job_id])
+    assert job["status"] == "succeeded" and job["requested_adapter"] == "auto"
+    laya, kev = job["cascade"]  # random weights never give a valid decision, so Laya always escalates
+    assert laya["adapter"] == "laya" and kev["adapter"] == "kev" and kev["status"] == "succeeded"
+    assert job["result"]["text"] == kev["result"]["text"]
+    kev_job = api.get(f"/v1/jobs/{kev['id']}").json()
+    assert "max_new_tokens" not in kev_job["params"]  # Kev is not held to the limit given for Laya
+    assert job["tokens"]["completion"] == laya["tokens"]["completion"] + kev["tokens"]["completion"]
+    assert job["timings"]["total_ms"] >= kev["timings"]["total_ms"]
+    # the Kev stage cannot be cancelled on its own, and the stages are jobs of their own
+    assert api.delete(f"/v1/jobs/{kev['id']}").status_code == 409
+    assert api.get(f"/v1/jobs/{laya['id']}").json()["parent_job_id"] == job_id
+
+
+@pytest.mark.integration
+def test_the_official_openai_client_gets_answers_from_each_model(env, api, start_process):
+    start_worker(start_process, env, api)
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"], max_retries=0, timeout=60)
+    for model in ("kev", "laya", "auto"):
+        completion = client.chat.completions.create(
+            model=model, max_tokens=6, temperature=0,
+            messages=[{"role": "user", "content": "Options: A cost 10; B cost 20. Objective: lowest cost."}],
+        )
+        assert completion.model == model
+        assert isinstance(completion.choices[0].message.content, str)
+        assert completion.choices[0].finish_reason in ("stop", "length")
+        assert completion.usage.completion_tokens >= 1 and completion.usage.prompt_tokens > 0
+    with pytest.raises(Exception) as refused:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.status_code == 422 and "model" in str(refused.value)

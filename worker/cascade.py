@@ -1,0 +1,76 @@
+"""The `auto` cascade (DESIGN §8): Laya answers first; an invalid or unsure answer goes to Kev.
+
+An escalated `auto` job ends up with two children: a finished record of Laya's stage and the Kev job.
+The parent waits (running, without a lease, so expiry never re-queues it) and takes Kev's answer."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from shared.models import Job, JobStatus
+from worker.claims import JobOutcome
+
+
+def is_cascade_head(job: Job) -> bool:
+    return job.requested_adapter == "auto" and job.parent_job_id is None
+
+
+def needs_escalation(outcome: JobOutcome, threshold: float) -> bool:
+    if outcome.status != JobStatus.SUCCEEDED or outcome.decision is None:
+        return True  # no valid decision from Laya
+    confidence = outcome.decision.get("confidence")
+    return confidence is None or confidence < threshold
+
+
+def escalate(session: Session, parent: Job, batch_id, laya: JobOutcome) -> Job | None:  # noqa: ANN001
+    """Record Laya's stage and queue Kev; None when this batch no longer holds the parent's lease."""
+    held = session.execute(
+        update(Job).where(Job.id == parent.id, Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
+        .values(lease_owner=None, lease_expires_at=None)
+    ).rowcount == 1
+    if not held:
+        return None
+    now = datetime.now(timezone.utc)
+    stage = Job(
+        adapter="laya", requested_adapter="laya", status=laya.status, input=parent.input, params=parent.params,
+        parent_job_id=parent.id, api_key_id=parent.api_key_id, batch_id=batch_id, attempts=parent.attempts,
+        created_at=parent.created_at, started_at=parent.started_at, finished_at=now,
+        result_text=laya.result_text, decision=laya.decision, error_code=laya.error_code,
+        error_message=laya.error_message, switch_ms=laya.switch_ms, prefill_ms=laya.prefill_ms,
+        decode_ms=laya.decode_ms, prompt_tokens=laya.prompt_tokens, completion_tokens=laya.completion_tokens,
+        queue_ms=(parent.started_at - parent.created_at).total_seconds() * 1000,
+        total_ms=(now - parent.created_at).total_seconds() * 1000,
+    )
+    # Kev writes long analyses: a token limit chosen for Laya's short answer would cut it off.
+    kev = Job(
+        adapter="kev", requested_adapter="kev", status=JobStatus.QUEUED, input=parent.input,
+        params={k: v for k, v in parent.params.items() if k != "max_new_tokens"},
+        parent_job_id=parent.id, api_key_id=parent.api_key_id, created_at=now,
+    )
+    session.add_all([stage, kev])
+    session.flush()
+    return kev
+
+
+def complete_parent(session: Session, child: Job, kev: JobOutcome) -> None:
+    """Kev finished an escalated job: its answer becomes the parent's; timings and tokens add up."""
+    parent = session.get(Job, child.parent_job_id)
+    stages = session.scalars(select(Job).where(Job.parent_job_id == parent.id, Job.id != child.id)).all()
+    outcomes = [*stages, kev]
+
+    def total(field: str) -> float | None:
+        values = [getattr(o, field) for o in outcomes if getattr(o, field) is not None]
+        return sum(values) if values else None
+
+    now = datetime.now(timezone.utc)
+    session.execute(
+        update(Job).where(Job.id == parent.id, Job.status == JobStatus.RUNNING, Job.lease_owner.is_(None))
+        .values(status=kev.status, result_text=kev.result_text, decision=kev.decision, error_code=kev.error_code,
+                error_message=kev.error_message, finished_at=now,
+                total_ms=(now - parent.created_at).total_seconds() * 1000,
+                switch_ms=total("switch_ms"), prefill_ms=total("prefill_ms"), decode_ms=total("decode_ms"),
+                prompt_tokens=total("prompt_tokens"), completion_tokens=total("completion_tokens"))
+    )
