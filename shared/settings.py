@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     kev: KevProfile = KevProfile()
     laya: LayaProfile = LayaProfile()
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    quantize_4bit: bool = Field(default=True, description="on CUDA, load the base in NF4 (else fp16)")
     verify_manifests: bool = True
 
     # Scheduler (DESIGN §4)

@@ -7,11 +7,10 @@ import uuid
 import pytest
 from openai import OpenAI
 
-from shared.models import Job
 from shared.settings import Settings
 from worker.cascade import needs_escalation
 from worker.claims import JobOutcome
-from worker.engine import BatchEngine
+from worker.outcomes import job_outcome
 from worker.runtime import GenerationResult
 from tests.conftest import start_worker, submit, wait_finished
 
@@ -28,8 +27,7 @@ def result_for(text: str, token_texts: list[str], logprobs: list[float]) -> Gene
 
 
 def outcome(text: str, tokens: list[str], logprobs: list[float], output: str = "decision") -> JobOutcome:
-    job = Job(params={"output": output})
-    return BatchEngine._outcome(job, result_for(text, tokens, logprobs), switch_ms=0.0)
+    return job_outcome(result_for(text, tokens, logprobs), output, switch_ms=0.0)
 
 
 def test_confidence_is_the_probability_of_the_decision_tokens_not_the_written_number():

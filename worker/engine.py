@@ -12,14 +12,14 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from shared.db import session_scope
-from shared.decision import find_decision
 from shared.models import Batch, Job, JobStatus
 from shared.queue import QueueUnavailable, publish_wakeup
 from shared.schemas import to_messages
 from shared.settings import Settings
 from worker.cascade import complete_parent, escalate, is_cascade_head, needs_escalation
 from worker.claims import JobOutcome, claim_batch, finish_job, queue_snapshot, renew_leases
-from worker.runtime import AdapterRuntime, GenerationRequest, GenerationResult
+from worker.outcomes import job_outcome
+from worker.runtime import AdapterRuntime, GenerationRequest
 from worker.scheduler import BatchPlan, SchedulerState, SchedulingPolicy, plan_next_batch
 
 log = logging.getLogger("kevlaya.worker")
@@ -96,7 +96,7 @@ class BatchEngine:
         with session_scope() as session:
             lost = 0
             for job in jobs:
-                result = self._outcome(job, by_id[job.id], outcome.switch_ms)
+                result = job_outcome(by_id[job.id], job.params.get("output", "decision"), outcome.switch_ms)
                 if is_cascade_head(job) and needs_escalation(result, self.settings.cascade_threshold):
                     child = escalate(session, job, batch.id, result)
                     if child is None:
@@ -135,30 +135,6 @@ class BatchEngine:
             top_p=params.get("top_p", profile.top_p),
             seed=params.get("seed"),
         )
-
-    @staticmethod
-    def _outcome(job: Job, result: GenerationResult, switch_ms: float) -> JobOutcome:
-        if result.text is not None:
-            # A model can emit a NUL byte; PostgreSQL text cannot store one.
-            result.text = result.text.replace("\x00", "\ufffd")
-        timings = dict(switch_ms=switch_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
-                       prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
-        if result.error_code:
-            return JobOutcome(status=JobStatus.FAILED, result_text=result.text, error_code=result.error_code,
-                              error_message=result.error_message, **timings)
-        found = find_decision(result.text or "")
-        decision = None
-        if found is not None:
-            # The confidence is the model's own probability of its decision, never a number it wrote.
-            decision = {k: v for k, v in found.value.items() if k != "confidence"}
-            probability = result.span_probability(*found.span)
-            if probability is not None:
-                decision["confidence"] = round(probability, 4)
-        if decision is None and job.params.get("output", "decision") == "decision":
-            return JobOutcome(status=JobStatus.FAILED, result_text=result.text, error_code="invalid_output",
-                              error_message="the answer holds no valid JSON decision object; the raw text is kept",
-                              **timings)
-        return JobOutcome(status=JobStatus.SUCCEEDED, result_text=result.text, decision=decision, **timings)
 
     @contextmanager
     def _lease_kept(self, batch_id) -> Iterator[None]:  # noqa: ANN001

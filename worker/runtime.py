@@ -5,6 +5,7 @@ No Celery or database here: the engine hands in `GenerationRequest`s and records
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -185,7 +186,7 @@ def _resolve_device(setting: str) -> str:
     return setting
 
 
-def _load_base(path: str, device: str, vram_budget_gb: float) -> PreTrainedModel:
+def _load_base(path: str, device: str, vram_budget_gb: float, quantize_4bit: bool = True) -> PreTrainedModel:
     if device == "cpu":
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     from transformers import BitsAndBytesConfig
@@ -195,6 +196,8 @@ def _load_base(path: str, device: str, vram_budget_gb: float) -> PreTrainedModel
     if budget < total:
         # Emulate the target card on a bigger one, so over-budget code fails here too (DESIGN §5).
         torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+    if not quantize_4bit:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16, device_map={"": 0})
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.float16,
@@ -232,7 +235,7 @@ class AdapterRuntime:
         tokenizer.padding_side = "left"  # decoder-only generation: prompts end where the new tokens start
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model: torch.nn.Module = _load_base(base, device, settings.vram_budget_gb)
+        model: torch.nn.Module = _load_base(base, device, settings.vram_budget_gb, settings.quantize_4bit)
         log.info("loaded base model %s on %s in %.1fs", base, device, time.perf_counter() - started)
 
         unavailable: dict[str, str] = {}
@@ -261,7 +264,7 @@ class AdapterRuntime:
                     gc.collect()
                     if device == "cuda":
                         torch.cuda.empty_cache()
-                    model = _load_base(base, device, settings.vram_budget_gb)
+                    model = _load_base(base, device, settings.vram_budget_gb, settings.quantize_4bit)
                 continue
             log.info("loaded adapter %s from %s in %.2fs", name, path, time.perf_counter() - adapter_started)
         model.eval()
@@ -302,8 +305,31 @@ class AdapterRuntime:
             prefill_ms += run.prefill_ms
             decode_ms += run.decode_ms
 
+        return self._outcome(results, switch_ms, prefill_ms, decode_ms)
+
+    def run_base_only(self, requests: list[GenerationRequest]) -> BatchOutcome:
+        """The bare base model with every adapter disabled: a baseline for evaluation, never used for jobs."""
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        context = self.model.disable_adapter() if isinstance(self.model, PeftModel) else contextlib.nullcontext()
+        results: list[GenerationResult | None] = [None] * len(requests)
+        prefill_ms = decode_ms = 0.0
+        with context:
+            groups: dict[SamplingKey, list[int]] = {}
+            for index, request in enumerate(requests):
+                groups.setdefault(_sampling_key(request), []).append(index)
+            for indices in groups.values():
+                run = self._run_splitting([requests[i] for i in indices], mixed=False)
+                for index, result in zip(indices, run.results, strict=True):
+                    results[index] = result
+                prefill_ms += run.prefill_ms
+                decode_ms += run.decode_ms
+        return self._outcome(results, 0.0, prefill_ms, decode_ms)
+
+    def _outcome(self, results: list[GenerationResult | None], switch_ms: float, prefill_ms: float,
+                 decode_ms: float) -> BatchOutcome:
         done = [r for r in results if r is not None]
-        assert len(done) == len(requests)
+        assert len(done) == len(results)
         return BatchOutcome(
             results=done, switch_ms=switch_ms, prefill_ms=prefill_ms, decode_ms=decode_ms,
             tokens=sum(r.completion_tokens for r in done),

@@ -1,0 +1,207 @@
+"""`kevlaya eval`: decision quality and latency on the held-out test split, through the real runtime.
+
+Modes: `base` (the bare base model), `laya`, `kev`, and `auto` (the cascade: Laya, then Kev for the
+answers the engine would escalate). Decoding is greedy so results are repeatable; each batch's
+prefill + decode time is the latency of every job in it (batch size 1 = a job served alone)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from shared.settings import Settings
+from worker.cascade import needs_escalation
+from worker.claims import JobOutcome
+from worker.decision_data import Scenario, render_prompt, score_decision
+from worker.outcomes import job_outcome
+from worker.runtime import AdapterRuntime, GenerationRequest
+
+MODES = ("base", "laya", "kev", "auto")
+
+
+@dataclass
+class Answer:
+    """One scenario answered in one mode."""
+
+    id: str
+    label: str
+    decision: str | None
+    confidence: float | None
+    correct: bool
+    latency_ms: float
+    completion_tokens: int
+    escalated: bool = False
+
+
+@dataclass
+class ModeReport:
+    mode: str
+    n: int
+    accuracy: float
+    valid_json_rate: float
+    mean_latency_ms: float
+    p95_latency_ms: float
+    mean_completion_tokens: float
+    total_completion_tokens: int
+    escalation_rate: float | None = None
+    answers: list[Answer] = field(default_factory=list, repr=False)
+
+
+def load_scenarios(path: Path, limit: int | None = None) -> list[tuple[str, Scenario]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(row["id"], Scenario.from_dict(row["scenario"])) for row in rows[:limit]]
+
+
+class Evaluator:
+    def __init__(self, runtime: AdapterRuntime, settings: Settings, batch_size: int = 1):
+        self.runtime, self.settings, self.batch_size = runtime, settings, batch_size
+
+    def answers(self, mode: str, scenarios: list[tuple[str, Scenario]], progress: bool = True) -> list[Answer]:
+        """Answers of `base`, `laya` or `kev` (the base is prompted exactly as Laya is)."""
+        adapter = "kev" if mode == "kev" else "laya"
+        profile = self.settings.adapter_profile(adapter)
+        answers: list[Answer] = []
+        chunks = [scenarios[i:i + self.batch_size] for i in range(0, len(scenarios), self.batch_size)]
+        for chunk in tqdm(chunks, desc=f"eval {mode}", unit="batch", disable=not progress):
+            requests = [
+                GenerationRequest(
+                    job_id=uuid.uuid4(), adapter=adapter, max_new_tokens=profile.max_new_tokens,
+                    temperature=0.0, top_p=1.0, seed=None,
+                    messages=[{"role": "system", "content": profile.system_prompt},
+                              {"role": "user", "content": render_prompt(scenario)}],
+                )
+                for _, scenario in chunk
+            ]
+            started = time.perf_counter()
+            batch = self.runtime.run_base_only(requests) if mode == "base" else self.runtime.run_batch(requests)
+            latency_ms = (time.perf_counter() - started) * 1000
+            for (scenario_id, scenario), result in zip(chunk, batch.results, strict=True):
+                outcome = job_outcome(result, "decision", switch_ms=0.0)
+                decision = outcome.decision or {}
+                answers.append(Answer(
+                    id=scenario_id, label=scenario.label, decision=decision.get("decision"),
+                    confidence=decision.get("confidence"),
+                    correct=bool(decision) and score_decision(scenario, decision["decision"]),
+                    latency_ms=latency_ms, completion_tokens=result.completion_tokens,
+                ))
+        return answers
+
+    def cascade(self, laya: list[Answer], kev: list[Answer]) -> list[Answer]:
+        """What `auto` answers: Laya's decision, or Kev's where the engine's rule escalates."""
+        combined = []
+        for first, second in zip(laya, kev, strict=True):
+            decision = {"decision": first.decision, "confidence": first.confidence} if first.decision else None
+            outcome = JobOutcome(status="succeeded" if decision else "failed", decision=decision)
+            if needs_escalation(outcome, self.settings.cascade_threshold):
+                combined.append(Answer(
+                    id=first.id, label=first.label, decision=second.decision, confidence=second.confidence,
+                    correct=second.correct, latency_ms=first.latency_ms + second.latency_ms,
+                    completion_tokens=first.completion_tokens + second.completion_tokens, escalated=True,
+                ))
+            else:
+                combined.append(first)
+        return combined
+
+
+def summarize(mode: str, answers: list[Answer]) -> ModeReport:
+    latencies = sorted(a.latency_ms for a in answers)
+    tokens = [a.completion_tokens for a in answers]
+    return ModeReport(
+        mode=mode, n=len(answers),
+        accuracy=sum(a.correct for a in answers) / len(answers),
+        valid_json_rate=sum(a.decision is not None for a in answers) / len(answers),
+        mean_latency_ms=statistics.fmean(latencies),
+        p95_latency_ms=latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
+        mean_completion_tokens=statistics.fmean(tokens), total_completion_tokens=sum(tokens),
+        escalation_rate=sum(a.escalated for a in answers) / len(answers) if mode == "auto" else None,
+        answers=answers,
+    )
+
+
+def calibration(answers: list[Answer], bins: int = 10) -> dict[str, object]:
+    """Reliability of a confidence: per bin, mean confidence vs accuracy; ECE = their weighted gap."""
+    rated = [a for a in answers if a.confidence is not None]
+    table = []
+    ece = 0.0
+    for b in range(bins):
+        low, high = b / bins, (b + 1) / bins
+        members = [a for a in rated if low <= a.confidence < high or (b == bins - 1 and a.confidence == 1.0)]
+        if not members:
+            continue
+        confidence = statistics.fmean(a.confidence for a in members)
+        accuracy = sum(a.correct for a in members) / len(members)
+        ece += len(members) / len(rated) * abs(confidence - accuracy)
+        table.append({"bin": [low, high], "n": len(members), "mean_confidence": confidence, "accuracy": accuracy})
+    return {"n": len(rated), "ece": ece if rated else None, "bins": table}
+
+
+def run_evaluation(runtime: AdapterRuntime, settings: Settings, scenarios: list[tuple[str, Scenario]],
+                   modes: tuple[str, ...] = MODES, batch_size: int = 1) -> dict[str, object]:
+    evaluator = Evaluator(runtime, settings, batch_size)
+    answers: dict[str, list[Answer]] = {}
+    for mode in ("base", "laya", "kev"):
+        if mode in modes or (mode in ("laya", "kev") and "auto" in modes):
+            answers[mode] = evaluator.answers(mode, scenarios)
+    if "auto" in modes:
+        answers["auto"] = evaluator.cascade(answers["laya"], answers["kev"])
+    reports = {mode: summarize(mode, answers[mode]) for mode in modes}
+    return {
+        "scenarios": len(scenarios),
+        "batch_size": batch_size,
+        "device": runtime.device,
+        "cascade_threshold": settings.cascade_threshold,
+        "modes": {mode: {k: v for k, v in asdict(r).items() if k != "answers"} for mode, r in reports.items()},
+        "laya_calibration": calibration(answers["laya"]) if "laya" in answers else None,
+        "answers": {mode: [asdict(a) for a in r.answers] for mode, r in reports.items()},
+    }
+
+
+def agreement(first: list[dict[str, object]], second: list[dict[str, object]]) -> float:
+    """Share of scenarios where two runs' answers (e.g. on NF4 and fp16) reach the same decision."""
+    return sum(a["decision"] == b["decision"] for a, b in zip(first, second, strict=True)) / len(first)
+
+
+def table(report: dict[str, object]) -> str:
+    lines = [f"{'mode':<6} {'n':>5} {'accuracy':>9} {'valid JSON':>11} {'mean ms':>9} {'p95 ms':>9} "
+             f"{'tokens':>7} {'escalated':>10}"]
+    for mode, r in report["modes"].items():
+        escalated = f"{r['escalation_rate']:.1%}" if r["escalation_rate"] is not None else "-"
+        lines.append(f"{mode:<6} {r['n']:>5} {r['accuracy']:>9.1%} {r['valid_json_rate']:>11.1%} "
+                     f"{r['mean_latency_ms']:>9.1f} {r['p95_latency_ms']:>9.1f} {r['mean_completion_tokens']:>7.1f} "
+                     f"{escalated:>10}")
+    if report.get("laya_calibration") and report["laya_calibration"]["ece"] is not None:
+        lines.append(f"Laya confidence calibration: ECE {report['laya_calibration']['ece']:.3f} "
+                     f"over {report['laya_calibration']['n']} answers")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, object], path: Path) -> None:
+    """Accuracy and mean latency per mode, and Laya's reliability diagram, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["modes"])
+    figure, (accuracy_axis, latency_axis, reliability_axis) = plt.subplots(1, 3, figsize=(13, 3.8))
+    accuracy_axis.bar(modes, [report["modes"][m]["accuracy"] * 100 for m in modes], color="#4c72b0")
+    accuracy_axis.set_ylabel("decision accuracy (%)")
+    accuracy_axis.set_ylim(0, 100)
+    latency_axis.bar(modes, [report["modes"][m]["mean_latency_ms"] for m in modes], color="#dd8452")
+    latency_axis.set_ylabel("mean latency per job (ms)")
+    bins = (report.get("laya_calibration") or {}).get("bins", [])
+    reliability_axis.plot([0, 1], [0, 1], linestyle="--", color="grey")
+    reliability_axis.plot([b["mean_confidence"] for b in bins], [b["accuracy"] for b in bins], marker="o")
+    reliability_axis.set_xlabel("Laya confidence")
+    reliability_axis.set_ylabel("accuracy")
+    reliability_axis.set_title("calibration")
+    figure.suptitle(f"{report['scenarios']} held-out scenarios on {report['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

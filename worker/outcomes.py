@@ -1,0 +1,31 @@
+"""What a generation means for its job: success with a decision, or which failure (DESIGN §6, §9)."""
+
+from __future__ import annotations
+
+from shared.decision import find_decision
+from shared.models import JobStatus
+from worker.claims import JobOutcome
+from worker.runtime import GenerationResult
+
+
+def job_outcome(result: GenerationResult, output: str, switch_ms: float) -> JobOutcome:
+    """`output` is the job's format: "decision" requires a valid decision object, "text" does not."""
+    text = result.text.replace("\x00", "\ufffd") if result.text is not None else None  # PostgreSQL refuses NUL
+    timings = dict(switch_ms=switch_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
+                   prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
+    if result.error_code:
+        return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code=result.error_code,
+                          error_message=result.error_message, **timings)
+    found = find_decision(result.text or "")
+    decision = None
+    if found is not None:
+        # The confidence is the model's own probability of its decision, never a number it wrote.
+        decision = {k: v for k, v in found.value.items() if k != "confidence"}
+        probability = result.span_probability(*found.span)
+        if probability is not None:
+            decision["confidence"] = round(probability, 4)
+    if decision is None and output == "decision":
+        return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code="invalid_output",
+                          error_message="the answer holds no valid JSON decision object; the raw text is kept",
+                          **timings)
+    return JobOutcome(status=JobStatus.SUCCEEDED, result_text=text, decision=decision, **timings)
