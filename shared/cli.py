@@ -157,6 +157,41 @@ def models_random(
         typer.echo(f"{name}: {path}")
 
 
+@models_app.command("build-demo")
+def models_build_demo(
+    out: Annotated[Path, typer.Option(help="directory to write base/, kev/, laya/ and BUILD.json into")] = Path(
+        "models/demo"),
+    data_dir: Annotated[Path, typer.Option(help="where the generated train/val/test data is written")] = Path(
+        "build/demo-data"),
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda (CUDA: adapters trained on an NF4 base)")] = "auto",
+    quick: Annotated[bool, typer.Option(help="a tiny model, a few steps each (tests); not the shipped one")] = False,
+    seed: Annotated[int, typer.Option(help="the one seed every stage derives its randomness from")] = 0,
+) -> None:
+    """Build the demo model reproducibly: data, BPE tokenizer, pretrained base, Kev and Laya adapters, manifests."""
+    import logging
+    import shlex
+
+    from worker.demo_model import build_demo
+
+    if device not in ("auto", "cpu", "cuda"):
+        _fail("--device must be auto, cpu or cuda")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    command = shlex.join(["kevlaya", *sys.argv[1:]])
+    try:
+        build = build_demo(out, data_dir=data_dir, device=device, quick=quick, seed=seed, command=command)
+    except ValueError as exc:
+        _fail(str(exc))
+    for name, seconds in build["stage_seconds"].items():
+        typer.echo(f"{name:<12} {seconds:8.1f}s")
+    typer.echo(f"{'total':<12} {build['total_seconds']:8.1f}s")
+    typer.echo(f"base {build['parameters']['base'] / 1e6:.2f}M parameters; sizes (bytes): {build['bytes']}")
+    typer.echo(f"pretrain {build['pretrain']['tokens_per_second']:,.0f} tokens/s; adapters "
+               + ", ".join(f"{k} {v['tokens_per_second']:,.0f} tokens/s" for k, v in build["adapters"].items()))
+    for name, score in build["test"].items():
+        typer.echo(f"test {name:<22} valid JSON {score['valid_rate']:6.1%}  accuracy {score['accuracy']:6.1%}")
+    typer.echo(f"written to {out}")
+
+
 @models_app.command("verify")
 def models_verify() -> None:
     """Check the SHA-256 manifests of the configured base model and adapters."""
@@ -172,6 +207,57 @@ def models_verify() -> None:
         raise typer.Exit(1)
 
 
+@app.command("train")
+def train(
+    data: Annotated[Path, typer.Argument(help='JSONL file of {"prompt", "completion", "label"?} records')],
+    adapter: Annotated[str, typer.Option(help="kev or laya: picks the preset (r, alpha, lr, system prompt)")],
+    base: Annotated[Path, typer.Option(help="base model directory (Hugging Face format, with its tokenizer)")],
+    out: Annotated[Path, typer.Option(help="directory to write the adapter, training.json and the manifest into")],
+    r: Annotated[Optional[int], typer.Option(help="LoRA rank (preset: kev 16, laya 8)")] = None,
+    alpha: Annotated[Optional[int], typer.Option(help="LoRA alpha (preset: kev 32, laya 16)")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="peak learning rate (preset: kev 1e-4, laya 2e-4)")] = None,
+    targets: Annotated[str, typer.Option(help="comma-separated module names to adapt")] = "q_proj,v_proj",
+    epochs: Annotated[float, typer.Option(help="passes over the (resampled) data")] = 1.0,
+    max_steps: Annotated[Optional[int], typer.Option(help="optimizer steps; overrides --epochs")] = None,
+    batch_size: Annotated[int, typer.Option(help="samples per micro-batch")] = 16,
+    grad_accum: Annotated[int, typer.Option(help="micro-batches per optimizer step")] = 1,
+    max_seq_tokens: Annotated[int, typer.Option(help="longer samples (prompt + completion) are left out")] = 512,
+    eval_file: Annotated[Optional[Path], typer.Option(help="labelled JSONL to score decisions on afterwards")] = None,
+    system_prompt: Annotated[Optional[str], typer.Option(help="(default: the adapter's serving system prompt)")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda (CUDA: QLoRA on an NF4 base)")] = "auto",
+) -> None:
+    """Train a Kev or Laya LoRA adapter on a base model (QLoRA on CUDA, full-precision base on the CPU)."""
+    import logging
+
+    from worker.training import DataError, TrainConfig, TrainingDiverged, preset, train_adapter
+
+    if adapter not in ("kev", "laya"):
+        _fail("--adapter must be kev or laya")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    defaults = preset(adapter)
+    try:
+        config = TrainConfig(
+            base_model=base, data_file=data, output_dir=out, adapter=adapter,
+            system_prompt=defaults["system_prompt"] if system_prompt is None else system_prompt,
+            r=defaults["r"] if r is None else r, alpha=defaults["alpha"] if alpha is None else alpha,
+            lr=defaults["lr"] if lr is None else lr,
+            target_modules=tuple(t.strip() for t in targets.split(",") if t.strip()), epochs=epochs,
+            max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, max_seq_tokens=max_seq_tokens,
+            eval_file=eval_file, seed=seed, device=device,
+        )
+        report = train_adapter(config)
+    except DataError as exc:  # every problem with its line number, no traceback: the file is at fault
+        typer.secho(f"error: {exc.path} cannot be used for training; nothing was trained", fg=typer.colors.RED,
+                    err=True)
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2)
+    except (ValueError, OSError, TrainingDiverged) as exc:
+        _fail(str(exc))
+    typer.echo(report.summary())
+    typer.echo(f"adapter written to {out}")
+
+
 @app.command("run")
 def run(
     flower: Annotated[bool, typer.Option(help="also serve Flower")] = True,
@@ -180,6 +266,60 @@ def run(
     from shared.local_run import run_local
 
     sys.exit(run_local(with_flower=flower))
+
+
+@app.command("eval")
+def evaluate(
+    scenarios: Annotated[Path, typer.Option(help="held-out test scenarios (JSONL from the demo build)")] = Path(
+        "models/demo/test_scenarios.jsonl"),
+    out: Annotated[Path, typer.Option(help="directory for results.json and results.png")] = Path("eval/results"),
+    modes: Annotated[str, typer.Option(help="comma-separated: base, laya, kev, auto")] = "base,laya,kev,auto",
+    limit: Annotated[Optional[int], typer.Option(help="evaluate only the first N scenarios")] = None,
+    batch_size: Annotated[int, typer.Option(help="jobs per forward pass; 1 = each job served alone")] = 1,
+    compare_precision: Annotated[bool, typer.Option(
+        help="CUDA only: also run Laya and Kev on an fp16 base and report NF4 vs fp16 decision agreement")] = False,
+) -> None:
+    """Decision accuracy, valid-JSON rate and latency per mode on the held-out split, through the real runtime.
+
+    Uses the configured base model and adapters (KEVLAYA_BASE_MODEL, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
+    import json
+    import logging
+    import shlex
+
+    from worker.evaluation import MODES, agreement, load_scenarios, plot, run_evaluation, table
+    from worker.runtime import AdapterRuntime
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not chosen or any(m not in MODES for m in chosen):
+        _fail(f"--modes takes a comma-separated subset of {', '.join(MODES)}")
+    if batch_size < 1:
+        _fail("--batch-size must be at least 1")
+    if not scenarios.exists():
+        _fail(f"no scenarios at {scenarios}: build them with `kevlaya models build-demo` or pass --scenarios")
+    logging.basicConfig(level=logging.WARNING)
+    settings = get_settings()
+    items = load_scenarios(scenarios, limit)
+    runtime = AdapterRuntime.load(settings)
+    report = run_evaluation(runtime, settings, items, chosen, batch_size)
+    if compare_precision:
+        if runtime.device != "cuda":
+            _fail("--compare-precision needs a CUDA device (NF4 exists only there)")
+        del runtime
+        fp16 = run_evaluation(AdapterRuntime.load(settings.model_copy(update={"quantize_4bit": False})),
+                              settings, items, ("laya", "kev"), batch_size)
+        report["nf4_vs_fp16_agreement"] = {
+            mode: agreement(report["answers"][mode], fp16["answers"][mode])
+            for mode in ("laya", "kev") if mode in report["answers"]
+        }
+        report["fp16_modes"] = fp16["modes"]
+    report["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / "results.png")
+    typer.echo(table(report))
+    for mode, value in report.get("nf4_vs_fp16_agreement", {}).items():
+        typer.echo(f"NF4 vs fp16 decision agreement, {mode}: {value:.1%}")
+    typer.echo(f"written {out / 'results.json'} and {out / 'results.png'}")
 
 
 def main() -> None:

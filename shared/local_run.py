@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import redis
 
 from shared.keys import generate_key
-from shared.settings import DEFAULT_MODEL_DIR, Settings, get_settings
+from shared.settings import Settings, get_settings
 
 log = logging.getLogger("kevlaya.run")
 STATE_DIR = Path(".kevlaya")
@@ -59,25 +59,6 @@ def ensure_redis(url: str) -> subprocess.Popen | None:
     raise SystemExit(f"started redis-server but it does not answer at {url}")
 
 
-def model_env(settings: Settings) -> dict[str, str]:
-    """Until the trained demo model is in this checkout, the default paths get a random-weight
-    placeholder of the same layout, so the service runs end to end (its answers are noise)."""
-    if Path(settings.base_model).exists() or Path(settings.base_model) != DEFAULT_MODEL_DIR / "base":
-        return {}
-    from worker.model_factory import build_random_model
-
-    target = STATE_DIR / "placeholder-model"
-    if not (target / "base").exists():
-        log.warning("no model at %s: building a random-weight placeholder in %s", settings.base_model, target)
-        build_random_model(target, "tiny")
-    log.warning("serving the random-weight placeholder model in %s: answers are noise", target)
-    return {
-        "KEVLAYA_BASE_MODEL": str(target / "base"),
-        "KEVLAYA_KEV__PATH": str(target / "kev"),
-        "KEVLAYA_LAYA__PATH": str(target / "laya"),
-    }
-
-
 def local_api_key(settings: Settings) -> str:
     if settings.api_key:
         return settings.api_key.get_secret_value()
@@ -98,7 +79,7 @@ def run_local(with_flower: bool = True) -> int:
     log.info("database: %s (migrated)", settings.database_url)
     redis_process = ensure_redis(settings.redis_url)
     key = local_api_key(settings)
-    env = {**os.environ, **model_env(settings), "KEVLAYA_API_KEY": key}
+    env = {**os.environ, "KEVLAYA_API_KEY": key}
     kevlaya = [sys.executable, "-m", "shared.cli"]
     children = {
         "worker": subprocess.Popen([*kevlaya, "worker"], env=env),

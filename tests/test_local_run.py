@@ -1,5 +1,5 @@
 """The README's run path on a fresh clone: embedded defaults (SQLite file in the working directory, a
-Redis it starts itself, CPU), a job submitted with curl succeeds, Flower answers."""
+Redis it starts itself, the shipped demo model, CPU), jobs submitted with curl get decisions, Flower answers."""
 
 from __future__ import annotations
 
@@ -59,12 +59,16 @@ def test_run_on_embedded_defaults_serves_a_job_submitted_with_curl(fresh_clone: 
         wait_until(ready, 180, interval=0.5, what="`kevlaya run` to be ready")
         key = (fresh_clone / ".kevlaya" / "api_key").read_text().strip()
         auth = ["-H", f"Authorization: Bearer {key}"]
-        accepted = curl("-X", "POST", f"{base}/v1/jobs", *auth, "-H", "Content-Type: application/json", "-d",
-                        json.dumps({"adapter": "laya", "input": "Vendor A: 40k, low risk. Vendor B: 25k, high risk.",
-                                    "params": {"output": "text", "max_new_tokens": 16}}))
-        job = curl(f"{base}/v1/jobs/{accepted['id']}/wait?timeout=60", *auth)
-        assert job["status"] == "succeeded" and isinstance(job["result"]["text"], str)
-        assert job["tokens"]["completion"] >= 1
+        scenario = ("Options: A cost 40 risk low days 12 quality 6; B cost 25 risk high days 5 quality 8. "
+                    "Constraints: budget 45, max risk medium. Objective: lowest cost.")
+        for adapter in ("laya", "kev", "auto"):
+            accepted = curl("-X", "POST", f"{base}/v1/jobs", *auth, "-H", "Content-Type: application/json",
+                            "-d", json.dumps({"adapter": adapter, "input": scenario}))
+            job = curl(f"{base}/v1/jobs/{accepted['id']}/wait?timeout=60", *auth)
+            # the shipped demo model answers with a valid decision object (the default output format)
+            assert job["status"] == "succeeded", job["error"]
+            assert job["result"]["decision"]["decision"] in ("A", "B", "none")
+            assert 0 < job["result"]["decision"]["confidence"] <= 1
 
         assert (fresh_clone / "kevlaya.db").exists()  # the default SQLite file, in the working directory
         flower = wait_until(lambda: _get(f"http://127.0.0.1:{flower_port}/"), 60, what="Flower")

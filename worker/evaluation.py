@@ -23,6 +23,7 @@ from worker.outcomes import job_outcome
 from worker.runtime import AdapterRuntime, GenerationRequest
 
 MODES = ("base", "laya", "kev", "auto")
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 
 
 @dataclass
@@ -151,6 +152,15 @@ def run_evaluation(runtime: AdapterRuntime, settings: Settings, scenarios: list[
     if "auto" in modes:
         answers["auto"] = evaluator.cascade(answers["laya"], answers["kev"])
     reports = {mode: summarize(mode, answers[mode]) for mode in modes}
+    sweep = None
+    if "auto" in modes:
+        # The stored answers re-combine for any threshold: the accuracy / latency trade-off at no extra cost.
+        sweep = []
+        for threshold in THRESHOLDS:
+            tuned = Evaluator(runtime, settings.model_copy(update={"cascade_threshold": threshold}), batch_size)
+            summary = summarize("auto", tuned.cascade(answers["laya"], answers["kev"]))
+            sweep.append({"threshold": threshold, "accuracy": summary.accuracy,
+                          "mean_latency_ms": summary.mean_latency_ms, "escalation_rate": summary.escalation_rate})
     return {
         "scenarios": len(scenarios),
         "batch_size": batch_size,
@@ -158,6 +168,7 @@ def run_evaluation(runtime: AdapterRuntime, settings: Settings, scenarios: list[
         "cascade_threshold": settings.cascade_threshold,
         "modes": {mode: {k: v for k, v in asdict(r).items() if k != "answers"} for mode, r in reports.items()},
         "laya_calibration": calibration(answers["laya"]) if "laya" in answers else None,
+        "cascade_threshold_sweep": sweep,
         "answers": {mode: [asdict(a) for a in r.answers] for mode, r in reports.items()},
     }
 
@@ -178,6 +189,9 @@ def table(report: dict[str, object]) -> str:
     if report.get("laya_calibration") and report["laya_calibration"]["ece"] is not None:
         lines.append(f"Laya confidence calibration: ECE {report['laya_calibration']['ece']:.3f} "
                      f"over {report['laya_calibration']['n']} answers")
+    for row in report.get("cascade_threshold_sweep") or []:
+        lines.append(f"  auto at threshold {row['threshold']:.2f}: accuracy {row['accuracy']:.1%}, "
+                     f"mean {row['mean_latency_ms']:.1f} ms, escalated {row['escalation_rate']:.1%}")
     return "\n".join(lines)
 
 

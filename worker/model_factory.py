@@ -1,7 +1,7 @@
 """Random-weight base models with Kev/Laya LoRA adapters, written to disk in HF format.
 
-Used by the tests (a tiny model), by GPU benchmarks (real shapes, random weights) and as the placeholder demo
-model until a trained one is present. Answers from these models are noise; their shapes and file layout are real.
+Used by the tests (a tiny model) and by GPU benchmarks (real shapes, random weights). Answers from these models
+are noise; their shapes and file layout are real.
 """
 
 from __future__ import annotations
@@ -77,14 +77,21 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
+SPECIAL_TOKENS = (PAD, EOS, *ROLE_TOKENS.values())
+
+
 def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE with no merges (one token per byte) plus pad/eos and the three role tokens."""
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    specials = [PAD, EOS, *ROLE_TOKENS.values()]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return chat_tokenizer(backend)
+
+
+def chat_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    """Wrap a byte-level `tokenizers` backend with the special tokens and chat template every kevlaya model uses."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD, eos_token=EOS, bos_token=EOS,

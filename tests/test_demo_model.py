@@ -1,0 +1,42 @@
+"""The shipped demo model: its files are what the build wrote, and its adapters do the real work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared.manifest import verify_manifest
+from shared.settings import Settings
+from worker.evaluation import Evaluator, load_scenarios, summarize
+from worker.runtime import AdapterRuntime
+
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+
+
+@pytest.mark.parametrize("part", [".", "base", "kev", "laya"])
+def test_demo_manifests_verify(part):
+    assert verify_manifest(DEMO / part) == []
+
+
+def test_build_record_names_its_command_and_size_budget():
+    build = json.loads((DEMO / "BUILD.json").read_text())
+    assert build["command"].startswith("kevlaya models build-demo")
+    assert sum(build["bytes"].values()) <= 25 * 2**20  # base + both adapters small enough to commit
+
+
+@pytest.fixture(scope="module")
+def evaluator() -> Evaluator:
+    settings = Settings(_env_file=None, base_model=str(DEMO / "base"), device="cpu",
+                        kev={"path": str(DEMO / "kev")}, laya={"path": str(DEMO / "laya")})
+    return Evaluator(AdapterRuntime.load(settings), settings, batch_size=8)
+
+
+def test_adapters_decide_where_the_bare_base_cannot(evaluator):
+    scenarios = load_scenarios(DEMO / "test_scenarios.jsonl", limit=16)
+    base, laya, kev = (summarize(m, evaluator.answers(m, scenarios, progress=False)) for m in ("base", "laya", "kev"))
+    assert laya.valid_json_rate == 1.0 and kev.valid_json_rate == 1.0
+    assert kev.accuracy >= 0.9 and laya.accuracy >= 0.6
+    assert base.accuracy < 0.3 < min(laya.accuracy, kev.accuracy)
+    assert all(0 < a.confidence <= 1 for a in laya.answers)

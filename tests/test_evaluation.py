@@ -1,0 +1,53 @@
+"""`kevlaya eval` end to end on a tiny model: every mode runs through the real runtime and the report
+is consistent with its own per-scenario answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.decision_data import write_dataset
+from worker.evaluation import Answer, calibration, summarize
+
+
+def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):
+    data = write_dataset(tmp_path / "data", n_train=4, n_val=2, n_test=6, seed=1)
+    env = {**os.environ, "KEVLAYA_BASE_MODEL": str(tiny_model["base"]), "KEVLAYA_KEV__PATH": str(tiny_model["kev"]),
+           "KEVLAYA_LAYA__PATH": str(tiny_model["laya"]), "KEVLAYA_DEVICE": "cpu",
+           "KEVLAYA_KEV__MAX_NEW_TOKENS": "12", "KEVLAYA_LAYA__MAX_NEW_TOKENS": "6"}
+    out = tmp_path / "results"
+    run = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--scenarios", str(data["test_scenarios"]),
+                          "--out", str(out), "--batch-size", "4"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "mode" in run.stdout and "auto" in run.stdout
+    report = json.loads((out / "results.json").read_text())
+    assert (out / "results.png").stat().st_size > 1000
+    assert report["command"].startswith("kevlaya eval") and report["scenarios"] == 6
+    for mode, summary in report["modes"].items():
+        answers = report["answers"][mode]
+        assert len(answers) == 6
+        assert summary["accuracy"] == sum(a["correct"] for a in answers) / 6
+        assert summary["mean_completion_tokens"] > 0 and summary["mean_latency_ms"] > 0
+    # random weights never produce a decision, so the cascade escalates everything and pays for both
+    assert report["modes"]["auto"]["escalation_rate"] == 1.0
+    laya, kev, auto = (report["answers"][m] for m in ("laya", "kev", "auto"))
+    assert all(a["latency_ms"] == pytest.approx(l["latency_ms"] + k["latency_ms"]) for a, l, k in zip(auto, laya, kev))
+
+
+def test_summary_and_calibration_on_known_answers():
+    answers = [Answer(id=str(i), label="A", decision="A" if i < 3 else "B", confidence=c, correct=i < 3,
+                      latency_ms=float(10 * (i + 1)), completion_tokens=5)
+               for i, c in enumerate([0.95, 0.9, 0.92, 0.15, 0.1])]
+    report = summarize("laya", answers)
+    assert report.accuracy == 0.6 and report.valid_json_rate == 1.0
+    assert report.mean_latency_ms == 30.0 and report.p95_latency_ms == 50.0
+    calib = calibration(answers)
+    # the confident answers are right and the unsure ones wrong: well calibrated, small ECE
+    assert calib["n"] == 5 and calib["ece"] < 0.15
+    assert {tuple(b["bin"]) for b in calib["bins"]} == {(0.9, 1.0), (0.1, 0.2)}

@@ -1,0 +1,259 @@
+"""Training on the CPU with tiny models: the loss falls, NaN rollback, input validation, overlong filtering,
+class balancing, serving-identical formatting, manifests, the `train` command and the quick demo build."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared.manifest import MANIFEST_NAME, verify_manifest
+from worker.model_factory import build_random_model
+from worker.training import (
+    IGNORE_INDEX,
+    OUTPUT_FILES,
+    DataError,
+    Encoded,
+    PretrainConfig,
+    TrainConfig,
+    TrainingDiverged,
+    balance_by_label,
+    chat_messages,
+    encode_samples,
+    pretrain_base,
+    read_samples,
+    train_adapter,
+)
+
+SYSTEM = "You are Laya."
+RECORDS = [  # few and short, so a tiny model memorises them in a few dozen steps
+    {"prompt": "Pick A or B.", "completion": '{"decision": "A"}', "label": "A"},
+    {"prompt": "Cheapest of A, B?", "completion": '{"decision": "B"}', "label": "B"},
+    {"prompt": "Fastest one?", "completion": '{"decision": "A"}', "label": "A"},
+    {"prompt": "None fits.", "completion": '{"decision": "none"}', "label": "none"},
+]
+
+
+@pytest.fixture(scope="module")
+def random_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_random_model(tmp_path_factory.mktemp("training-model"), "tiny", seed=0, adapters={})["base"]
+
+
+@pytest.fixture(scope="module")
+def base(random_base: Path) -> Path:
+    """The tiny model after a little pretraining: a random one's output layer is too weak for LoRA to move."""
+    tokenizer = AutoTokenizer.from_pretrained(random_base)
+    model = AutoModelForCausalLM.from_pretrained(random_base)
+    texts = ['Pick one of A, B or none. {"answer": "A"} {"choice": "B"} The decision is none.',
+             'Options: A, B. {"decision": "maybe"}'] * 16
+    pretrain_base(model, tokenizer, texts, PretrainConfig(seq_len=64, batch_size=8, lr=1e-2, max_steps=60,
+                                                          warmup_steps=5, device="cpu", progress=False))
+    path = random_base.parent / "pretrained"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def config(base: Path, tmp_path: Path, records: list[dict] = RECORDS, **overrides: object) -> TrainConfig:
+    settings = dict(base_model=base, data_file=write_jsonl(tmp_path / "data.jsonl", records),
+                    output_dir=tmp_path / "adapter", adapter="laya", system_prompt=SYSTEM, r=8, alpha=16,
+                    dropout=0.0, lr=1e-2, max_steps=40, batch_size=4, warmup_steps=2, progress=False)
+    return TrainConfig(**{**settings, **overrides})
+
+
+def test_loss_falls_on_a_memorisable_set(base: Path, tmp_path: Path) -> None:
+    report = train_adapter(config(base, tmp_path))
+    assert report.steps == 40 and report.rollbacks == 0
+    assert report.last_loss < 0.5 * report.first_loss, (report.first_loss, report.last_loss)
+    assert report.tokens > 0 and report.tokens_per_second > 0
+
+
+def test_same_seed_same_adapter(base: Path, tmp_path: Path) -> None:
+    first = train_adapter(config(base, tmp_path / "one", max_steps=5))
+    second = train_adapter(config(base, tmp_path / "two", max_steps=5))
+    assert first.last_loss == second.last_loss
+    a = load_file(tmp_path / "one" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "two" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_injected_nan_rolls_back_halves_the_rate_and_finishes(base: Path, tmp_path: Path) -> None:
+    cfg = config(base, tmp_path, max_steps=8, checkpoint_every=2, inject_nan_at_step=3)
+    report = train_adapter(cfg)
+    assert report.rollbacks == 1 and report.steps == 8
+    record = json.loads((cfg.output_dir / "training.json").read_text())
+    assert record["rollbacks"] == [{"step": 3, "restored_step": 2, "lr_scale": 0.5}]
+    assert len(record["losses"]) == 7  # the failed step applied no update
+    weights = load_file(cfg.output_dir / "adapter_model.safetensors")
+    assert weights and all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_too_many_rollbacks_give_up_and_write_nothing(base: Path, tmp_path: Path) -> None:
+    cfg = config(base, tmp_path, max_steps=4, inject_nan_at_step=2, max_rollbacks=0)
+    with pytest.raises(TrainingDiverged, match="after 0 rollbacks"):
+        train_adapter(cfg)
+    assert not cfg.output_dir.exists()
+
+
+def test_pretraining_loss_falls_and_survives_a_nan(random_base: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(random_base)
+    model = AutoModelForCausalLM.from_pretrained(random_base)
+    texts = ["Option A costs 40, within the budget of 50."] * 64
+    report = pretrain_base(model, tokenizer, texts, PretrainConfig(
+        seq_len=32, batch_size=8, lr=1e-2, max_steps=30, warmup_steps=2, checkpoint_every=5,
+        inject_nan_at_step=12, device="cpu", progress=False))
+    assert report.rollbacks == 1 and report.steps == 30
+    assert report.last_loss < 0.5 * report.first_loss
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bad_lines_are_listed_with_their_numbers_and_nothing_is_written(base: Path, tmp_path: Path) -> None:
+    good = json.dumps(RECORDS[0]).encode()
+    lines = [
+        good,                                              # 1 fine
+        b"",                                               # 2 empty
+        b'{"prompt": "x", "completion": ',                 # 3 invalid JSON
+        json.dumps({"prompt": "x"}).encode(),              # 4 missing completion
+        b'{"prompt": "caf\xe9", "completion": "y"}',       # 5 Latin-1 byte, not UTF-8
+        json.dumps({"prompt": 3, "completion": "y"}).encode(),  # 6 wrong type
+        json.dumps({"prompt": " ", "completion": "y", "label": 1}).encode(),  # 7 empty prompt, label not a string
+        json.dumps(["a list"]).encode(),                   # 8 not an object
+    ]
+    cfg = config(base, tmp_path)
+    data = cfg.data_file
+    data.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError) as caught:
+        train_adapter(cfg)
+    problems = caught.value.problems
+    expected = {
+        2: "empty line", 3: "invalid JSON", 4: 'field "completion" is missing', 5: "not valid UTF-8",
+        6: 'field "prompt" must be a string', 8: "expected a JSON object",
+    }
+    for number, text in expected.items():
+        assert any(p.startswith(f"{data}:{number}: ") and text in p for p in problems), (number, problems)
+    assert any(p.startswith(f"{data}:7: ") and 'field "prompt" is empty' in p for p in problems)
+    assert any(p.startswith(f"{data}:7: ") and 'field "label" must be a string' in p for p in problems)
+    assert not any(p.startswith(f"{data}:1:") for p in problems)
+    assert not cfg.output_dir.exists()
+
+
+def test_samples_are_formatted_exactly_as_served(base: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    samples = read_samples(write_jsonl(Path(base).parent / "fmt.jsonl", RECORDS[:1]))
+    [encoded] = encode_samples(tokenizer, samples, SYSTEM)
+    served = tokenizer.apply_chat_template(chat_messages(SYSTEM, RECORDS[0]["prompt"]), add_generation_prompt=True,
+                                           tokenize=True, return_dict=True, sanitize_control_tokens=True)["input_ids"]
+    completion = tokenizer(RECORDS[0]["completion"], add_special_tokens=False)["input_ids"]
+    assert encoded.input_ids == [*served, *completion, tokenizer.eos_token_id]
+    assert encoded.labels == [IGNORE_INDEX] * len(served) + [*completion, tokenizer.eos_token_id]
+
+
+def test_overlong_samples_are_filtered_and_counted(base: Path, tmp_path: Path) -> None:
+    long = {"prompt": "Pick one. " * 20, "completion": '{"decision": "A"}', "label": "A"}
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    lengths = [len(e.input_ids) for e in encode_samples(tokenizer, read_samples(
+        write_jsonl(tmp_path / "probe.jsonl", [*RECORDS, long])), SYSTEM)]
+    limit = max(lengths[:-1])
+    assert lengths[-1] > limit
+    report = train_adapter(config(base, tmp_path, [*RECORDS, long, long], max_seq_tokens=limit, max_steps=2))
+    assert report.filtered == 2
+    assert sum(report.labels_before.values()) == len(RECORDS)
+
+
+def test_balancing_oversamples_minorities_deterministically() -> None:
+    examples = [Encoded([i], [i], label) for i, label in enumerate("AAAAABBC")]
+    balanced, before, after = balance_by_label(examples, seed=3)
+    assert before == {"A": 5, "B": 2, "C": 1} and after == {"A": 5, "B": 5, "C": 5}
+    assert [e.label for e in balanced].count("B") == 5 and len(balanced) == 15
+    b_repeats = sorted(sum(e is original for e in balanced) for original in examples if original.label == "B")
+    assert b_repeats == [2, 3]  # whole copies first, then the remainder without replacement
+    assert balanced == balance_by_label(examples, seed=3)[0]
+
+
+def test_unlabelled_data_is_not_balanced() -> None:
+    examples = [Encoded([i], [i], None) for i in range(3)]
+    balanced, before, after = balance_by_label(examples, seed=0)
+    assert balanced == examples and before == after == {"": 3}
+
+
+def test_output_has_only_adapter_files_and_a_manifest_that_verifies(base: Path, tmp_path: Path) -> None:
+    cfg = config(base, tmp_path, max_steps=3)
+    report = train_adapter(cfg)
+    assert {p.name for p in cfg.output_dir.iterdir()} == OUTPUT_FILES
+    assert verify_manifest(cfg.output_dir) == []
+    record = json.loads((cfg.output_dir / "training.json").read_text())
+    assert record["config"]["adapter"] == "laya" and record["report"]["steps"] == report.steps == 3
+    assert record["report"]["labels_after"] == {"A": 2, "B": 2, "none": 2}
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), cfg.output_dir, adapter_name="laya")
+    assert "laya" in model.peft_config
+
+
+def test_output_dir_with_other_files_is_refused(base: Path, tmp_path: Path) -> None:
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds other files"):
+        train_adapter(config(base, tmp_path, max_steps=1))
+
+
+def kevlaya(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+
+def test_train_command_reports_bad_lines_and_exits_2(base: Path, tmp_path: Path) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(RECORDS[0]) + "\n\nnot json\n", encoding="utf-8")
+    result = kevlaya("train", str(data), "--adapter", "laya", "--base", str(base), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    assert f"{data}:2: empty line" in result.stderr and f"{data}:3: invalid JSON" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_command_trains_and_prints_the_report(base: Path, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "data.jsonl", RECORDS)
+    result = kevlaya("train", str(data), "--adapter", "kev", "--base", str(base), "--out", str(tmp_path / "out"),
+                     "--max-steps", "2", "--batch-size", "2", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "steps 2 on cpu" in result.stdout and "rollbacks 0" in result.stdout
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 16  # kev's preset
+    assert verify_manifest(tmp_path / "out") == []
+
+
+def test_quick_demo_build_loads_and_verifies(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    result = kevlaya("models", "build-demo", "--quick", "--out", str(out), "--data-dir", str(tmp_path / "data"),
+                     "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("base", "kev", "laya"):
+        assert verify_manifest(out / name) == [], name
+    assert (out / MANIFEST_NAME).exists() and verify_manifest(out) == []
+    build = json.loads((out / "BUILD.json").read_text())
+    assert build["quick"] and build["seed"] == 0 and build["token_coverage"]["unseen_token_types"] == 0
+    assert {"data", "tokenizer", "base", "adapter kev", "adapter laya", "test"} <= build["stage_seconds"].keys()
+    assert (tmp_path / "data" / "laya" / "test.jsonl").exists()
+    assert len((out / "test_scenarios.jsonl").read_text().splitlines()) == build["spec"]["n_test"]
+
+    tokenizer = AutoTokenizer.from_pretrained(out / "base")
+    base_model = AutoModelForCausalLM.from_pretrained(out / "base")
+    model = PeftModel.from_pretrained(base_model, out / "kev", adapter_name="kev")
+    model.load_adapter(out / "laya", adapter_name="laya")
+    model.set_adapter("laya")
+    encoded = tokenizer.apply_chat_template(chat_messages(SYSTEM, "Options: A cost 10."), add_generation_prompt=True,
+                                            return_dict=True, return_tensors="pt")
+    output = model.generate(**encoded, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert output.shape[1] > encoded["input_ids"].shape[1]
