@@ -272,7 +272,7 @@ def run(
 def evaluate(
     scenarios: Annotated[Path, typer.Option(help="held-out test scenarios (JSONL from the demo build)")] = Path(
         "models/demo/test_scenarios.jsonl"),
-    out: Annotated[Path, typer.Option(help="directory for results.json and results.png")] = Path("eval/results"),
+    out: Annotated[Path, typer.Option(help="directory for results.json and results.png")] = Path("models/eval"),
     modes: Annotated[str, typer.Option(help="comma-separated: base, laya, kev, auto")] = "base,laya,kev,auto",
     limit: Annotated[Optional[int], typer.Option(help="evaluate only the first N scenarios")] = None,
     batch_size: Annotated[int, typer.Option(help="jobs per forward pass; 1 = each job served alone")] = 1,

@@ -28,13 +28,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from shared.manifest import MANIFEST_NAME, write_manifest
 from worker import decision_data as dd
 from worker.model_factory import SPECIAL_TOKENS, chat_tokenizer
+from worker.runtime import resolve_device
 from worker.training import (
     PretrainConfig,
     TrainConfig,
     preset,
     pretrain_base,
     read_samples,
-    resolve_device,
     score_decisions,
     train_adapter,
 )

@@ -178,7 +178,8 @@ def _sampling_key(request: GenerationRequest) -> SamplingKey:
     return (request.temperature, request.top_p, request.seed)
 
 
-def _resolve_device(setting: str) -> str:
+def resolve_device(setting: str) -> str:
+    """`auto` → cuda when torch sees a GPU, else cpu; asking for cuda without one is an error."""
     if setting == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if setting == "cuda" and not torch.cuda.is_available():
@@ -227,7 +228,7 @@ class AdapterRuntime:
     @classmethod
     def load(cls, settings: Settings) -> AdapterRuntime:
         started = time.perf_counter()
-        device = _resolve_device(settings.device)
+        device = resolve_device(settings.device)
         base = settings.base_model
         if settings.verify_manifests and (problems := verify_manifest(Path(base))):
             raise RuntimeError(f"base model {base} failed verification: {'; '.join(problems)}")

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from shared.decision import parse_decision
 from shared.manifest import MANIFEST_NAME, write_manifest
 from shared.settings import KevProfile, LayaProfile
+from worker.runtime import resolve_device
 
 log = logging.getLogger("kevlaya.training")
 
@@ -477,14 +478,6 @@ def _report(result: _LoopResult, steps: int, samples: int, device: str, **extra:
         seconds=result.seconds, tokens=result.tokens,
         tokens_per_second=result.tokens / max(result.seconds, 1e-9), samples=samples, device=device, **extra,
     )
-
-
-def resolve_device(setting: str) -> str:
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device is 'cuda' but torch sees no CUDA device")
-    return setting
 
 
 def _seed_everything(seed: int) -> torch.Generator:
