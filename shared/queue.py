@@ -49,12 +49,6 @@ def redis_client() -> redis.Redis:
     return redis.Redis.from_url(get_settings().redis_url, socket_timeout=2, socket_connect_timeout=2)
 
 
-def queue_length() -> int:
-    """Messages waiting in the jobs queue (Celery's Redis transport keeps them in a list of that name)."""
-    return int(redis_client().llen(celery_app().conf.task_default_queue))
-
-
-
 def ping_queue() -> None:
     try:
         redis_client().ping()

@@ -37,7 +37,6 @@ def fresh_clone(tmp_path: Path) -> Path:
     return clone
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_run_on_embedded_defaults_serves_a_job_submitted_with_curl(fresh_clone: Path, tmp_path: Path):
     api_port, flower_port, redis_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEVLAYA_")}

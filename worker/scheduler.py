@@ -51,7 +51,8 @@ class SchedulerState:
         if adapter == self.active_adapter:
             self.consecutive_batches += 1
         else:
-            self.switches += self.active_adapter is not None
+            if self.active_adapter is not None:  # the first adapter of a worker is a load, not a switch
+                self.switches += 1
             self.active_adapter, self.consecutive_batches = adapter, 1
 
 

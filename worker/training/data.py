@@ -1,0 +1,166 @@
+"""Training data: JSONL validation with line numbers, chat-format encoding, overlong filter, label balancing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from worker.training.config import IGNORE_INDEX, DataError
+
+log = logging.getLogger("kevlaya.training")
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt: str
+    completion: str
+    label: str | None
+    line: int
+
+
+def _field_problem(record: dict[str, Any], name: str, required: bool) -> str | None:
+    if name not in record:
+        return f'field "{name}" is missing' if required else None
+    value = record[name]
+    if not isinstance(value, str):
+        return f'field "{name}" must be a string, not {type(value).__name__}'
+    if not value.strip():
+        return f'field "{name}" is empty'
+    return None
+
+
+def read_samples(path: Path) -> list[Sample]:
+    """Every record of a JSONL file `{"prompt", "completion", "label"?}`; raises DataError listing all problems.
+
+    Lines are decoded one by one, so a bad byte is reported on its own line rather than failing the file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataError(path, [f"{path}: cannot be read ({exc.strerror or exc})"]) from exc
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the final newline ends the last record; it does not start an empty one
+    samples: list[Sample] = []
+    problems: list[str] = []
+    for number, raw_line in enumerate(lines, start=1):
+        where = f"{path}:{number}"
+        try:
+            text = raw_line.removesuffix(b"\r").decode("utf-8")
+        except UnicodeDecodeError as exc:
+            problems.append(f"{where}: not valid UTF-8 (bad byte at column {exc.start + 1})")
+            continue
+        if not text.strip():
+            problems.append(f"{where}: empty line")
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        if not isinstance(record, dict):
+            problems.append(f"{where}: expected a JSON object, got {type(record).__name__}")
+            continue
+        found = [p for name, required in (("prompt", True), ("completion", True), ("label", False))
+                 if (p := _field_problem(record, name, required))]
+        problems.extend(f"{where}: {p}" for p in found)
+        if not found:
+            samples.append(Sample(record["prompt"], record["completion"], record.get("label"), number))
+    if not samples and not problems:
+        problems.append(f"{path}: no records")
+    if problems:
+        raise DataError(path, problems)
+    return samples
+
+
+def chat_messages(system_prompt: str, prompt: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE_INDEX over the prompt, the token ids over the completion and its EOS
+    label: str | None
+
+
+def encode_samples(tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample], system_prompt: str,
+                   chunk: int = 1024) -> list[Encoded]:
+    """Token ids exactly as served: the chat template with the generation prompt, then completion + EOS."""
+    encoded: list[Encoded] = []
+    for start in range(0, len(samples), chunk):
+        part = samples[start:start + chunk]
+        prompts = tokenizer.apply_chat_template(
+            [chat_messages(system_prompt, s.prompt) for s in part], add_generation_prompt=True, tokenize=True,
+            return_dict=True, sanitize_control_tokens=True,
+        )["input_ids"]
+        completions = tokenizer([s.completion for s in part], add_special_tokens=False)["input_ids"]
+        for sample, prompt_ids, completion_ids in zip(part, prompts, completions, strict=True):
+            target = [*completion_ids, tokenizer.eos_token_id]
+            encoded.append(Encoded([*prompt_ids, *target], [IGNORE_INDEX] * len(prompt_ids) + target, sample.label))
+    return encoded
+
+
+def balance_by_label(examples: list[Encoded], seed: int) -> tuple[list[Encoded], dict[str, int], dict[str, int]]:
+    """Oversample every label up to the most frequent one's count; returns (examples, counts before, after).
+
+    Each minority label is repeated whole as often as fits, the remainder drawn without replacement, so no
+    example is repeated twice more than another of its label. Unlabelled data is returned unchanged."""
+    groups: dict[str, list[Encoded]] = {}
+    for example in examples:
+        groups.setdefault(example.label if example.label is not None else "", []).append(example)
+    before = {label: len(group) for label, group in sorted(groups.items())}
+    if "" in groups:
+        if len(groups) > 1:
+            log.warning("%d sample(s) have no label: not balancing by label", len(groups[""]))
+        return examples, before, dict(before)
+    rng = random.Random(seed)
+    target = max(before.values())
+    balanced: list[Encoded] = []
+    for label in sorted(groups):
+        group = groups[label]
+        whole, rest = divmod(target, len(group))
+        balanced.extend(group * whole)
+        balanced.extend(rng.sample(group, rest))
+    after = {label: target for label in sorted(groups)}
+    return balanced, before, after
+
+
+def _collate(examples: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors: training reads whole sequences, so padding after the text needs no position care."""
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[row, :n] = torch.tensor(e.input_ids)
+        labels[row, :n] = torch.tensor(e.labels)
+        attention[row, :n] = 1
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def example_batches(examples: list[Encoded], batch_size: int, pad_id: int,
+                     generator: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches, reshuffled every epoch by the seeded generator."""
+    while True:
+        order = torch.randperm(len(examples), generator=generator).tolist()
+        for start in range(0, len(order), batch_size):
+            yield _collate([examples[i] for i in order[start:start + batch_size]], pad_id)
+
+
+def block_batches(blocks: torch.Tensor, batch_size: int,
+                   generator: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
+    while True:
+        order = torch.randperm(len(blocks), generator=generator)
+        for start in range(0, len(order), batch_size):
+            chunk = blocks[order[start:start + batch_size]]
+            yield {"input_ids": chunk, "attention_mask": torch.ones_like(chunk), "labels": chunk}
