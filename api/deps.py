@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Annotated
 
+import redis
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import IntegrityError
@@ -16,6 +19,7 @@ from api.errors import ApiError
 from shared.db import new_session
 from shared.keys import ensure_bootstrap_key, find_key
 from shared.models import ApiKey
+from shared.queue import redis_client
 from shared.settings import Settings, get_settings
 
 
@@ -28,6 +32,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 _bearer = HTTPBearer(auto_error=False)
+log = logging.getLogger("kevlaya.api")
 
 
 def _unauthorized(message: str) -> ApiError:
@@ -56,7 +61,27 @@ def current_key(
         raise _unauthorized("invalid API key")
     if row.revoked_at is not None and row.revoked_at <= datetime.now(timezone.utc):
         raise _unauthorized("API key revoked")
+    if row.rate_limit_per_minute is not None:
+        _enforce_rate_limit(row)
     return row
+
+
+def _enforce_rate_limit(key: ApiKey) -> None:
+    """A fixed one-minute window per key, counted in Redis so every API process shares it."""
+    window = int(time.time() // 60)
+    counter = f"kevlaya:rate:{key.id}:{window}"
+    try:
+        pipeline = redis_client().pipeline()
+        pipeline.incr(counter)
+        pipeline.expire(counter, 120)
+        used = pipeline.execute()[0]
+    except redis.RedisError:
+        log.warning("rate limit of key %s not checked: Redis unavailable", key.id)
+        return  # reads must keep working while Redis is down; submits refuse on their own
+    if used > key.rate_limit_per_minute:
+        retry_after = str(60 - int(time.time()) % 60)
+        raise ApiError(429, "rate_limited", f"this key allows {key.rate_limit_per_minute} requests per minute",
+                       headers={"Retry-After": retry_after})
 
 
 CurrentKey = Annotated[ApiKey, Depends(current_key)]

@@ -50,7 +50,7 @@ def db_upgrade(
 def keys_create(
     name: Annotated[str, typer.Argument(help="who or what the key is for")],
     admin: Annotated[bool, typer.Option(help="may see every job, not only its own")] = False,
-    rate_limit: Annotated[Optional[int], typer.Option(help="requests per minute to record for this key")] = None,
+    rate_limit: Annotated[Optional[int], typer.Option(help="requests per minute this key may make (default: unlimited)")] = None,
 ) -> None:
     """Create an API key and print it (only this once)."""
     from shared.db import session_scope

@@ -7,8 +7,8 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import text
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
 from sqlalchemy.exc import OperationalError
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
 
 import migrations
 from shared.db import make_engine

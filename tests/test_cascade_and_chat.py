@@ -8,11 +8,11 @@ import pytest
 from openai import OpenAI
 
 from shared.settings import Settings
+from tests.conftest import start_worker, submit, wait_finished
 from worker.cascade import needs_escalation
 from worker.claims import JobOutcome
 from worker.outcomes import job_outcome
 from worker.runtime import GenerationResult
-from tests.conftest import start_worker, submit, wait_finished
 
 
 def result_for(text: str, token_texts: list[str], logprobs: list[float]) -> GenerationResult:

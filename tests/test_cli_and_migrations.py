@@ -6,9 +6,9 @@ import os
 import subprocess
 import sys
 
-from fastapi.testclient import TestClient
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, inspect
 
 from shared.migrate import downgrade, upgrade

@@ -37,7 +37,8 @@ def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):
     # random weights never produce a decision, so the cascade escalates everything and pays for both
     assert report["modes"]["auto"]["escalation_rate"] == 1.0
     laya, kev, auto = (report["answers"][m] for m in ("laya", "kev", "auto"))
-    assert all(a["latency_ms"] == pytest.approx(l["latency_ms"] + k["latency_ms"]) for a, l, k in zip(auto, laya, kev))
+    for cascaded, first, second in zip(auto, laya, kev, strict=True):
+        assert cascaded["latency_ms"] == pytest.approx(first["latency_ms"] + second["latency_ms"])
 
 
 def test_summary_and_calibration_on_known_answers():

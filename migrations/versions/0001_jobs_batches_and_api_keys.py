@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
-import shared.models
 
+import shared.models
 
 revision: str = '0001'
 down_revision: str | None = None
