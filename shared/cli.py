@@ -277,7 +277,8 @@ def evaluate(
     limit: Annotated[Optional[int], typer.Option(help="evaluate only the first N scenarios")] = None,
     batch_size: Annotated[int, typer.Option(help="jobs per forward pass; 1 = each job served alone")] = 1,
     compare_precision: Annotated[bool, typer.Option(
-        help="CUDA only: also run Laya and Kev on an fp16 base and report NF4 vs fp16 decision agreement")] = False,
+        help="also run Laya and Kev with the other base precision (NF4 vs fp16 on CUDA, fp32 vs NF4 on the CPU) "
+             "and report how often they reach the same decision")] = False,
 ) -> None:
     """Decision accuracy, valid-JSON rate and latency per mode on the held-out split, through the real runtime.
 
@@ -287,7 +288,7 @@ def evaluate(
     import shlex
 
     from worker.evaluation import MODES, agreement, load_scenarios, plot, run_evaluation, table
-    from worker.runtime import AdapterRuntime
+    from worker.runtime import AdapterRuntime, uses_nf4
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not chosen or any(m not in MODES for m in chosen):
@@ -302,23 +303,28 @@ def evaluate(
     runtime = AdapterRuntime.load(settings)
     report = run_evaluation(runtime, settings, items, chosen, batch_size)
     if compare_precision:
-        if runtime.device != "cuda":
-            _fail("--compare-precision needs a CUDA device (NF4 exists only there)")
+        nf4 = uses_nf4(runtime.device, settings.quantization)
+        other = settings.model_copy(update={"quantization": "none" if nf4 else "nf4"})
         del runtime
-        fp16 = run_evaluation(AdapterRuntime.load(settings.model_copy(update={"quantize_4bit": False})),
-                              settings, items, ("laya", "kev"), batch_size)
-        report["nf4_vs_fp16_agreement"] = {
-            mode: agreement(report["answers"][mode], fp16["answers"][mode])
-            for mode in ("laya", "kev") if mode in report["answers"]
+        second = run_evaluation(AdapterRuntime.load(other), other, items, ("laya", "kev"), batch_size)
+        nf4_run, reference = (report, second) if nf4 else (second, report)
+        report["precision_comparison"] = {
+            "reference": "fp16" if second["device"] == "cuda" else "fp32",
+            "nf4_modes": nf4_run["modes"],
+            "reference_modes": {m: reference["modes"][m] for m in ("laya", "kev") if m in reference["modes"]},
+            "agreement": {m: agreement(nf4_run["answers"][m], reference["answers"][m])
+                          for m in ("laya", "kev") if m in report["answers"]},
         }
-        report["fp16_modes"] = fp16["modes"]
     report["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out / "results.png")
     typer.echo(table(report))
-    for mode, value in report.get("nf4_vs_fp16_agreement", {}).items():
-        typer.echo(f"NF4 vs fp16 decision agreement, {mode}: {value:.1%}")
+    if comparison := report.get("precision_comparison"):
+        for mode, value in comparison["agreement"].items():
+            typer.echo(f"NF4 vs {comparison['reference']} on {report['device']}, {mode}: same decision {value:.1%}, "
+                       f"accuracy {comparison['nf4_modes'][mode]['accuracy']:.1%} vs "
+                       f"{comparison['reference_modes'][mode]['accuracy']:.1%}")
     typer.echo(f"written {out / 'results.json'} and {out / 'results.png'}")
 
 

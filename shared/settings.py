@@ -65,7 +65,11 @@ class Settings(BaseSettings):
     kev: KevProfile = KevProfile()
     laya: LayaProfile = LayaProfile()
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    quantize_4bit: bool = Field(default=True, description="on CUDA, load the base in NF4 (else fp16)")
+    quantization: Literal["auto", "nf4", "none"] = Field(
+        default="auto",
+        description="auto: NF4 (double quant) on CUDA, full precision on the CPU; nf4 also works on the CPU "
+        "with a bitsandbytes that has a CPU backend; none: fp16 on CUDA, fp32 on the CPU",
+    )
     verify_manifests: bool = True
 
     # Scheduler (DESIGN §4)

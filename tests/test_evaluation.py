@@ -22,7 +22,7 @@ def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):
            "KEVLAYA_KEV__MAX_NEW_TOKENS": "12", "KEVLAYA_LAYA__MAX_NEW_TOKENS": "6"}
     out = tmp_path / "results"
     run = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--scenarios", str(data["test_scenarios"]),
-                          "--out", str(out), "--batch-size", "4"], env=env, capture_output=True, text=True,
+                          "--out", str(out), "--batch-size", "4", "--compare-precision"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "mode" in run.stdout and "auto" in run.stdout
@@ -36,6 +36,11 @@ def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):
         assert summary["mean_completion_tokens"] > 0 and summary["mean_latency_ms"] > 0
     # random weights never produce a decision, so the cascade escalates everything and pays for both
     assert report["modes"]["auto"]["escalation_rate"] == 1.0
+    # on the CPU the configured run is fp32; the comparison loads the same model with an NF4 base
+    comparison = report["precision_comparison"]
+    assert comparison["reference"] == "fp32" and set(comparison["agreement"]) == {"laya", "kev"}
+    assert all(0 <= value <= 1 for value in comparison["agreement"].values())
+    assert comparison["reference_modes"]["kev"] == report["modes"]["kev"]
     laya, kev, auto = (report["answers"][m] for m in ("laya", "kev", "auto"))
     for cascaded, first, second in zip(auto, laya, kev, strict=True):
         assert cascaded["latency_ms"] == pytest.approx(first["latency_ms"] + second["latency_ms"])

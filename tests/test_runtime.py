@@ -350,3 +350,17 @@ def test_out_of_memory_detection() -> None:
     assert is_out_of_memory(RuntimeError("CUDA error: out of memory"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("out of memory"))
+
+
+def test_nf4_base_serves_both_adapters_on_the_cpu(model_dirs: dict[str, Path]) -> None:
+    """The NF4 path (bitsandbytes Linear4bit, double quant) is the same code the GPU runs; bitsandbytes'
+    CPU backend lets it run here."""
+    import bitsandbytes as bnb
+
+    settings = make_settings(model_dirs).model_copy(update={"quantization": "nf4"})
+    quantized = AdapterRuntime.load(settings)
+    layers = [m for m in quantized.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all(m.weight.quant_type == "nf4" for m in layers)
+    outcome = quantized.run_batch([request("kev"), request("laya")])
+    assert all(r.error_code is None and r.completion_tokens > 0 for r in outcome.results)
+    assert quantized.adapters == {"kev", "laya"}

@@ -187,24 +187,31 @@ def resolve_device(setting: str) -> str:
     return setting
 
 
-def _load_base(path: str, device: str, vram_budget_gb: float, quantize_4bit: bool = True) -> PreTrainedModel:
-    if device == "cpu":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+def uses_nf4(device: str, quantization: str) -> bool:
+    """`auto` is NF4 on CUDA and full precision on the CPU; `nf4` / `none` force one or the other."""
+    return quantization == "nf4" or (quantization == "auto" and device == "cuda")
+
+
+def _load_base(path: str, device: str, vram_budget_gb: float, quantization: str = "auto") -> PreTrainedModel:
+    nf4 = uses_nf4(device, quantization)
+    compute_dtype = torch.float16 if device == "cuda" else torch.float32
+    placement = {"": 0} if device == "cuda" else {"": "cpu"}
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        budget = vram_budget_gb * 2**30
+        if budget < total:
+            # Emulate the target card on a bigger one, so over-budget code fails here too (DESIGN §5).
+            torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+    if not nf4:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=placement)
     from transformers import BitsAndBytesConfig
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    budget = vram_budget_gb * 2**30
-    if budget < total:
-        # Emulate the target card on a bigger one, so over-budget code fails here too (DESIGN §5).
-        torch.cuda.set_per_process_memory_fraction(budget / total, 0)
-    if not quantize_4bit:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16, device_map={"": 0})
-    quantization = BitsAndBytesConfig(
+    quantization_config = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float16,
+        bnb_4bit_compute_dtype=compute_dtype,
     )
     return AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quantization, dtype=torch.float16, device_map={"": 0},
+        path, quantization_config=quantization_config, dtype=compute_dtype, device_map=placement,
     )
 
 
@@ -236,7 +243,7 @@ class AdapterRuntime:
         tokenizer.padding_side = "left"  # decoder-only generation: prompts end where the new tokens start
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model: torch.nn.Module = _load_base(base, device, settings.vram_budget_gb, settings.quantize_4bit)
+        model: torch.nn.Module = _load_base(base, device, settings.vram_budget_gb, settings.quantization)
         log.info("loaded base model %s on %s in %.1fs", base, device, time.perf_counter() - started)
 
         unavailable: dict[str, str] = {}
@@ -265,7 +272,7 @@ class AdapterRuntime:
                     gc.collect()
                     if device == "cuda":
                         torch.cuda.empty_cache()
-                    model = _load_base(base, device, settings.vram_budget_gb, settings.quantize_4bit)
+                    model = _load_base(base, device, settings.vram_budget_gb, settings.quantization)
                 continue
             log.info("loaded adapter %s from %s in %.2fs", name, path, time.perf_counter() - adapter_started)
         model.eval()
