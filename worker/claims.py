@@ -58,9 +58,10 @@ def claim_batch(session: Session, plan: BatchPlan, worker: str, lease_s: float) 
         .returning(Job),
         execution_options={"synchronize_session": False},
     ).all()
-    jobs = sorted(jobs, key=lambda j: (j.created_at, str(j.id)))
     batch.size = len(jobs)
-    return batch, jobs
+    if not jobs:  # another worker was faster: leave no empty batch behind
+        session.delete(batch)
+    return batch, sorted(jobs, key=lambda j: (j.created_at, str(j.id)))
 
 
 def renew_leases(session: Session, batch_id: uuid.UUID, lease_s: float) -> int:

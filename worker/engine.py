@@ -74,8 +74,6 @@ class BatchEngine:
         with session_scope() as session:
             batch, jobs = claim_batch(session, plan, self.worker, self.settings.lease_seconds)
         if not jobs:
-            with session_scope() as session:
-                session.query(Batch).filter(Batch.id == batch.id).delete()
             return 0
         log.info("batch %s: %d job(s) on %s%s", batch.id, len(jobs), batch.adapters,
                  " (adapter switch)" if plan.switch else "")
@@ -108,7 +106,7 @@ class BatchEngine:
                 elif job.parent_job_id is not None:
                     complete_parent(session, job, result)
             session.query(Batch).filter(Batch.id == batch.id).update({
-                Batch.size: len(jobs), Batch.switch_ms: outcome.switch_ms, Batch.prefill_ms: outcome.prefill_ms,
+                Batch.switch_ms: outcome.switch_ms, Batch.prefill_ms: outcome.prefill_ms,
                 Batch.decode_ms: outcome.decode_ms, Batch.tokens: outcome.tokens,
                 Batch.peak_vram_bytes: outcome.peak_vram_bytes, Batch.finished_at: datetime.now(timezone.utc),
             })
