@@ -25,7 +25,9 @@ class Decision(BaseModel):
 @dataclass(frozen=True)
 class FoundDecision:
     value: dict[str, Any]
-    span: tuple[int, int]  # characters of the decision's value (inside the quotes) in the text
+    # Characters of the text from the object's "{" through the decision's value (without its closing quote):
+    # what the model wrote to reach its decision.
+    span: tuple[int, int]
 
 
 def find_decision(text: str) -> FoundDecision | None:
@@ -46,7 +48,7 @@ def find_decision(text: str) -> FoundDecision | None:
                 decision = None
             match = _DECISION_VALUE.search(text, start, end)
             if decision is not None and match is not None:
-                return FoundDecision(decision, (match.start(1) + 1, match.end(1) - 1))
+                return FoundDecision(decision, (start, match.end(1) - 1))
         start = text.find("{", start + 1)
     return None
 

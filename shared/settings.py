@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     max_wait_ms: int = Field(default=2000, ge=0)
     max_consecutive_batches: int = Field(default=8, ge=1)
     mixed_batches: bool = False
-    cascade_threshold: float = Field(default=0.7, ge=0, le=1)
+    cascade_threshold: float = Field(default=0.85, ge=0, le=1)
 
     # Reliability
     lease_seconds: float = Field(default=60, gt=0, description="a running job is re-queued this long after its worker stops renewing it")

@@ -35,7 +35,15 @@ def test_confidence_is_the_probability_of_the_decision_tokens_not_the_written_nu
     result = outcome("".join(tokens), tokens, [-0.01, -0.5, -0.02])
     assert result.status == "succeeded"
     assert result.decision["decision"] == "B"
-    assert result.decision["confidence"] == pytest.approx(0.6065, abs=1e-4)  # exp(-0.5): only the "B" token
+    # exp(-0.01 - 0.5): the object's tokens through "B"; not the written 0.99, nor the tokens after the decision
+    assert result.decision["confidence"] == pytest.approx(0.6005, abs=1e-4)
+
+
+def test_confidence_counts_the_fields_written_before_the_decision_but_not_the_analysis():
+    tokens = ["A: cost 3<=5 -> keep\n", '{"options": ["', "A 3", '"], "decision": "', "A", '"}']
+    result = outcome("".join(tokens), tokens, [-2.0, -0.01, -0.3, -0.01, -0.1, -0.01])
+    assert result.decision["options"] == ["A 3"]
+    assert result.decision["confidence"] == pytest.approx(0.6570, abs=1e-4)  # exp(-0.42): the analysis line is out
 
 
 def test_unparsable_answers_fail_as_invalid_output_unless_text_was_asked_for():

@@ -112,23 +112,32 @@ def test_label_distribution(scenarios: list[Scenario]) -> None:
     assert abs(shifted["none"] / 2000 - 0.4) < 0.03
 
 
+def objective_value(s: Scenario, name: str) -> str:
+    o = next(o for o in s.to_dict()["options"] if o["name"] == name)
+    field = {"lowest cost": "cost", "shortest time": "days", "highest quality": "quality", "lowest risk": "risk"}
+    return str(o[field[s.objective]])
+
+
 def test_targets_parse_to_the_label(scenarios: list[Scenario]) -> None:
     for s in scenarios:
+        kept = [f"{name} {objective_value(s, name)}" for name in brute_force_feasible(s)]
         laya = laya_target(s)
-        assert json.loads(laya) == {"decision": s.label}
+        assert json.loads(laya) == {"options": kept, "decision": s.label}
         assert parse_decision(laya)["decision"] == s.label
 
         kev = kev_target(s)
         parsed = parse_decision(kev)
         assert parsed is not None and parsed["decision"] == s.label
-        assert parsed["options"] == brute_force_feasible(s)
+        assert parsed["options"] == kept
         assert parsed["rationale"] and parsed["risks"]
         lines = kev.splitlines()
         # One line per option, in order, then the comparison, then the JSON.
         assert len(lines) == len(s.options) + 2
         for o, line in zip(s.options, lines):
             assert line.startswith(f"{o.name}: ")
-            assert line.endswith("-> keep" if o.name in parsed["options"] else "-> drop")
+            assert line.endswith("-> keep" if o.name in brute_force_feasible(s) else "-> drop")
+        if kept:
+            assert lines[-2] == f"{s.objective}: {', '.join(kept)} -> {s.label}"
 
 
 def test_prompt_is_regular(scenarios: list[Scenario]) -> None:

@@ -112,6 +112,10 @@ def feasible(s: Scenario, o: Option) -> bool:
     )
 
 
+def _kept(s: Scenario) -> list[Option]:
+    return [o for o in s.options if feasible(s, o)]
+
+
 def objective_key(objective: str, o: Option) -> int:
     """Smaller is better for every objective, so one `min` ranks them all."""
     if objective == "lowest cost":
@@ -131,7 +135,7 @@ def _objective_value(objective: str, o: Option) -> str:
 
 
 def gold(s: Scenario) -> str:
-    kept = [o for o in s.options if feasible(s, o)]
+    kept = _kept(s)
     if not kept:
         return NONE
     # min returns the first minimum, i.e. the earlier letter on a tie.
@@ -154,25 +158,28 @@ def render_prompt(s: Scenario) -> str:
     return f"Options: {options}. Constraints: {', '.join(constraints)}. Objective: {s.objective}."
 
 
+def _kept_values(s: Scenario, kept: list[Option]) -> list[str]:
+    """The answer's "options" field: each option that meets every constraint, with its value on the objective."""
+    return [f"{o.name} {_objective_value(s.objective, o)}" for o in kept]
+
+
 def laya_target(s: Scenario) -> str:
-    return json.dumps({"decision": gold(s)})
+    """One short JSON object. The kept options come first: they are the only scratch space a one-line answer
+    has, and a small model that must eliminate and compare inside the single decision token often cannot."""
+    return json.dumps({"options": _kept_values(s, _kept(s)), "decision": gold(s)})
 
 
 def kev_target(s: Scenario) -> str:
     lines = []
-    kept: list[Option] = []
     for o in s.options:
-        ok = feasible(s, o)
-        lines.append(f"{o.name}: {', '.join(_checks(s, o))} -> {'keep' if ok else 'drop'}")
-        if ok:
-            kept.append(o)
+        lines.append(f"{o.name}: {', '.join(_checks(s, o))} -> {'keep' if feasible(s, o) else 'drop'}")
+    kept = _kept(s)
     label = gold(s)
     if kept:
-        values = ", ".join(f"{o.name} {_objective_value(s.objective, o)}" for o in kept)
-        lines.append(f"{s.objective}: {values} -> {label}")
+        lines.append(f"{s.objective}: {', '.join(_kept_values(s, kept))} -> {label}")
         chosen = next(o for o in kept if o.name == label)
         answer = {"decision": label, "rationale": _RATIONALE[s.objective],
-                  "options": [o.name for o in kept], "risks": [f"risk {chosen.risk}"]}
+                  "options": _kept_values(s, kept), "risks": [f"risk {chosen.risk}"]}
     else:
         lines.append(f"no option kept -> {NONE}")
         answer = {"decision": NONE, "rationale": "every option fails a constraint",

@@ -76,17 +76,18 @@ class DemoSpec:
     test_samples: int  # of the test split, scored on the unquantized base at the end of the build
 
 
-# Sized for a few minutes on one H200, where a step of this model is bound by kernel launches, not arithmetic
-# (measured: pretraining ~0.9M tokens/s, QLoRA ~11-15 steps/s). At the presets' learning rates (1e-4 / 2e-4) a
-# LoRA on a 4M-parameter base learns too slowly for that budget, so the demo trains at 10x (kev 1e-3, laya 2e-3).
+# Sized for about seven minutes on one H200, where a step of this model is bound by kernel launches, not
+# arithmetic (measured: pretraining ~0.9M tokens/s, QLoRA ~10-12 steps/s). At the presets' learning rates
+# (1e-4 / 2e-4) a LoRA on a 4M-parameter base learns too slowly for that budget, so the demo trains at 10x
+# (kev 1e-3, laya 2e-3).
 FULL = DemoSpec(
-    n_train=20_000, n_val=1_000, n_test=1_000, vocab_size=1024,
+    n_train=40_000, n_val=1_000, n_test=1_000, vocab_size=1024,
     hidden_size=256, layers=6, heads=8, kv_heads=4, intermediate_size=640,
-    pretrain_docs=100_000,
-    pretrain=PretrainConfig(seq_len=256, batch_size=128, lr=2e-3, epochs=2.0, warmup_steps=100,
+    pretrain_docs=120_000,
+    pretrain=PretrainConfig(seq_len=256, batch_size=128, lr=2e-3, epochs=3.0, warmup_steps=100,
                             log_every=100, checkpoint_every=200),
     adapters={"kev": AdapterPlan(epochs=2.0, batch_size=64, lr_scale=10.0),
-              "laya": AdapterPlan(epochs=2.0, batch_size=64, lr_scale=10.0)},
+              "laya": AdapterPlan(epochs=3.0, batch_size=128, lr_scale=10.0)},
     eval_samples=512, test_samples=1_000,
 )
 
@@ -158,15 +159,37 @@ def _scenario_doc(rng: random.Random) -> str:
     return dd.render_prompt(s) + " " + _walkthrough(s, rng)
 
 
+def _number_pair(rng: random.Random) -> tuple[int, int]:
+    """Two numbers, often close: near ties are where a small model's sense of magnitude fails first."""
+    top = rng.choice((9, 30, 99))
+    a = rng.randint(1, top)
+    b = max(1, min(top, a + rng.choice((-3, -2, -1, 1, 2, 3)))) if rng.random() < 0.5 else rng.randint(1, top)
+    return a, b
+
+
+def _extremes(rng: random.Random) -> str:
+    """Which of a few labelled values is smallest and largest, in prose."""
+    top = rng.choice((9, 30, 99))
+    values = rng.sample(range(1, top + 1), rng.randint(2, 5))
+    names = rng.sample(dd.LETTERS, len(values))
+    pairs = [f"{n} at {v}" for n, v in zip(names, values)]
+    listed = ", ".join(pairs[:-1]) + " and " + pairs[-1]
+    low, high = names[values.index(min(values))], names[values.index(max(values))]
+    return f"Among {listed}, {low} has the smallest value and {high} the largest."
+
+
 def _number_doc(rng: random.Random) -> str:
     sentences = []
     for _ in range(rng.randint(3, 8)):
-        a, b = rng.randint(1, 99), rng.randint(1, 99)
-        kind = rng.randrange(3)
+        kind = rng.randrange(4)
         if kind == 0:
+            a, b = _number_pair(rng)
             sentences.append(f"{a} is {'less than' if a < b else 'more than' if a > b else 'equal to'} {b}.")
         elif kind == 1:
+            a, b = _number_pair(rng)
             sentences.append(f"{a} is {'at most' if a <= b else 'over'} {b}.")
+        elif kind == 2:
+            sentences.append(_extremes(rng))
         else:
             ra, rb = rng.sample(dd.RISKS, 2)
             sentences.append(f"{ra} risk is {'lower' if dd.RISKS.index(ra) < dd.RISKS.index(rb) else 'higher'} "
@@ -175,17 +198,30 @@ def _number_doc(rng: random.Random) -> str:
 
 
 def _notation_doc(rng: random.Random) -> str:
-    """Lines in the notation of written analyses (<=, >, ->), over numbers, risk levels and plain words."""
-    words = ("plan", "build", "test", "ship", "review", "keep", "drop", "start", "stop", "low", "medium", "high")
+    """Lines in the notation of written analyses (<=, <, =, >, ->, ;), over numbers, risk levels and plain words."""
+    words = ("plan", "build", "test", "ship", "review", "keep", "take", "drop", "start", "stop", "low", "medium",
+             "high")
     lines = []
     for _ in range(rng.randint(3, 8)):
-        kind = rng.randrange(3)
+        kind = rng.randrange(4)
         if kind == 0:
             a, b = rng.randint(1, 99), rng.randint(1, 99)
             lines.append(f"{rng.choice(('cost', 'days', 'quality', 'size', 'price'))} {a}{'<=' if a <= b else '>'}{b}")
         elif kind == 1:
             ra, rb = rng.choice(dd.RISKS), rng.choice(dd.RISKS)
             lines.append(f"risk {ra}{'<=' if dd.RISKS.index(ra) <= dd.RISKS.index(rb) else '>'}{rb}")
+        elif kind == 2:
+            pairs = []
+            for _ in range(rng.randint(1, 4)):
+                if rng.random() < 0.7:
+                    a, b = rng.randint(1, 99), rng.randint(1, 99)
+                    rank_a, rank_b = a, b
+                else:
+                    a, b = rng.choice(dd.RISKS), rng.choice(dd.RISKS)
+                    rank_a, rank_b = dd.RISKS.index(a), dd.RISKS.index(b)
+                sign = "<" if rank_a < rank_b else ">" if rank_a > rank_b else "="
+                pairs.append(f"{rng.choice(dd.LETTERS)} {a}{sign}{b}")
+            lines.append("; ".join(pairs))
         else:
             lines.append(" -> ".join(rng.sample(words, rng.randint(2, 4))))
     return "\n".join(lines)
@@ -243,7 +279,7 @@ def pretraining_corpus(n_docs: int, seed: int) -> tuple[list[str], list[list[dic
     chats: list[list[dict[str, str]]] = []
     for _ in range(n_docs):
         roll = rng.random()
-        if roll < 0.55:
+        if roll < 0.5:
             texts.append(_scenario_doc(rng))
         elif roll < 0.65:
             texts.append(_number_doc(rng))

@@ -23,7 +23,7 @@ from worker.outcomes import job_outcome
 from worker.runtime import AdapterRuntime, GenerationRequest
 
 MODES = ("base", "laya", "kev", "auto")
-THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
 
 
 @dataclass

@@ -19,7 +19,8 @@ def job_outcome(result: GenerationResult, output: str, switch_ms: float) -> JobO
     found = find_decision(result.text or "")
     decision = None
     if found is not None:
-        # The confidence is the model's own probability of its decision, never a number it wrote.
+        # The confidence is the model's own probability of its decision, never a number it wrote. The span starts
+        # at the object, so fields written before the decision (Laya's kept options) count too.
         decision = {k: v for k, v in found.value.items() if k != "confidence"}
         probability = result.span_probability(*found.span)
         if probability is not None:
