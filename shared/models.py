@@ -84,6 +84,7 @@ class Batch(Base):
     decode_ms: Mapped[float | None] = mapped_column(Float)
     tokens: Mapped[int | None] = mapped_column(Integer)
     peak_vram_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    oom_splits: Mapped[int | None] = mapped_column(Integer)  # out-of-memory splits inside this batch
     worker: Mapped[str] = mapped_column(String(200))
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
@@ -123,7 +124,8 @@ class Job(Base):
     queue_ms: Mapped[float | None] = mapped_column(Float)
     switch_ms: Mapped[float | None] = mapped_column(Float)
     prefill_ms: Mapped[float | None] = mapped_column(Float)
-    decode_ms: Mapped[float | None] = mapped_column(Float)
+    decode_ms: Mapped[float | None] = mapped_column(Float)  # this job's own: its first token to its last
+    ttft_ms: Mapped[float | None] = mapped_column(Float)  # created to its first token
     total_ms: Mapped[float | None] = mapped_column(Float)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)

@@ -103,6 +103,10 @@ class Settings(BaseSettings):
     # VRAM (the GPU runtime uses it; the CPU path ignores it)
     vram_budget_gb: float = Field(default=6.0, gt=0)
 
+    # Benchmarks only: every job generates exactly its max_new_tokens (end-of-sequence is ignored), so two
+    # serving schemes compared on random weights produce the same number of tokens.
+    ignore_eos: bool = False
+
     @field_validator("api_key", "flower_basic_auth", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:

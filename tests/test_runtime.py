@@ -104,6 +104,16 @@ def test_factory_is_deterministic_and_complete(model_dirs: dict[str, Path], tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "kev", "laya"]
 
 
+def test_factory_replaces_a_model_built_in_the_same_place(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    build_random_model(tmp_path, "tiny", seed=0, adapters={"kev": (4, 8), "laya": (4, 8)})
+    again = build_random_model(tmp_path, "tiny", seed=0)
+    assert sorted(p.name for p in again["kev"].iterdir()) == sorted(p.name for p in model_dirs["kev"].iterdir())
+    for name in ("base", "kev", "laya"):
+        assert verify_manifest(again[name]) == []
+    settings = make_settings(model_dirs, base=str(again["base"]), kev=str(again["kev"]), laya=str(again["laya"]))
+    assert AdapterRuntime.load(settings).adapters == {"kev", "laya"}  # rank 16 again, not the first build's 4
+
+
 # -- behaviour ---------------------------------------------------------------------------------------------------
 
 
@@ -160,6 +170,39 @@ def test_per_row_max_new_tokens(runtime: AdapterRuntime) -> None:
     assert max(counts) > 3, "the longest row must not be cut at another row's limit"
     assert all(r.prompt_tokens > 0 for r in outcome.results)
 
+
+def test_timings_are_each_jobs_own(model_dirs: dict[str, Path]) -> None:
+    """A row's decode time ends at its own last token, and a later group's first token comes after an earlier
+    group's whole run: per-job figures, not the batch's copied to every row."""
+    runtime = AdapterRuntime.load(make_settings(model_dirs).model_copy(update={"ignore_eos": True}))
+    short, long, other = runtime.run_batch([
+        request("kev", PROMPTS[0], max_new_tokens=2), request("kev", PROMPTS[1], max_new_tokens=40),
+        request("laya", PROMPTS[2], max_new_tokens=4),
+    ]).results
+    assert [short.completion_tokens, long.completion_tokens, other.completion_tokens] == [2, 40, 4]
+    assert 0 <= short.decode_ms < long.decode_ms
+    assert 0 < short.first_token_ms == long.first_token_ms  # one forward pass, one first token
+    assert other.first_token_ms > long.first_token_ms + long.decode_ms  # laya ran after kev's group
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_generates_exactly_max_new_tokens(model_dirs: dict[str, Path], ignore_eos: bool) -> None:
+    """The benchmark setting: with EOS made the model's favourite token, rows still run to their own limit."""
+    runtime = AdapterRuntime.load(make_settings(model_dirs).model_copy(update={"ignore_eos": ignore_eos}))
+    eos = runtime.eos_ids[0]
+
+    def favour_eos(_module: torch.nn.Module, _inputs: object, logits: torch.Tensor) -> torch.Tensor:
+        logits[..., eos] += 100.0
+        return logits
+
+    handle = runtime.model.get_output_embeddings().register_forward_hook(favour_eos)
+    try:
+        outcome = runtime.run_batch([request("kev", p, max_new_tokens=n) for p, n in zip(PROMPTS, [5, 9, 1, 13])])
+    finally:
+        handle.remove()
+    counts = [r.completion_tokens for r in outcome.results]
+    assert counts == ([5, 9, 1, 13] if ignore_eos else [1, 1, 1, 1])
+    assert all((eos not in r.token_ids) == ignore_eos for r in outcome.results)
 
 def test_token_logprobs_are_the_models_own_probabilities(runtime: AdapterRuntime) -> None:
     """Each completion token's log-probability equals what a plain forward pass over prompt + completion
@@ -364,3 +407,16 @@ def test_nf4_base_serves_both_adapters_on_the_cpu(model_dirs: dict[str, Path]) -
     outcome = quantized.run_batch([request("kev"), request("laya")])
     assert all(r.error_code is None and r.completion_tokens > 0 for r in outcome.results)
     assert quantized.adapters == {"kev", "laya"}
+
+
+def test_the_celery_parent_never_imports_torch() -> None:
+    """The worker's model is loaded in a forked child; a parent that imported torch (bitsandbytes, imported by
+    PEFT, initialises CUDA on import) would leave every child with "Cannot re-initialize CUDA in forked
+    subprocess"."""
+    import subprocess
+    import sys
+
+    code = "import sys, worker.tasks; print(sorted({'torch', 'peft', 'bitsandbytes'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

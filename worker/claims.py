@@ -107,6 +107,7 @@ class JobOutcome:
     switch_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
+    first_token_ms: float | None = None  # from the start of its batch to its first token
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
 
@@ -115,6 +116,7 @@ def finish_job(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutc
     """Write the outcome only if this batch still holds the job's lease: a job re-run after a lease
     expiry can never end up with two results. Returns False when the lease was lost."""
     now = _now()
+    queue_ms = (job.started_at - job.created_at).total_seconds() * 1000
     return session.execute(
         update(Job)
         .where(Job.id == job.id, Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
@@ -123,7 +125,8 @@ def finish_job(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutc
             error_code=outcome.error_code, error_message=outcome.error_message,
             switch_ms=outcome.switch_ms, prefill_ms=outcome.prefill_ms, decode_ms=outcome.decode_ms,
             prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
-            queue_ms=(job.started_at - job.created_at).total_seconds() * 1000,
+            queue_ms=queue_ms,
+            ttft_ms=None if outcome.first_token_ms is None else queue_ms + outcome.first_token_ms,
             total_ms=(now - job.created_at).total_seconds() * 1000,
             finished_at=now, lease_owner=None, lease_expires_at=None,
         )

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from shared.db import session_scope
 from shared.models import Batch, Job, JobStatus
@@ -18,9 +19,12 @@ from shared.schemas import to_messages
 from shared.settings import Settings
 from worker.cascade import complete_parent, escalate, is_cascade_head, needs_escalation
 from worker.claims import JobOutcome, claim_batch, finish_job, queue_snapshot, renew_leases
+from worker.generation import GenerationRequest
 from worker.outcomes import job_outcome
-from worker.runtime import AdapterRuntime, GenerationRequest
 from worker.scheduler import BatchPlan, SchedulerState, SchedulingPolicy, plan_next_batch
+
+if TYPE_CHECKING:  # the runtime imports torch, which only the worker child may initialise
+    from worker.runtime import AdapterRuntime
 
 log = logging.getLogger("kevlaya.worker")
 
@@ -108,7 +112,8 @@ class BatchEngine:
             session.query(Batch).filter(Batch.id == batch.id).update({
                 Batch.switch_ms: outcome.switch_ms, Batch.prefill_ms: outcome.prefill_ms,
                 Batch.decode_ms: outcome.decode_ms, Batch.tokens: outcome.tokens,
-                Batch.peak_vram_bytes: outcome.peak_vram_bytes, Batch.finished_at: datetime.now(timezone.utc),
+                Batch.peak_vram_bytes: outcome.peak_vram_bytes, Batch.oom_splits: outcome.oom_splits,
+                Batch.finished_at: datetime.now(timezone.utc),
             })
         if lost:
             log.warning("batch %s: %d job(s) had lost their lease; their results were discarded", batch.id, lost)

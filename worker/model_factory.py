@@ -132,6 +132,8 @@ def build_random_model(
     """
     out_dir = Path(out_dir)
     adapters = DEFAULT_ADAPTERS if adapters is None else adapters
+    for name in ("base", *adapters):  # a model built here before (maybe of another shape) must leave nothing behind
+        shutil.rmtree(out_dir / name, ignore_errors=True)
     tokenizer = build_byte_tokenizer()
     config = _config(shape, tokenizer)
 

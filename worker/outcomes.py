@@ -5,13 +5,14 @@ from __future__ import annotations
 from shared.decision import find_decision
 from shared.models import JobStatus
 from worker.claims import JobOutcome
-from worker.runtime import GenerationResult
+from worker.generation import GenerationResult
 
 
 def job_outcome(result: GenerationResult, output: str, switch_ms: float) -> JobOutcome:
     """`output` is the job's format: "decision" requires a valid decision object, "text" does not."""
     text = result.text.replace("\x00", "\ufffd") if result.text is not None else None  # PostgreSQL refuses NUL
     timings = dict(switch_ms=switch_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
+                  first_token_ms=result.first_token_ms,
                    prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
     if result.error_code:
         return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code=result.error_code,

@@ -9,10 +9,8 @@ import contextlib
 import functools
 import gc
 import logging
-import math
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,51 +30,11 @@ from transformers import (
 
 from shared.manifest import verify_manifest
 from shared.settings import ADAPTERS, Settings
+from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
+
+__all__ = ["AdapterRuntime", "BatchOutcome", "GenerationRequest", "GenerationResult"]
 
 log = logging.getLogger("kevlaya.runtime")
-
-
-@dataclass
-class GenerationRequest:
-    job_id: uuid.UUID
-    adapter: str  # "kev" | "laya"
-    messages: list[dict[str, str]]  # [{role, content}], system message already included by the caller
-    max_new_tokens: int
-    temperature: float  # 0 = greedy
-    top_p: float
-    seed: int | None
-
-
-@dataclass
-class GenerationResult:
-    job_id: uuid.UUID
-    text: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    prefill_ms: float
-    decode_ms: float
-    error_code: str | None = None  # "numerical_error" | "out_of_memory" | "adapter_unavailable" | None
-    error_message: str | None = None
-    # The model's own log-probability of each completion token (raw logits, before temperature/top-p),
-    # and the character span each token covers in `text`: a span's probability is a calibrated confidence.
-    token_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    token_spans: list[tuple[int, int]] = field(default_factory=list)
-
-    def span_probability(self, start: int, end: int) -> float | None:
-        """Probability the model gave to the tokens that produced text[start:end], or None if unknown."""
-        overlapping = [lp for lp, (a, b) in zip(self.token_logprobs, self.token_spans) if a < end and b > start]
-        return math.exp(sum(overlapping)) if overlapping else None
-
-
-@dataclass
-class BatchOutcome:
-    results: list[GenerationResult]  # same order as the requests
-    switch_ms: float  # time spent in set_adapter for this batch
-    prefill_ms: float
-    decode_ms: float
-    tokens: int  # completion tokens
-    peak_vram_bytes: int | None  # torch.cuda.max_memory_allocated on CUDA, None on CPU
 
 
 @dataclass
@@ -119,7 +77,7 @@ class _Monitor(LogitsProcessor):
 
     def __init__(self, prompt_len: int, limits: torch.Tensor, eos_ids: torch.Tensor):
         self.prompt_len, self.limits, self.eos_ids = prompt_len, limits, eos_ids
-        self.first_call: float | None = None
+        self.step_times: list[float] = []  # when each step's logits were ready; step k picks token k
         self.bad_step: dict[int, int] = {}  # row -> generated tokens before its logits went non-finite
         self.chosen_logprobs: list[torch.Tensor] = []  # per step: log p(chosen token) for every row
         self._last_logprobs: torch.Tensor | None = None
@@ -137,9 +95,8 @@ class _Monitor(LogitsProcessor):
         self._last_logprobs = torch.log_softmax(scores.float(), dim=-1)
         # -inf alone is legitimate (processors mask tokens with it); NaN, +inf or nothing left to pick is not.
         broken = torch.isnan(scores).any(-1) | torch.isposinf(scores).any(-1) | torch.isneginf(scores).all(-1)
-        any_broken = bool(broken.any())  # also synchronises CUDA, so the first timestamp marks the real prefill end
-        if self.first_call is None:
-            self.first_call = time.perf_counter()
+        any_broken = bool(broken.any())  # also synchronises CUDA, so each timestamp marks the step's real end
+        self.step_times.append(time.perf_counter())
         if not any_broken:
             return scores
         generated = input_ids[:, self.prompt_len:]
@@ -219,9 +176,12 @@ class AdapterRuntime:
     """The base model with every available adapter loaded once; serves batches of requests."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: str,
-                 unavailable: dict[str, str]):
+                 unavailable: dict[str, str], *, ignore_eos: bool = False):
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.unavailable = unavailable
+        # Benchmarks only: every row generates exactly its max_new_tokens, so random weights cannot stop early.
+        self.ignore_eos = ignore_eos
+        self.oom_splits = 0
         loaded = set(model.peft_config) if isinstance(model, PeftModel) else set()
         self.adapters: set[str] = loaded - unavailable.keys()
         self.active_adapter: str | None = model.active_adapter if self.adapters else None
@@ -281,7 +241,7 @@ class AdapterRuntime:
             log.info("resident after load: %.2f GiB", torch.cuda.memory_allocated() / 2**30)
         log.info("runtime ready on %s in %.1fs; unavailable adapters: %s",
                  device, time.perf_counter() - started, ", ".join(unavailable) or "none")
-        return cls(model, tokenizer, device, unavailable)
+        return cls(model, tokenizer, device, unavailable, ignore_eos=settings.ignore_eos)
 
     # -- batches -----------------------------------------------------------------------------------------------
 
@@ -293,6 +253,7 @@ class AdapterRuntime:
         """
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        started, oom_splits = time.perf_counter(), self.oom_splits
         results: list[GenerationResult | None] = [None] * len(requests)
         groups: dict[tuple[str | None, SamplingKey], list[int]] = {}
         for index, request in enumerate(requests):
@@ -307,18 +268,19 @@ class AdapterRuntime:
         for (adapter, _), indices in order:
             if adapter is not None:
                 switch_ms += self._activate(adapter)
-            run = self._run_splitting([requests[i] for i in indices], mixed)
+            run = self._run_splitting([requests[i] for i in indices], mixed, started)
             for index, result in zip(indices, run.results, strict=True):
                 results[index] = result
             prefill_ms += run.prefill_ms
             decode_ms += run.decode_ms
 
-        return self._outcome(results, switch_ms, prefill_ms, decode_ms)
+        return self._outcome(results, switch_ms, prefill_ms, decode_ms, self.oom_splits - oom_splits)
 
     def run_base_only(self, requests: list[GenerationRequest]) -> BatchOutcome:
         """The bare base model with every adapter disabled: a baseline for evaluation, never used for jobs."""
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        started, oom_splits = time.perf_counter(), self.oom_splits
         context = self.model.disable_adapter() if isinstance(self.model, PeftModel) else contextlib.nullcontext()
         results: list[GenerationResult | None] = [None] * len(requests)
         prefill_ms = decode_ms = 0.0
@@ -327,21 +289,22 @@ class AdapterRuntime:
             for index, request in enumerate(requests):
                 groups.setdefault(_sampling_key(request), []).append(index)
             for indices in groups.values():
-                run = self._run_splitting([requests[i] for i in indices], mixed=False)
+                run = self._run_splitting([requests[i] for i in indices], False, started)
                 for index, result in zip(indices, run.results, strict=True):
                     results[index] = result
                 prefill_ms += run.prefill_ms
                 decode_ms += run.decode_ms
-        return self._outcome(results, 0.0, prefill_ms, decode_ms)
+        return self._outcome(results, 0.0, prefill_ms, decode_ms, self.oom_splits - oom_splits)
 
     def _outcome(self, results: list[GenerationResult | None], switch_ms: float, prefill_ms: float,
-                 decode_ms: float) -> BatchOutcome:
+                 decode_ms: float, oom_splits: int) -> BatchOutcome:
         done = [r for r in results if r is not None]
         assert len(done) == len(results)
         return BatchOutcome(
             results=done, switch_ms=switch_ms, prefill_ms=prefill_ms, decode_ms=decode_ms,
             tokens=sum(r.completion_tokens for r in done),
             peak_vram_bytes=torch.cuda.max_memory_allocated() if self.device == "cuda" else None,
+            oom_splits=oom_splits,
         )
 
     def _refusal(self, adapter: str) -> str | None:
@@ -360,14 +323,16 @@ class AdapterRuntime:
         self.active_adapter = adapter
         return (time.perf_counter() - started) * 1000
 
-    def _run_splitting(self, batch: list[GenerationRequest], mixed: bool) -> _Run:
+    def _run_splitting(self, batch: list[GenerationRequest], mixed: bool, batch_started: float) -> _Run:
         """Generate for `batch`; on out-of-memory clean up, split it in halves and retry each half.
+
+        `batch_started` (perf_counter) is when the whole batch began: each row's time to first token counts from it.
 
         A request that runs out of memory alone fails with `out_of_memory`; the others still succeed.
         """
         encoded = self._encode(batch)
         try:
-            return self._generate(batch, encoded, mixed)
+            return self._generate(batch, encoded, mixed, batch_started)
         except Exception as exc:
             if removed := remove_stale_peft_hooks(self.model):
                 log.warning("removed %d PEFT forward hook(s) left behind by a failed generate", removed)
@@ -387,8 +352,10 @@ class AdapterRuntime:
                 prompt_tokens,
             )])
         half = len(batch) // 2
+        self.oom_splits += 1
         log.warning("out of memory on a batch of %d; retrying as %d + %d", len(batch), half, len(batch) - half)
-        return self._run_splitting(batch[:half], mixed) + self._run_splitting(batch[half:], mixed)
+        return (self._run_splitting(batch[:half], mixed, batch_started)
+                + self._run_splitting(batch[half:], mixed, batch_started))
 
     def _free_memory(self) -> None:
         gc.collect()
@@ -412,7 +379,8 @@ class AdapterRuntime:
             previous = max(previous, length)
         return self.tokenizer.decode(tokens, skip_special_tokens=True), spans
 
-    def _generate(self, batch: list[GenerationRequest], encoded: BatchEncoding, mixed: bool) -> _Run:
+    def _generate(self, batch: list[GenerationRequest], encoded: BatchEncoding, mixed: bool,
+                  batch_started: float) -> _Run:
         """One generate call; all rows share the sampling settings of the first."""
         input_ids = encoded["input_ids"]
         prompt_len = input_ids.shape[1]
@@ -425,6 +393,8 @@ class AdapterRuntime:
             options.update(temperature=temperature, top_p=top_p)
         if mixed:
             options["adapter_names"] = [r.adapter for r in batch]
+        if self.ignore_eos:
+            options["min_new_tokens"] = int(limits.max())
         if seed is not None:
             torch.manual_seed(seed)
 
@@ -440,8 +410,8 @@ class AdapterRuntime:
         if self.device == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()
-        first = monitor.first_call or finished
-        prefill_ms, decode_ms = (first - started) * 1000, (finished - first) * 1000
+        steps = monitor.step_times or [finished]
+        prefill_ms, decode_ms = (steps[0] - started) * 1000, (finished - steps[0]) * 1000
 
         monitor.record_choice(output[:, -1])
         logprobs = torch.stack(monitor.chosen_logprobs, dim=1).tolist() if monitor.chosen_logprobs else []
@@ -453,10 +423,12 @@ class AdapterRuntime:
             # A row ends at its first EOS (counted: the model produced it); after that it holds padding.
             count = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
             text, spans = self._decode_with_spans(tokens[:count])
+            last_step = steps[min(max(count, 1), len(steps)) - 1]
             result = GenerationResult(
                 job_id=request.job_id, text=text,
                 prompt_tokens=int(prompt_tokens[row]), completion_tokens=count,
-                prefill_ms=prefill_ms, decode_ms=decode_ms,
+                prefill_ms=prefill_ms, decode_ms=(last_step - steps[0]) * 1000, 
+                first_token_ms=(steps[0] - batch_started) * 1000,
                 token_ids=tokens[:count], token_logprobs=logprobs[row][:count] if logprobs else [],
                 token_spans=spans,
             )

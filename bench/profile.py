@@ -1,0 +1,49 @@
+"""How busy the GPU is during decode, from the PyTorch profiler: CUDA kernel time over wall time.
+
+Prefill is taken out by profiling the same requests twice, once generating one token (prefill only) and
+once generating all of them: decode busy = (kernels_all - kernels_one) / (wall_all - wall_one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from worker.runtime import AdapterRuntime, GenerationRequest
+
+
+def _kernels_and_wall(runtime: AdapterRuntime, requests: list[GenerationRequest]) -> tuple[float, float]:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
+        started = time.perf_counter()
+        runtime.run_batch(requests)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        raise RuntimeError("the profiler recorded no CUDA kernels; the busy fraction cannot be measured")
+    return sum(e.time_range.elapsed_us() for e in kernels) / 1e6, wall
+
+
+def decode_busy_fraction(runtime: AdapterRuntime, requests: list[GenerationRequest],
+                         steps: int = 16) -> dict[str, float] | None:
+    """GPU busy fraction of `steps` decode steps of `requests` run as one `run_batch`; None off CUDA.
+
+    Every decode step of a batch does the same work, so a few steps stand for all of them (the profiler's
+    bookkeeping would otherwise cost more than the run)."""
+    if runtime.device != "cuda":
+        return None
+    requests = [dataclasses.replace(r, max_new_tokens=steps + 1) for r in requests]
+    runtime.run_batch(requests)  # warm-up
+    prefill_only = [dataclasses.replace(r, max_new_tokens=1) for r in requests]
+    kernels_one, wall_one = _kernels_and_wall(runtime, prefill_only)
+    kernels_all, wall_all = _kernels_and_wall(runtime, requests)
+    decode_wall, decode_kernels = wall_all - wall_one, kernels_all - kernels_one
+    return {
+        "rows": len(requests),
+        "busy_fraction": decode_kernels / decode_wall,
+        "step_ms": decode_wall / steps * 1000,
+        "kernel_ms_per_step": decode_kernels / steps * 1000,
+    }

@@ -1,0 +1,242 @@
+"""The benchmark's phases, in order: build the model, time the recipe's scheme and profile the runtime in this
+process, then drive the whole service (throughput, Laya latency idle and under Kev load, growing-load fit)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.profile import decode_busy_fraction
+from bench.recipe import time_recipe
+from bench.service import BatchRow, JobRow, Service
+from bench.workload import BenchJob, make_jobs
+from shared.settings import Settings
+from worker.model_factory import build_random_model
+from worker.runtime import AdapterRuntime, GenerationRequest, resolve_device
+
+log = logging.getLogger("kevlaya.bench")
+
+
+@dataclass
+class BenchConfig:
+    shape: str
+    workdir: Path
+    device: str = "auto"
+    vram_budget_gb: float = 5.5
+    seed: int = 0
+    jobs: int = 64
+    prompt_tokens: tuple[int, int] = (200, 256)
+    new_tokens: dict[str, int] = field(default_factory=lambda: {"kev": 128, "laya": 32})
+    recipe_per_adapter: int = 2
+    latency_samples: int = 8
+    fit_loads: tuple[int, ...] = ()
+    max_batch: int = 16
+    redis_url: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def _seconds(rows: list[JobRow]) -> float:
+    return (max(r.finished_at for r in rows) - min(r.created_at for r in rows)).total_seconds()
+
+
+def batch_figures(batches: list[BatchRow], rows: list[JobRow]) -> dict[str, Any]:
+    """What the worker did for `rows`: batches, switches, memory, out-of-memory events."""
+    sequence = [b.adapters for b in batches]
+    oom_alone = sum(r.error_code == "out_of_memory" for r in rows)
+    peaks = [b.peak_vram_bytes for b in batches if b.peak_vram_bytes is not None]
+    return {
+        "batches": len(batches),
+        "mean_batch_size": statistics.fmean(b.size for b in batches) if batches else 0.0,
+        "switches": sum(a != b for a, b in zip(sequence, sequence[1:])),
+        "peak_allocated_gib": max(peaks) / 2**30 if peaks else None,
+        "oom_events": sum(b.oom_splits or 0 for b in batches) + oom_alone,
+        "failed_jobs": sum(r.status != "succeeded" for r in rows),
+    }
+
+
+def _requests(jobs: list[BenchJob]) -> list[GenerationRequest]:
+    import uuid
+
+    return [GenerationRequest(job_id=uuid.uuid4(), adapter=j.adapter, messages=j.messages,
+                              max_new_tokens=j.max_new_tokens, temperature=0.0, top_p=1.0, seed=None) for j in jobs]
+
+
+def runtime_phase(config: BenchConfig, settings: Settings, jobs: list[BenchJob]) -> dict[str, Any]:
+    """The recipe's scheme and the profiler, in this process, on the runtime the worker also loads."""
+    runtime = AdapterRuntime.load(settings)
+    try:
+        recipe = time_recipe(runtime, jobs, config.recipe_per_adapter)
+        log.info("recipe's scheme: %.3f jobs/s (%s)", recipe["jobs_per_s"], recipe["method"])
+        kev = [j for j in jobs if j.adapter == "kev"]
+        recipe["profile"] = decode_busy_fraction(runtime, _requests(kev[:1]))
+        service_profile = decode_busy_fraction(runtime, _requests(kev[:config.max_batch]))
+    finally:
+        del runtime
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {"recipe": recipe, "service_profile": service_profile}
+
+
+class KevLoad:
+    """Keeps the worker busy: tops the queue up with Kev jobs so at least `depth` are always unfinished."""
+
+    def __init__(self, service: Service, job: BenchJob, depth: int):
+        self.service, self.job, self.depth = service, job, depth
+        self.ids: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._feed, name="kev-load", daemon=True)
+
+    def __enter__(self) -> KevLoad:
+        self.ids += self.service.submit([self.job.body()] * self.depth)
+        self._thread.start()
+        return self
+
+    def _feed(self) -> None:
+        while not self._stop.wait(0.5):
+            missing = self.depth - self.service.pending(self.ids)
+            if missing > 0:
+                self.ids += self.service.submit([self.job.body()] * missing)
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        for job_id in self.ids:  # what never started is cancelled, so the next phase starts on an idle worker
+            self.service.client.delete(f"/v1/jobs/{job_id}")
+        self.service.wait(self.ids)
+
+
+def laya_latencies(service: Service, jobs: list[BenchJob], rng: random.Random) -> list[float]:
+    """Laya jobs one at a time (each submitted after the previous finished, after a short random pause)."""
+    latencies = []
+    for job in jobs:
+        time.sleep(rng.uniform(0.2, 1.0))
+        [row] = service.wait([service.submit_one(job.body())])
+        if row.status != "succeeded":
+            raise RuntimeError(f"a Laya latency job failed: {row.error_code}")
+        latencies.append(row.total_ms)
+    return latencies
+
+
+def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob],
+                  laya_jobs: list[BenchJob], fit_jobs: dict[int, list[BenchJob]]) -> dict[str, Any]:
+    rng = random.Random(config.seed)
+    with Service(config.workdir / "service", env, config.redis_url) as service:
+        service.wait(service.submit([jobs[0].body(), jobs[1].body()]))  # warm-up, as the recipe had
+        started = service.batches()[-1].started_at
+        rows = service.wait(service.submit([j.body() for j in jobs]))
+        batches = [b for b in service.batches(since=started) if b.id in {r.batch_id for r in rows}]
+        throughput = {"jobs_per_s": len(rows) / _seconds(rows), **batch_figures(batches, rows)}
+        log.info("service: %.3f jobs/s, %d batches", throughput["jobs_per_s"], len(batches))
+
+        idle = laya_latencies(service, laya_jobs, rng)
+        kev = next(j for j in jobs if j.adapter == "kev")
+        with KevLoad(service, kev, depth=2 * config.max_batch):
+            time.sleep(2.0)  # let the first Kev batch start
+            loaded = laya_latencies(service, laya_jobs, rng)
+
+        fit = []
+        for load, load_jobs in fit_jobs.items():
+            since = service.batches()[-1].started_at
+            fit_rows = service.wait(service.submit([j.body() for j in load_jobs]))
+            fit_batches = [b for b in service.batches(since=since) if b.id in {r.batch_id for r in fit_rows}]
+            fit.append({"load": load, "jobs_per_s": len(fit_rows) / _seconds(fit_rows),
+                        **batch_figures(fit_batches, fit_rows)})
+            log.info("fit at load %d: %s", load, fit[-1])
+        memory = [{"t_s": (b.started_at - started).total_seconds(), "peak_allocated_gib": b.peak_vram_bytes / 2**30,
+                   "size": b.size, "adapters": b.adapters}
+                  for b in service.batches(since=started) if b.peak_vram_bytes is not None]
+    return {
+        **throughput,
+        "laya_p50_ms_idle": percentile(idle, 50), "laya_p95_ms_idle": percentile(idle, 95),
+        "laya_p50_ms_under_kev_load": percentile(loaded, 50), "laya_p95_ms_under_kev_load": percentile(loaded, 95),
+        "laya_ms_idle": idle, "laya_ms_under_kev_load": loaded,
+        "fit": fit, "memory_over_time": memory,
+    }
+
+
+def run_bench(config: BenchConfig) -> dict[str, Any]:
+    device = resolve_device(config.device)
+    started = time.perf_counter()
+    model_dir = config.workdir / "model"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    paths = build_random_model(model_dir, config.shape, seed=config.seed, dtype=dtype, device=device)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    log.info("built a random-weight %s model in %.1fs", config.shape, time.perf_counter() - started)
+
+    env = {"KEVLAYA_BASE_MODEL": str(paths["base"]), "KEVLAYA_KEV__PATH": str(paths["kev"]),
+           "KEVLAYA_LAYA__PATH": str(paths["laya"]), "KEVLAYA_DEVICE": device,
+           "KEVLAYA_VRAM_BUDGET_GB": str(config.vram_budget_gb), "KEVLAYA_IGNORE_EOS": "true",
+           "KEVLAYA_MAX_BATCH": str(config.max_batch),
+           # random weights from this run: hashing gigabytes again would only slow the start
+           "KEVLAYA_VERIFY_MANIFESTS": "false"}
+    settings = Settings(_env_file=None, base_model=env["KEVLAYA_BASE_MODEL"], kev={"path": env["KEVLAYA_KEV__PATH"]},
+                        laya={"path": env["KEVLAYA_LAYA__PATH"]}, device=device,
+                        vram_budget_gb=config.vram_budget_gb, ignore_eos=True, verify_manifests=False,
+                        max_batch=config.max_batch)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(paths["base"])
+    workload = dict(settings=settings, seed=config.seed, new_tokens=config.new_tokens)
+    jobs = make_jobs(tokenizer, count=config.jobs, prompt_tokens=config.prompt_tokens, **workload)
+    laya_jobs = make_jobs(tokenizer, count=config.latency_samples, prompt_tokens=config.prompt_tokens,
+                          adapters=("laya",), **{**workload, "seed": config.seed + 1})
+    fit_jobs = {load: make_jobs(tokenizer, count=load, prompt_tokens=(256, 256), **{
+        **workload, "seed": config.seed + 2, "new_tokens": {"kev": 128, "laya": 128}}) for load in config.fit_loads}
+
+    measured = runtime_phase(config, settings, jobs)
+    service = service_phase(config, env, jobs, laya_jobs, fit_jobs)
+    service["gpu_busy_fraction"] = (measured["service_profile"] or {}).get("busy_fraction")
+    service["profile"] = measured["service_profile"]
+    recipe = measured["recipe"]
+    return {
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "shape": config.shape,
+        "device": device,
+        "vram_budget_gb": config.vram_budget_gb,
+        "versions": _versions(),
+        "workload": {"jobs": config.jobs, "prompt_tokens": list(config.prompt_tokens),
+                     "new_tokens": config.new_tokens, "greedy": True, "exact_lengths": True, "seed": config.seed,
+                     "latency_samples": config.latency_samples, "fit_loads": list(config.fit_loads),
+                     "max_batch": config.max_batch,
+                     "prompt_tokens_seen": [min(j.prompt_tokens for j in jobs), max(j.prompt_tokens for j in jobs)]},
+        "seed_scheme": recipe,
+        "service": service,
+        "speedup_vs_seed": service["jobs_per_s"] / recipe["jobs_per_s"],
+        "gpu_busy_method": "PyTorch profiler: CUDA kernel time over wall time of the decode steps of one run_batch "
+                           "(prefill removed by a one-token run), in the bench process on the same runtime code "
+                           "and cap; service = a full Kev batch as the scheduler forms it, seed = batch 1",
+        "bench_seconds": time.perf_counter() - started,
+    }
+
+
+def _versions() -> dict[str, str]:
+    import peft
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+    try:
+        import bitsandbytes
+
+        versions["bitsandbytes"] = bitsandbytes.__version__
+    except ImportError:
+        pass
+    return versions

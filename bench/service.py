@@ -1,0 +1,171 @@
+"""The whole service as a user runs it, as real processes: a Redis-protocol server, the API and the Celery worker
+(`kevlaya api`, `kevlaya worker`) on a SQLite file. Jobs go in over HTTP; what happened is read from the rows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
+
+from shared.migrate import upgrade
+from shared.models import Batch, Job, JobStatus
+from shared.redis_server import answers, start_redis_server
+
+log = logging.getLogger("kevlaya.bench")
+API_KEY = "kl_bench_admin_key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class JobRow:
+    id: str
+    adapter: str
+    status: str
+    error_code: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    total_ms: float | None
+    ttft_ms: float | None
+    batch_id: str | None
+
+
+@dataclass
+class BatchRow:
+    id: str
+    adapters: str
+    size: int
+    started_at: datetime
+    finished_at: datetime | None
+    peak_vram_bytes: int | None
+    oom_splits: int | None
+
+
+class Service:
+    """API + worker + Redis for one benchmark run; `settings` are KEVLAYA_* values (e.g. the model paths)."""
+
+    def __init__(self, workdir: Path, settings: dict[str, str], redis_url: str | None = None):
+        self.workdir = workdir
+        self.database_url = f"sqlite:///{workdir / 'bench.db'}"
+        self.port = free_port()
+        self.redis_url = redis_url or f"redis://127.0.0.1:{free_port()}/0"
+        self.env = {**os.environ, **settings, "KEVLAYA_DATABASE_URL": self.database_url,
+                    "KEVLAYA_REDIS_URL": self.redis_url, "KEVLAYA_API_KEY": API_KEY,
+                    "KEVLAYA_API_PORT": str(self.port)}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}",
+                                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+        self.engine = create_engine(self.database_url)
+
+    def __enter__(self) -> Service:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        upgrade(self.database_url)
+        if not answers(self.redis_url):
+            port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
+            self.processes["redis"] = start_redis_server(port, self.workdir / "redis", persistent=False)
+        for kind in ("api", "worker"):
+            log_file = open(self.workdir / f"{kind}.log", "wb")
+            self.processes[kind] = subprocess.Popen([sys.executable, "-m", "shared.cli", kind], env=self.env,
+                                                    stdout=log_file, stderr=subprocess.STDOUT,
+                                                    start_new_session=True)
+        self._wait_ready(timeout=900)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.client.close()
+        for name in ("api", "worker", "redis"):
+            process = self.processes.get(name)
+            if process is not None and process.poll() is None:
+                os.killpg(process.pid, 15) if name != "redis" else process.terminate()
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        self.engine.dispose()
+
+    def log_tail(self, kind: str, chars: int = 3000) -> str:
+        return (self.workdir / f"{kind}.log").read_text(errors="replace")[-chars:]
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for kind in ("api", "worker"):
+                if self.processes[kind].poll() is not None:
+                    raise RuntimeError(f"the {kind} exited while starting:\n{self.log_tail(kind)}")
+            if "model load failed" in self.log_tail("worker", 100_000):  # it would wait for a fix in vain
+                raise RuntimeError(f"the worker could not load the model:\n{self.log_tail('worker')}")
+            try:
+                if self.client.get("/readyz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the service was not ready after {timeout:.0f}s:\n{self.log_tail('worker')}")
+
+    # -- jobs ------------------------------------------------------------------------------------------------
+
+    def submit(self, bodies: list[dict[str, Any]]) -> list[str]:
+        """Submit over HTTP, in batch requests of at most 256 jobs; returns the job ids in order."""
+        ids: list[str] = []
+        for start in range(0, len(bodies), 256):
+            response = self.client.post("/v1/jobs/batch", json={"jobs": bodies[start:start + 256]})
+            if response.status_code != 202:
+                raise RuntimeError(f"batch submit answered {response.status_code}: {response.text}")
+            ids += [job["id"] for job in response.json()["jobs"]]
+        return ids
+
+    def submit_one(self, body: dict[str, Any]) -> str:
+        response = self.client.post("/v1/jobs", json=body)
+        if response.status_code != 202:
+            raise RuntimeError(f"submit answered {response.status_code}: {response.text}")
+        return response.json()["id"]
+
+    def wait(self, ids: list[str], timeout: float = 1800) -> list[JobRow]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = self.jobs(ids)
+            if all(row.status in JobStatus.FINISHED for row in rows):
+                return rows
+            if self.processes["worker"].poll() is not None:
+                raise RuntimeError(f"the worker exited:\n{self.log_tail('worker')}")
+            time.sleep(0.2)
+        raise RuntimeError(f"{len(ids)} job(s) not finished after {timeout:.0f}s")
+
+    def pending(self, ids: list[str]) -> int:
+        return sum(row.status not in JobStatus.FINISHED for row in self.jobs(ids))
+
+    def jobs(self, ids: list[str]) -> list[JobRow]:
+        import uuid
+
+        wanted = [uuid.UUID(i) for i in ids]
+        with Session(self.engine) as session:
+            found = {str(j.id): j for j in session.scalars(select(Job).where(Job.id.in_(wanted)))}
+        return [JobRow(id=i, adapter=(j := found[i]).adapter, status=j.status, error_code=j.error_code,
+                       created_at=j.created_at, started_at=j.started_at, finished_at=j.finished_at,
+                       total_ms=j.total_ms, ttft_ms=j.ttft_ms, batch_id=str(j.batch_id) if j.batch_id else None)
+                for i in ids]
+
+    def batches(self, since: datetime | None = None) -> list[BatchRow]:
+        with Session(self.engine) as session:
+            query = select(Batch).order_by(Batch.started_at)
+            if since is not None:
+                query = query.where(Batch.started_at >= since)
+            return [BatchRow(id=str(b.id), adapters=b.adapters, size=b.size, started_at=b.started_at,
+                             finished_at=b.finished_at, peak_vram_bytes=b.peak_vram_bytes, oom_splits=b.oom_splits)
+                    for b in session.scalars(query)]

@@ -1,0 +1,168 @@
+"""The CUDA path on a real GPU: the NF4 (bitsandbytes) base with both adapters, under a 6 GB card's cap.
+
+Run with `pytest -m gpu` on a machine with CUDA; everywhere else these tests are skipped (there is nothing to run
+them on). The model is the shipped demo model, or a random-weight model of the Qwen2.5-1.5B shape."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.decision import find_decision
+from shared.settings import Settings
+from tests.conftest import AUTH, free_port, start_worker, submit, wait_finished, wait_until
+from worker.decision_data import render_prompt
+from worker.evaluation import load_scenarios
+from worker.runtime import AdapterRuntime, GenerationRequest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CAP_GB = 5.5  # what a 6 GB card leaves PyTorch after the CUDA context
+DEMO = Path("models/demo")
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def demo() -> AdapterRuntime:
+    runtime = AdapterRuntime.load(Settings(_env_file=None, device="cuda", vram_budget_gb=CAP_GB))
+    yield runtime
+    del runtime
+    _free()
+
+
+def scenario_requests(settings: Settings, adapters: list[str]) -> list[GenerationRequest]:
+    scenarios = load_scenarios(DEMO / "test_scenarios.jsonl", len(adapters))
+    requests = []
+    for adapter, (_, scenario) in zip(adapters, scenarios):
+        profile = settings.adapter_profile(adapter)
+        requests.append(GenerationRequest(
+            job_id=uuid.uuid4(), adapter=adapter, max_new_tokens=profile.max_new_tokens, temperature=0.0, top_p=1.0,
+            seed=None, messages=[{"role": "system", "content": profile.system_prompt},
+                                 {"role": "user", "content": render_prompt(scenario)}]))
+    return requests
+
+
+def test_demo_model_serves_both_adapters_on_an_nf4_base(demo: AdapterRuntime) -> None:
+    import bitsandbytes as bnb
+
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in demo.model.modules()) > 0
+    assert demo.adapters == {"kev", "laya"}
+    outcome = demo.run_batch(scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 3))
+    assert [r.error_code for r in outcome.results] == [None] * 6
+    assert all(find_decision(r.text) is not None for r in outcome.results), [r.text for r in outcome.results]
+    assert outcome.peak_vram_bytes < CAP_GB * 2**30
+
+
+def test_mixed_batches_match_per_adapter_batches_on_greedy_decoding(demo: AdapterRuntime) -> None:
+    requests = scenario_requests(Settings(_env_file=None), ["kev", "laya", "laya", "kev"])
+    grouped = demo.run_batch(requests, mixed=False)
+    mixed = demo.run_batch(requests, mixed=True)
+    assert [r.token_ids for r in mixed.results] == [r.token_ids for r in grouped.results]
+
+
+def test_nan_is_contained_to_its_row(demo: AdapterRuntime) -> None:
+    requests = scenario_requests(Settings(_env_file=None), ["laya"] * 3)
+    clean = demo.run_batch(requests)
+
+    def poison_row_1(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> torch.Tensor:
+        output[1] = float("nan")
+        return output
+
+    handle = demo.model.get_base_model().lm_head.register_forward_hook(poison_row_1)
+    try:
+        outcome = demo.run_batch(requests)
+    finally:
+        handle.remove()
+    assert [r.error_code for r in outcome.results] == [None, "numerical_error", None]
+    assert [r.token_ids for r in outcome.results[::2]] == [r.token_ids for r in clean.results[::2]]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> AdapterRuntime:
+    from worker.model_factory import build_random_model
+
+    paths = build_random_model(tmp_path_factory.mktemp("qwen"), "qwen2.5-1.5b", dtype=torch.float16, device="cuda")
+    _free()
+    settings = Settings(_env_file=None, device="cuda", vram_budget_gb=CAP_GB, base_model=str(paths["base"]),
+                        kev={"path": str(paths["kev"])}, laya={"path": str(paths["laya"])}, ignore_eos=True,
+                        verify_manifests=False)
+    runtime = AdapterRuntime.load(settings)
+    yield runtime
+    del runtime
+    _free()
+
+
+def long_requests(count: int, prompt_chars: int, new_tokens: int) -> list[GenerationRequest]:
+    # the random model's tokenizer is one token per byte
+    return [GenerationRequest(job_id=uuid.uuid4(), adapter=("kev", "laya")[i % 2], max_new_tokens=new_tokens,
+                              temperature=0.0, top_p=1.0, seed=None,
+                              messages=[{"role": "user", "content": f"{i} " + "x" * prompt_chars}])
+            for i in range(count)]
+
+
+def test_a_real_shape_stays_under_the_cap(qwen: AdapterRuntime) -> None:
+    outcome = qwen.run_batch(long_requests(16, 250, 64), mixed=True)
+    assert [r.completion_tokens for r in outcome.results] == [64] * 16
+    assert outcome.peak_vram_bytes < CAP_GB * 2**30
+    assert torch.cuda.max_memory_reserved() <= CAP_GB * 2**30
+
+
+def test_out_of_memory_is_split_and_retried(qwen: AdapterRuntime) -> None:
+    """A batch too big for what is left of the card runs out of memory for real, is split and still succeeds."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    tight = torch.cuda.memory_allocated() + 0.5 * 2**30
+    torch.cuda.set_per_process_memory_fraction(tight / total, 0)
+    try:
+        outcome = qwen.run_batch(long_requests(16, 1500, 4))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(CAP_GB * 2**30 / total, 0)
+    assert outcome.oom_splits >= 1
+    assert [r.error_code for r in outcome.results] == [None] * 16
+    assert qwen.run_batch(long_requests(2, 100, 4)).results[0].error_code is None  # still serves afterwards
+
+
+# -- the worker as a process on the GPU ----------------------------------------------------------------------
+
+@pytest.fixture
+def database_url(tmp_path: Path) -> str:  # SQLite only: the GPU machine has no PostgreSQL, and this is about CUDA
+    from shared.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'kevlaya.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def env(worker_env: dict[str, str]) -> dict[str, str]:
+    return {**worker_env, "KEVLAYA_API_PORT": str(free_port()), "KEVLAYA_DEVICE": "cuda",
+            "KEVLAYA_VRAM_BUDGET_GB": str(CAP_GB), "KEVLAYA_IGNORE_EOS": "true"}
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def test_the_worker_recovers_after_its_child_is_killed(env, api, start_process) -> None:  # noqa: ANN001
+    worker = start_worker(start_process, env, api)
+    [child] = _children(worker.process.pid)
+    ids = [submit(api, ("kev", "laya")[i % 2], f"question {i}", max_new_tokens=400) for i in range(8)]
+    wait_until(lambda: any(api.get(f"/v1/jobs/{i}").json()["status"] == "running" for i in ids), 60,
+               what="a running batch")
+    os.kill(child, signal.SIGKILL)
+    jobs = wait_finished(api, ids, timeout=300)
+    assert [j["status"] for j in jobs] == ["succeeded"] * 8
+    assert max(j["attempts"] for j in jobs) == 2  # the killed batch ran again, once
+    new_children = _children(worker.process.pid)
+    assert new_children and child not in new_children
+    assert api.get("/readyz", headers=AUTH).status_code == 200

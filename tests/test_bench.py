@@ -1,0 +1,31 @@
+"""`kevlaya bench` end to end on the CPU with the tiny model: the instrument itself must keep working."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+
+def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
+    kevlaya = str(Path(os.sys.executable).parent / "kevlaya")
+    out = tmp_path / "results"
+    command = [kevlaya, "bench", "--shape", "tiny", "--device", "cpu", "--jobs", "6", "--kev-tokens", "12",
+               "--laya-tokens", "4", "--recipe-jobs", "1", "--latency-samples", "2", "--fit", "2",
+               "--out", str(out), "--workdir", str(tmp_path / "work"), "--redis-url", redis_server.url]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [json_path] = out.glob("tiny-*.json")
+    assert json_path.with_suffix(".png").stat().st_size > 0
+    result = json.loads(json_path.read_text())
+    assert result["command"].startswith("kevlaya bench --shape tiny")
+    service, seed = result["service"], result["seed_scheme"]
+    assert seed["jobs_per_s"] > 0 and seed["timed_jobs"] == 2
+    assert service["jobs_per_s"] > 0 and result["speedup_vs_seed"] == service["jobs_per_s"] / seed["jobs_per_s"]
+    assert service["failed_jobs"] == 0 and service["oom_events"] == 0
+    assert service["mean_batch_size"] > 1  # the worker batched what was queued
+    assert len(service["laya_ms_idle"]) == len(service["laya_ms_under_kev_load"]) == 2
+    assert service["laya_p95_ms_under_kev_load"] >= service["laya_p50_ms_under_kev_load"] > 0
+    assert [f["load"] for f in service["fit"]] == [2] and service["fit"][0]["failed_jobs"] == 0
+    assert "speedup vs the recipe's scheme" in done.stdout  # the table, printed last

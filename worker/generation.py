@@ -1,0 +1,53 @@
+"""What the engine hands the model runtime and gets back: plain data, no torch, so the Celery parent process and
+the job-outcome logic can use it without initialising CUDA before the worker child is forked."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationRequest:
+    job_id: uuid.UUID
+    adapter: str  # "kev" | "laya"
+    messages: list[dict[str, str]]  # [{role, content}], system message already included by the caller
+    max_new_tokens: int
+    temperature: float  # 0 = greedy
+    top_p: float
+    seed: int | None
+
+
+@dataclass
+class GenerationResult:
+    job_id: uuid.UUID
+    text: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    prefill_ms: float  # the prefill of the forward passes this row shared
+    decode_ms: float  # this row's own decode: from its first token to its last
+    error_code: str | None = None  # "numerical_error" | "out_of_memory" | "adapter_unavailable" | None
+    error_message: str | None = None
+    # The model's own log-probability of each completion token (raw logits, before temperature/top-p),
+    # and the character span each token covers in `text`: a span's probability is a calibrated confidence.
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    token_spans: list[tuple[int, int]] = field(default_factory=list)
+    first_token_ms: float | None = None  # from the start of its batch to this row's first token
+
+    def span_probability(self, start: int, end: int) -> float | None:
+        """Probability the model gave to the tokens that produced text[start:end], or None if unknown."""
+        overlapping = [lp for lp, (a, b) in zip(self.token_logprobs, self.token_spans) if a < end and b > start]
+        return math.exp(sum(overlapping)) if overlapping else None
+
+
+@dataclass
+class BatchOutcome:
+    results: list[GenerationResult]  # same order as the requests
+    switch_ms: float  # time spent in set_adapter for this batch
+    prefill_ms: float
+    decode_ms: float
+    tokens: int  # completion tokens
+    peak_vram_bytes: int | None  # torch.cuda.max_memory_allocated on CUDA, None on CPU
+    oom_splits: int = 0  # how often a group ran out of memory and was split in this batch
