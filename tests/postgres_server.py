@@ -60,13 +60,20 @@ class PostgresServer:
     def start(self, timeout: float = 60.0) -> None:
         bin_dir = postgres_bin_dir()
         self.root = Path(tempfile.mkdtemp(prefix="kevlaya-postgres-"))
+        try:
+            self._start(bin_dir, timeout)
+        except BaseException:
+            self.stop()  # a failed start leaves no server and no directory behind
+            raise
+
+    def _start(self, bin_dir: Path, timeout: float) -> None:
         run_as = _unprivileged_user() if os.geteuid() == 0 else None
         if run_as is not None:
             os.chown(self.root, run_as.pw_uid, run_as.pw_gid)
             bin_dir = self._reachable_bin_dir(bin_dir, run_as)
         data, log_path = self.root / "data", self.root / "postgres.log"
         self._run(run_as, [bin_dir / "initdb", "-D", data, "-U", self.user, "--auth=trust", "--encoding=UTF8",
-                           "--locale=C", "--no-sync", "--no-instructions"], log_path)
+                           "--locale=C", "--no-sync", "--no-instructions"])
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [str(a) for a in (bin_dir / "postgres", "-D", data, "-h", "127.0.0.1", "-p", self.port,
@@ -78,7 +85,6 @@ class PostgresServer:
         deadline = time.monotonic() + timeout
         while not self._answers():
             if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
                 raise PostgresServerError(f"PostgreSQL did not start on port {self.port}; its log:\n"
                                           + log_path.read_text(errors="replace")[-3000:])
             time.sleep(0.1)
@@ -108,7 +114,7 @@ class PostgresServer:
         except psycopg.OperationalError:
             return False
 
-    def _run(self, run_as: pwd.struct_passwd | None, args: list, log_path: Path) -> None:
+    def _run(self, run_as: pwd.struct_passwd | None, args: list) -> None:
         done = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=self.root, **_as_user(run_as))
         if done.returncode != 0:
             raise PostgresServerError(f"{Path(args[0]).name} failed ({done.returncode}):\n{done.stdout}{done.stderr}")

@@ -14,7 +14,7 @@ import redis
 
 from shared import local_run, redis_server
 from tests.conftest import free_port
-from tests.postgres_server import PostgresServer
+from tests.postgres_server import PostgresServer, PostgresServerError
 
 
 def test_without_redis_on_path_the_wheels_valkey_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -90,3 +90,13 @@ def test_throwaway_postgresql_serves_the_named_database_and_leaves_nothing_behin
     assert not root.exists()
     with pytest.raises(psycopg.OperationalError):
         psycopg.connect(host="127.0.0.1", port=server.port, user="postgres", dbname="test", connect_timeout=2)
+
+
+def test_a_postgresql_that_cannot_listen_fails_with_its_log_and_leaves_nothing_behind():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = PostgresServer(taken.getsockname()[1])
+        with pytest.raises(PostgresServerError, match="(?s)did not start.*(in use|bind)"):
+            server.start(timeout=20)
+    assert server.root is None and server.process.poll() is not None
