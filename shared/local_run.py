@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +11,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-import redis
-
+from shared import redis_server
 from shared.keys import generate_key
 from shared.settings import Settings, get_settings
 
@@ -21,42 +19,25 @@ log = logging.getLogger("kevlaya.run")
 STATE_DIR = Path(".kevlaya")
 
 
-def _redis_answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
 def ensure_redis(url: str) -> subprocess.Popen | None:
     """Use the Redis at `url`; if it is local and down, start one (persistent, never evicting)."""
-    if _redis_answers(url):
+    if redis_server.answers(url):
         log.info("redis: using %s", url)
         return None
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost"):
         raise SystemExit(f"redis at {url} does not answer; start it or set KEVLAYA_REDIS_URL")
-    server = shutil.which("redis-server")
-    if server is None:
-        raise SystemExit(
-            f"redis at {url} does not answer and `redis-server` is not installed: install Redis "
-            "(e.g. `apt-get install redis-server` or `brew install redis`) or set KEVLAYA_REDIS_URL"
-        )
+    try:
+        binary = redis_server.redis_server_binary()
+    except redis_server.RedisServerError as exc:
+        raise SystemExit(f"redis at {url} does not answer and none can be started: {exc}") from None
     data_dir = STATE_DIR / "redis"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    port = str(parsed.port or 6379)
-    log.info("redis: not running at %s, starting %s on port %s (data in %s)", url, server, port, data_dir)
-    process = subprocess.Popen(
-        [server, "--bind", "127.0.0.1", "--port", port, "--dir", str(data_dir.resolve()),
-         "--appendonly", "yes", "--maxmemory-policy", "noeviction", "--save", ""],
-        stdout=subprocess.DEVNULL,
-    )
-    for _ in range(50):
-        if _redis_answers(url):
-            return process
-        time.sleep(0.1)
-    process.terminate()
-    raise SystemExit(f"started redis-server but it does not answer at {url}")
+    port = parsed.port or 6379
+    log.info("redis: not running at %s, starting %s on port %s (data in %s)", url, binary, port, data_dir)
+    try:
+        return redis_server.start_redis_server(port, data_dir, persistent=True, binary=binary)
+    except redis_server.RedisServerError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def local_api_key(settings: Settings) -> str:
@@ -121,4 +102,5 @@ def run_local(with_flower: bool = True) -> int:
     if redis_process is not None:
         redis_process.terminate()
         redis_process.wait(timeout=10)
+    log.info("everything stopped (exit code %s)", exit_code)
     return exit_code

@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 typed models: the `jobs` row is the source of truth for a job (DESIGN §7)."""
+"""SQLAlchemy 2 typed models: the `jobs` row is the source of truth for a job (docs/architecture.md §7)."""
 
 from __future__ import annotations
 

