@@ -57,6 +57,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     points = service["memory_over_time"]
     memory.plot([p["t_s"] for p in points], [p["peak_allocated_gib"] for p in points], marker=".")
     memory.axhline(result["vram_budget_gb"], color="red", linestyle="--", label="cap")
+    memory.set_ylim(0, result["vram_budget_gb"] * 1.1)
     memory.set_xlabel("seconds into the service run")
     memory.set_ylabel("peak allocated per batch, GiB")
     memory.set_title("memory over time")
