@@ -75,7 +75,8 @@ Text = Annotated[str, AfterValidator(check_text)]
 Temperature = Annotated[
     float | None,
     Field(default=None, ge=0, le=2, allow_inf_nan=False,
-          description=f"0 = greedy; otherwise at least {MIN_TEMPERATURE}"),
+          description=f"0 = greedy; otherwise at least {MIN_TEMPERATURE}",
+          json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}}),
     AfterValidator(check_temperature),
 ]
 TopP = Annotated[float | None, Field(default=None, gt=0, le=1, allow_inf_nan=False)]

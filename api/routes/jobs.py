@@ -94,8 +94,10 @@ def get_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOut:
 
 @router.get("/{job_id}/wait", response_model=JobOut, responses=error_responses(404, 422, *AUTH_ERRORS))
 async def wait_for_job(job_id: uuid.UUID, key: CurrentKey, settings: SettingsDep,
-                       timeout: Annotated[float, Query(gt=0)] = 30.0) -> JobOut:
+                       timeout: Annotated[float | None, Query(gt=0, description="seconds; default 30 "
+                                                              "(or the configured maximum, if lower)")] = None) -> JobOut:
     """Long-poll: answers as soon as the job is finished, or with its current state at the timeout."""
+    timeout = min(30.0, settings.max_wait_timeout_s) if timeout is None else timeout
     if timeout > settings.max_wait_timeout_s:
         raise ApiError(422, "invalid_request", f"timeout: at most {settings.max_wait_timeout_s} seconds")
 
