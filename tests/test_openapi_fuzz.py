@@ -20,7 +20,7 @@ from shared.heartbeat import beat
 from shared.migrate import upgrade
 from tests.conftest import AUTH
 
-EXAMPLES_PER_OPERATION = 25
+EXAMPLES_PER_OPERATION = 50
 
 
 @pytest.fixture
