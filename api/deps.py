@@ -33,6 +33,25 @@ SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
+def reject_unknown_query_parameters(request: Request) -> None:
+    """Query parameters a route does not take are refused, like unknown body fields (a typo such as
+    `?stauts=failed` would otherwise silently list everything)."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    known: set[str] = set()
+    pending = [dependant]
+    while pending:  # the route's own parameters and those of its dependencies
+        current = pending.pop()
+        known |= {param.alias for param in current.query_params}
+        pending.extend(current.dependencies)
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
+        raise ApiError(422, "invalid_request", f"{unknown[0] or '(empty name)'}: unknown query parameter; {takes}")
+
+
 def get_prompt_budget(request: Request) -> PromptBudget | None:
     return getattr(request.app.state, "prompt_budget", None)
 

@@ -15,7 +15,6 @@ from sqlalchemy.orm import Session
 from shared.models import Job
 from shared.schemas import JobAccepted, JobError, JobOut, JobResult, JobStage, JobTimings, JobTokens
 
-
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 

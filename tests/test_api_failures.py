@@ -248,3 +248,11 @@ def test_headers_are_capped(server):
     assert status in (None, 400, 431)
     assert httpx.get(f"{server}/healthz").status_code == 200  # the server is fine afterwards
 
+
+
+def test_unknown_query_parameters_are_refused_naming_them(client):
+    typo = client.get("/v1/jobs", params={"stauts": "failed"}, headers=AUTH)
+    assert typo.status_code == 422 and typo.json()["error"]["message"].startswith("stauts:")
+    assert "status" in typo.json()["error"]["message"]
+    assert client.get("/v1/models", params={"x": "1"}, headers=AUTH).status_code == 422
+    assert client.get("/v1/jobs", params={"status": "queued", "limit": 5}, headers=AUTH).status_code == 200

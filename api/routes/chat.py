@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep
+from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.prompt_budget import FieldNames
 from api.submission import check_limits, enqueue, new_job, wait_finished
@@ -24,7 +24,7 @@ from shared.schemas import (
     TopP,
 )
 
-router = APIRouter(prefix="/v1/chat", tags=["chat"])
+router = APIRouter(prefix="/v1/chat", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])
 
 # Limits are reported under the names this request uses.
 CHAT_FIELDS = FieldNames(input="messages", max_new_tokens="max_tokens")

@@ -6,10 +6,10 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Depends, Query, Response, status
 from sqlalchemy import and_, or_, select, update
 
-from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep
+from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.presenters import decode_cursor, encode_cursor, job_accepted, jobs_out
 from api.submission import check_limits, get_visible, store_jobs, visible_to, wait_finished
@@ -24,7 +24,7 @@ from shared.schemas import (
     RequestedAdapter,
 )
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(reject_unknown_query_parameters)])
 
 JobStatusName = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]
 
