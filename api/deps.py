@@ -10,12 +10,13 @@ from datetime import datetime, timezone
 from typing import Annotated
 
 import redis
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
+from api.prompt_budget import PromptBudget
 from shared.db import new_session
 from shared.keys import ensure_bootstrap_key, find_key
 from shared.models import ApiKey
@@ -31,12 +32,42 @@ def get_session() -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
+
+def reject_unknown_query_parameters(request: Request) -> None:
+    """Query parameters a route does not take are refused, like unknown body fields (a typo such as
+    `?stauts=failed` would otherwise silently list everything)."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    known: set[str] = set()
+    pending = [dependant]
+    while pending:  # the route's own parameters and those of its dependencies
+        current = pending.pop()
+        known |= {param.alias for param in current.query_params}
+        pending.extend(current.dependencies)
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
+        raise ApiError(422, "invalid_request", f"{unknown[0] or '(empty name)'}: unknown query parameter; {takes}")
+
+
+def get_prompt_budget(request: Request) -> PromptBudget | None:
+    return getattr(request.app.state, "prompt_budget", None)
+
+
+PromptBudgetDep = Annotated[PromptBudget | None, Depends(get_prompt_budget)]
+
 _bearer = HTTPBearer(auto_error=False)
 log = logging.getLogger("kevlaya.api")
 
 
 def _unauthorized(message: str) -> ApiError:
     return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _revoked(row: ApiKey) -> bool:
+    return row.revoked_at is not None and row.revoked_at <= datetime.now(timezone.utc)
 
 
 def current_key(
@@ -55,11 +86,14 @@ def current_key(
         except IntegrityError:  # another request created it first
             session.rollback()
             row = find_key(session, plain)
+        # Revocable like any key (`kevlaya keys revoke`); a new KEVLAYA_API_KEY value gets a fresh row.
+        if _revoked(row):
+            raise _unauthorized("API key revoked")
         return row
     row = find_key(session, plain)
     if row is None:
         raise _unauthorized("invalid API key")
-    if row.revoked_at is not None and row.revoked_at <= datetime.now(timezone.utc):
+    if _revoked(row):
         raise _unauthorized("API key revoked")
     if row.rate_limit_per_minute is not None:
         _enforce_rate_limit(row)

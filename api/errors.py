@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+log = logging.getLogger("kevlaya.api")
+
+# How long a client should wait before retrying when a dependency (database, queue) is down.
+RETRY_AFTER_S = "5"
 
 
 class ApiError(Exception):
@@ -16,13 +25,57 @@ class ApiError(Exception):
         self.status_code, self.code, self.message, self.headers = status_code, code, message, headers
 
 
+class FieldError(BaseModel):
+    field: str
+    message: str
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    fields: list[FieldError] | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx and 5xx answer."""
+
+    error: ErrorDetail
+
+
+_STATUS_TEXT = {
+    400: "Malformed request (e.g. a body that is not JSON, a cursor this API did not issue)",
+    401: "Missing, unknown or revoked API key",
+    404: "No such job visible to this key",
+    405: "Method not allowed on this path (see the Allow header)",
+    409: "The job's state does not allow this",
+    413: "Request body over the configured limit",
+    422: "Invalid request; the message names the field",
+    429: "This key's rate limit is used up (see Retry-After)",
+    500: "Unexpected server error",
+    503: "The database or the job queue is unavailable (see Retry-After)",
+    504: "The job did not finish in time; it goes on",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` entries for the given error statuses, all with the one error schema."""
+    return {code: {"model": ErrorResponse, "description": _STATUS_TEXT[code]} for code in codes}
+
+
+# Every route may answer these: a broken server (500) and a database that is down (503).
+COMMON_ERRORS = (500, 503)
+# Every authenticated route: no key (401), over its rate limit (429).
+AUTH_ERRORS = (401, 429, *COMMON_ERRORS)
+
+
 def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, **extra}}
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
     # Drop "body" and pydantic's union-branch tags ("str", "MessagesInput") so the path reads like the JSON.
-    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and p[:1].isupper()) and p != "str"]
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and p[:1].isupper()) and p != "str"
+             and not (isinstance(p, str) and p.startswith(("list[", "function-")))]
     return ".".join(parts) or "body"
 
 
@@ -39,12 +92,52 @@ async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(status_code=exc.status_code, content=error_body(exc.code, exc.message), headers=exc.headers)
 
 
-async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return JSONResponse(status_code=exc.status_code, content=error_body(code, str(exc.detail)), headers=exc.headers)
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves on this path (Starlette's own 405 names only the first route's).
+    Asked through each route's public `matches`, since included routers nest their routes."""
+    routes = request.app.router.routes
+    return [method for method in _METHODS
+            if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)]
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    headers = dict(exc.headers or {})
+    message = str(exc.detail)
+    if exc.status_code == 405:
+        allowed = _allowed_methods(request)
+        headers["Allow"] = ", ".join(allowed)
+        message = f"{request.method} is not allowed here; allowed: {', '.join(allowed)}"
+    return JSONResponse(status_code=exc.status_code, content=error_body(code, message), headers=headers)
+
+
+def _is_unavailable(exc: sa_exc.DBAPIError) -> bool:
+    # OperationalError covers "cannot connect", "server closed the connection", "database is locked";
+    # a dropped connection can also surface as InterfaceError or an invalidated connection.
+    return isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) or exc.connection_invalidated
+
+
+async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, sa_exc.TimeoutError) or (isinstance(exc, sa_exc.DBAPIError) and _is_unavailable(exc)):
+        # The driver's message names hosts and ports: it goes to the log, not to the client.
+        log.error("database unavailable during %s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
+                            content=error_body("database_unavailable", "the database is unavailable; retry later"))
+    return await _unexpected_error(request, exc)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unexpected error during %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(status_code=500, content=error_body("internal", "internal server error"))
 
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(sa_exc.SQLAlchemyError, _database_error)
+    # Anything else: still the JSON error shape, never Starlette's text/plain 500.
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,17 +1,50 @@
-"""Builds the FastAPI app: routers, error handlers, the body-size limit."""
+"""Builds the FastAPI app: routers, error handlers, the body-size limit, the prompt budget."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from api.body_limit import BodySizeLimit
 from api.docs import install_docs
 from api.errors import install_error_handlers
-from api.routes import chat, health, jobs
-from shared.settings import get_settings
+from api.prompt_budget import PromptBudget
+from api.routes import chat, health, jobs, models
+from shared.settings import Settings, get_settings
+
+
+def _bound(node: dict[str, Any], kind: str, **bounds: Any) -> None:
+    """Add `bounds` to the `kind` branch of a schema (a plain schema or an anyOf of it and null)."""
+    for branch in node.get("anyOf", [node]):
+        if branch.get("type") == kind:
+            branch.update(bounds)
+
+
+def _with_configured_bounds(schema: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """Limits that come from settings, written into the schema so it tells the real bounds."""
+    components = schema["components"]["schemas"]
+    _bound(components["JobParams"]["properties"]["max_new_tokens"], "integer",
+           maximum=settings.max_new_tokens_limit)
+    for field in ("max_tokens", "max_completion_tokens"):
+        _bound(components["ChatRequest"]["properties"][field], "integer", maximum=settings.max_new_tokens_limit)
+    _bound(components["JobCreate"]["properties"]["input"], "string", maxLength=settings.max_prompt_chars)
+    _bound(components["Message"]["properties"]["content"], "string", maxLength=settings.max_prompt_chars)
+    components["JobBatchCreate"]["properties"]["jobs"]["maxItems"] = settings.max_batch_submit
+    for parameter in schema["paths"]["/v1/jobs/{job_id}/wait"]["get"]["parameters"]:
+        if parameter["name"] == "timeout":
+            _bound(parameter["schema"], "number", maximum=settings.max_wait_timeout_s)
+    schema["info"]["description"] = (
+        f"Prompts are limited to {settings.max_prompt_chars} characters and, with the adapter's system prompt "
+        f"and max_new_tokens, to the model's context; request bodies to {settings.max_body_bytes} bytes. "
+        "Every error answer is `{\"error\": {\"code\", \"message\"}}`."
+    )
+    return schema
 
 
 def create_app() -> FastAPI:
+    settings = get_settings()
     app = FastAPI(
         title="kevlaya",
         version="0.1.0",
@@ -24,8 +57,16 @@ def create_app() -> FastAPI:
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(chat.router)
-    app.add_middleware(BodySizeLimit, max_bytes=get_settings().max_body_bytes)
+    app.include_router(models.router)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
+    app.state.prompt_budget = PromptBudget.load(settings)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            app.openapi_schema = _with_configured_bounds(schema, settings)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
-
-
-app = create_app()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import uuid
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -13,11 +15,25 @@ from sqlalchemy.orm import Session
 from shared.models import Job
 from shared.schemas import JobAccepted, JobError, JobOut, JobResult, JobStage, JobTimings, JobTokens
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def readable(value: Any) -> Any:
+    """`value` with lone surrogates replaced by U+FFFD: rows stored before input was checked for them must still
+    be readable (a JSON answer cannot carry them)."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {readable(k): readable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [readable(v) for v in value]
+    return value
+
 
 def _result(job: Job) -> JobResult | None:
     if job.result_text is None and job.decision is None:
         return None
-    return JobResult(text=job.result_text, decision=job.decision)
+    return JobResult(text=readable(job.result_text), decision=readable(job.decision))
 
 
 def _error(job: Job) -> JobError | None:
@@ -44,9 +60,9 @@ def job_out(job: Job, children: list[Job] | None = None) -> JobOut:
         status=job.status,
         adapter=job.adapter,
         requested_adapter=job.requested_adapter,
-        input=job.input,
+        input=readable(job.input),
         params=job.params,
-        metadata=job.meta,
+        metadata=readable(job.meta),
         result=_result(job),
         error=_error(job),
         timings=_timings(job),

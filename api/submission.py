@@ -10,10 +10,12 @@ from datetime import datetime, timezone
 
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import ColumnElement, select, true
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.errors import ApiError
+from api.errors import RETRY_AFTER_S, ApiError
 from api.presenters import jobs_out
+from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
 from shared.db import new_session
 from shared.models import ApiKey, Job, JobStatus
 from shared.queue import QueueUnavailable, ping_queue, publish_wakeup
@@ -23,15 +25,19 @@ from shared.settings import Settings
 log = logging.getLogger("kevlaya.api")
 
 
-def check_limits(request: JobCreate, settings: Settings, field_prefix: str = "") -> None:
+def check_limits(request: JobCreate, settings: Settings, budget: PromptBudget | None, field_prefix: str = "",
+                 names: FieldNames = JOB_FIELDS) -> None:
     if request.prompt_chars() > settings.max_prompt_chars:
         raise ApiError(422, "invalid_request",
-                       f"{field_prefix}input: prompt has {request.prompt_chars()} characters, "
+                       f"{field_prefix}{names.input}: prompt has {request.prompt_chars()} characters, "
                        f"the limit is {settings.max_prompt_chars}")
     tokens = request.params.max_new_tokens
     if tokens is not None and tokens > settings.max_new_tokens_limit:
         raise ApiError(422, "invalid_request",
-                       f"{field_prefix}params.max_new_tokens: {tokens} is over the limit of {settings.max_new_tokens_limit}")
+                       f"{field_prefix}{names.max_new_tokens}: {tokens} is over the limit of "
+                       f"{settings.max_new_tokens_limit}")
+    if budget is not None:
+        budget.check(request, field_prefix, names)
 
 
 def new_job(request: JobCreate, key: ApiKey) -> Job:
@@ -67,8 +73,10 @@ def enqueue(session: Session, jobs: list[Job]) -> None:
     try:
         ping_queue()
     except QueueUnavailable as exc:
-        raise ApiError(503, "queue_unavailable", f"the job queue is unavailable, nothing was stored: {exc}",
-                       headers={"Retry-After": "5"}) from exc
+        # The broker's error names its host and port: log it, do not show it.
+        log.error("submit refused: %s", exc)
+        raise ApiError(503, "queue_unavailable", "the job queue is unavailable, nothing was stored; retry later",
+                       headers={"Retry-After": RETRY_AFTER_S}) from exc
     session.add_all(jobs)
     session.commit()
     for job in jobs:
@@ -76,6 +84,45 @@ def enqueue(session: Session, jobs: list[Job]) -> None:
             publish_wakeup(job.id, job.adapter)
         except QueueUnavailable:
             log.warning("job %s stored but its wake-up was not published; the sweeper will re-publish it", job.id)
+
+
+def _resolve(session: Session, key: ApiKey, requests: list[JobCreate]) -> tuple[list[tuple[Job, bool]], list[Job]]:
+    """Each request's job (an existing one for a known idempotency key, else a new one), and the new ones."""
+    resolved: list[tuple[Job, bool]] = []
+    new: list[Job] = []
+    seen: dict[str, Job] = {}
+    for item in requests:
+        job = seen.get(item.idempotency_key) if item.idempotency_key else None
+        job = job or existing_job(session, key, item.idempotency_key)
+        created = job is None or job in new
+        if job is None:
+            job = new_job(item, key)
+            new.append(job)
+        if item.idempotency_key:
+            seen[item.idempotency_key] = job
+        resolved.append((job, created))
+    return resolved, new
+
+
+def store_jobs(session: Session, key: ApiKey, requests: list[JobCreate]) -> list[tuple[Job, bool]]:
+    """Store and enqueue the jobs of `requests`; returns each request's job and whether it was created now.
+
+    Two submits racing with one idempotency key both miss the lookup; the loser's insert then hits the
+    unique constraint, and it answers with the winner's job instead of an error."""
+    attempts = 3
+    for attempt in range(attempts):
+        resolved, new = _resolve(session, key, requests)
+        if not new:
+            return resolved
+        try:
+            enqueue(session, new)
+            return resolved
+        except IntegrityError:
+            session.rollback()
+            if attempt == attempts - 1 or not any(r.idempotency_key for r in requests):
+                raise
+            log.info("idempotency key raced with another submit; answering with the stored job")
+    raise AssertionError("unreachable")
 
 
 def visible_to(key: ApiKey) -> ColumnElement[bool]:

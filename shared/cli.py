@@ -106,8 +106,10 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
     import uvicorn
 
     settings = get_settings()
-    uvicorn.run("api.main:app", host=settings.api_host, port=settings.api_port, reload=reload,
-                proxy_headers=True, log_level="info")
+    # h11 (not httptools) because it bounds the request line and headers; httptools takes any size.
+    uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
+                reload=reload, proxy_headers=True, log_level="info", http="h11",
+                h11_max_incomplete_event_size=settings.max_header_bytes)
 
 
 @app.command("worker")
@@ -134,10 +136,12 @@ def worker_health() -> None:
 def flower() -> None:
     """Serve Flower (queue monitoring) on KEVLAYA_FLOWER_HOST:KEVLAYA_FLOWER_PORT."""
     settings = get_settings()
-    args = ["--broker", settings.redis_url, "flower",
-            f"--address={settings.flower_host}", f"--port={settings.flower_port}"]
+    args = ["flower", f"--address={settings.flower_host}", f"--port={settings.flower_port}"]
+    # Secrets travel in the environment, not on the command line, where `ps` shows them to every user.
+    os.environ["CELERY_BROKER_URL"] = settings.redis_url
+    os.environ.pop("FLOWER_BASIC_AUTH", None)
     if settings.flower_basic_auth:
-        args.append(f"--basic-auth={settings.flower_basic_auth.get_secret_value()}")
+        os.environ["FLOWER_BASIC_AUTH"] = settings.flower_basic_auth.get_secret_value()
     elif settings.flower_host not in ("127.0.0.1", "localhost", "::1"):
         _fail("Flower listens beyond localhost: set KEVLAYA_FLOWER_BASIC_AUTH=user:password")
     _exec_celery(args)

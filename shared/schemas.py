@@ -2,21 +2,114 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 RequestedAdapter = Literal["kev", "laya", "auto"]
 OutputFormat = Literal["decision", "text"]
+
+# Below this, sampling divides the logits by a number so small that they overflow to inf/NaN in fp16/fp32.
+MIN_TEMPERATURE = 0.01
+SEED_MAX = 2**31 - 1
+# Bounds for what `metadata` may hold, so that every database and JSON client can store and read it back.
+METADATA_MAX_DEPTH = 32
+METADATA_INT_BOUND = 2**63
+
+
+def check_text(value: str) -> str:
+    """Text must be storable in every database and encodable by the tokenizer."""
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (\\u0000) characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode: it holds a lone surrogate such as \\ud800") from None
+    return value
+
+
+def check_temperature(value: float | None) -> float | None:
+    if value is not None and 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}: smaller values make sampling overflow")
+    return value
+
+
+def check_json_value(value: Any) -> Any:
+    """Metadata: any JSON, but only what every store and client can round-trip (finite numbers, 64-bit
+    integers, valid text in keys and values, bounded nesting)."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:  # iterative: deep nesting must give a 422, not a RecursionError
+        item, path, depth = stack.pop()
+        where = f" at {path}" if path else ""
+        if depth > METADATA_MAX_DEPTH:
+            raise ValueError(f"nested deeper than {METADATA_MAX_DEPTH} levels{where}")
+        if isinstance(item, str):
+            try:
+                check_text(item)
+            except ValueError as exc:
+                raise ValueError(f"{exc}{where}") from None
+        elif isinstance(item, bool) or item is None:
+            continue
+        elif isinstance(item, int):
+            if not -METADATA_INT_BOUND <= item < METADATA_INT_BOUND:
+                raise ValueError(f"integers must fit in 64 bits{where}")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise ValueError(f"numbers must be finite (no NaN or Infinity){where}")
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                try:
+                    check_text(key)
+                except ValueError as exc:
+                    raise ValueError(f"key {path + '.' if path else ''}{key!r}: {exc}") from None
+                stack.append((child, f"{path}.{key}" if path else key, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(item))
+    return value
+
+
+Text = Annotated[str, AfterValidator(check_text)]
+Temperature = Annotated[
+    float | None,
+    Field(default=None, ge=0, le=2, allow_inf_nan=False,
+          description=f"0 = greedy; otherwise at least {MIN_TEMPERATURE}",
+          json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}}),
+    AfterValidator(check_temperature),
+]
+TopP = Annotated[float | None, Field(default=None, gt=0, le=1, allow_inf_nan=False)]
+Seed = Annotated[int | None, Field(default=None, ge=0, le=SEED_MAX)]
+
+
+class TextPart(BaseModel):
+    """OpenAI-style content part; only text is supported."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: Text
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant"]
-    content: str = Field(min_length=1)
+    content: Annotated[Text, Field(min_length=1)] | Annotated[list[TextPart], Field(min_length=1)] = Field(
+        description="a string, or a list of text parts (`[{\"type\": \"text\", \"text\": \"...\"}]`), "
+        "which are joined with newlines"
+    )
+
+    @field_validator("content")
+    @classmethod
+    def _parts_to_text(cls, value: str | list[TextPart]) -> str:
+        if isinstance(value, str):
+            return value
+        text = "\n".join(part.text for part in value)
+        if not text:
+            raise ValueError("the text parts are all empty")
+        return text
 
 
 class MessagesInput(BaseModel):
@@ -31,9 +124,9 @@ class JobParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    temperature: Temperature = None
+    top_p: TopP = None
+    seed: Seed = None
     output: OutputFormat = Field(
         default="decision",
         description="'decision': the answer must be a JSON decision object (else failed/invalid_output); "
@@ -45,10 +138,10 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     adapter: RequestedAdapter
-    input: str | MessagesInput
+    input: Annotated[Text, Field(min_length=1)] | MessagesInput
     params: JobParams = Field(default_factory=JobParams)
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
-    metadata: dict[str, Any] | None = None
+    idempotency_key: Annotated[Text, Field(min_length=1, max_length=200)] | None = None
+    metadata: Annotated[dict[str, Any], AfterValidator(check_json_value)] | None = None
 
     @field_validator("input")
     @classmethod
@@ -75,6 +168,13 @@ def to_messages(stored_input: str | dict[str, Any]) -> list[dict[str, str]]:
     if isinstance(stored_input, str):
         return [{"role": "user", "content": stored_input}]
     return [{"role": m["role"], "content": m["content"]} for m in stored_input["messages"]]
+
+
+def with_system_prompt(messages: list[dict[str, str]], system_prompt: str) -> list[dict[str, str]]:
+    """The messages the model sees: the adapter's system prompt first, unless the job brings its own."""
+    if messages[0]["role"] != "system" and system_prompt:
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return messages
 
 
 class JobResult(BaseModel):

@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.schemas import check_temperature
+
 Adapter = Literal["kev", "laya"]
 ADAPTERS: tuple[Adapter, ...] = ("kev", "laya")
 
@@ -23,6 +25,9 @@ class AdapterProfile(BaseModel):
     temperature: float = Field(ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     system_prompt: str
+
+    # A default temperature must be runnable too: (0, 0.01) makes sampling overflow.
+    _runnable_temperature = field_validator("temperature")(check_temperature)
 
 
 class KevProfile(AdapterProfile):
@@ -97,6 +102,9 @@ class Settings(BaseSettings):
     max_new_tokens_limit: int = Field(default=1024, ge=1)
     max_batch_submit: int = Field(default=256, ge=1)
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    max_header_bytes: int = Field(
+        default=65_536, ge=4096, description="request line plus headers; a larger request is refused by the server"
+    )
     max_wait_timeout_s: float = Field(default=60, gt=0)
     chat_timeout_s: float = Field(default=120, gt=0, description="how long /v1/chat/completions waits for its job")
 

@@ -66,3 +66,29 @@ def test_cli_errors_are_clear(service_env):
     assert missing.returncode == 2 and "does not answer" in missing.stderr
     shape = kevlaya("models", "random", "/tmp/x", "--shape", "huge")
     assert shape.returncode == 2 and "--shape must be one of" in shape.stderr
+
+
+def test_flower_gets_its_password_and_broker_through_the_environment(redis_server, start_process):
+    """`ps` shows every user each process's command line: no secret may be on it."""
+    import httpx
+
+    from tests.conftest import free_port, wait_until
+
+    port = free_port()
+    process = start_process("flower", {"KEVLAYA_REDIS_URL": redis_server.url, "KEVLAYA_FLOWER_PORT": str(port),
+                                       "KEVLAYA_FLOWER_BASIC_AUTH": "admin:s3cret-pw"})
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert process.process.poll() is None, process.output()
+        try:
+            return httpx.get(f"{base}/healthcheck", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(up, 60, what="Flower to answer")
+    command_line = open(f"/proc/{process.process.pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    assert "flower" in command_line
+    assert "s3cret-pw" not in command_line and redis_server.url not in command_line, command_line
+    assert httpx.get(f"{base}/", timeout=5).status_code == 401
+    assert httpx.get(f"{base}/", auth=("admin", "s3cret-pw"), timeout=5).status_code == 200

@@ -23,7 +23,8 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 REQUIRED_ENV = {"POSTGRES_PASSWORD": "pg-s3cret", "FLOWER_BASIC_AUTH": "admin:fl0wer"}
-SERVICES = {"redis", "postgres", "migrate", "api", "worker", "flower"}
+WORKERS = ("worker", "worker-gpu1")  # one service per GPU
+SERVICES = {"redis", "postgres", "migrate", "api", *WORKERS, "flower"}
 LONG_RUNNING = SERVICES - {"migrate"}
 APP_SERVICES_WITH_DB = ("api", "worker", "migrate")
 
@@ -176,7 +177,7 @@ def test_only_api_and_flower_publish_ports_on_the_publish_host():
     raw, resolved = raw_compose()["services"], resolved_compose()["services"]
     publishers = {name for name, svc in raw.items() if svc.get("ports")}
     assert publishers == {"api", "flower"}
-    for name in ("redis", "postgres", "worker", "migrate"):
+    for name in ("redis", "postgres", *WORKERS, "migrate"):
         assert not raw[name].get("ports") and raw[name].get("network_mode") != "host", name
 
     expected = {"api": "8000", "flower": "5555"}
@@ -196,7 +197,8 @@ def test_long_running_services_have_healthchecks():
     assert "ping" in healthcheck_tokens(services["redis"]) and "redis-cli" in healthcheck_tokens(services["redis"])
     assert "pg_isready" in healthcheck_tokens(services["postgres"])
     assert any("http://127.0.0.1:8000/healthz" in t for t in healthcheck_tokens(services["api"]))
-    assert healthcheck_tokens(services["worker"])[-2:] == ["kevlaya", "worker-health"]
+    for name in WORKERS:
+        assert healthcheck_tokens(services[name])[-2:] == ["kevlaya", "worker-health"]
     assert any("127.0.0.1:5555/healthcheck" in t for t in healthcheck_tokens(services["flower"]))
 
 
@@ -208,7 +210,7 @@ def test_start_order():
         assert isinstance(deps, dict), f"{name}: depends_on needs conditions (long syntax)"
         return {dep: spec.get("condition") for dep, spec in deps.items()}
 
-    for name in ("api", "worker"):
+    for name in ("api", *WORKERS):
         assert conditions(name) == {
             "migrate": "service_completed_successfully",
             "redis": "service_healthy",
@@ -238,22 +240,41 @@ def test_postgres_is_16_with_a_named_volume():
     assert source in compose["volumes"]
 
 
-def test_worker_owns_a_gpu_and_gets_time_to_finish_a_batch():
+def gpu_ids(service: dict) -> list[str]:
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert all(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
+    # `count` would give every replica or copy of the service the first GPU: pinned ids only.
+    assert all("count" not in d for d in devices), "pin GPUs with device_ids, never count"
+    return [str(i) for d in devices for i in d.get("device_ids", [])]
+
+
+@pytest.mark.parametrize("name", WORKERS)
+def test_each_worker_owns_one_gpu_and_gets_time_to_finish_a_batch(name):
     from shared.settings import Settings
 
-    worker = raw_compose()["services"]["worker"]
-    devices = worker["deploy"]["resources"]["reservations"]["devices"]
-    assert any(
-        d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) and d.get("count") in (1, "1")
-        for d in devices
-    )
+    worker = raw_compose()["services"][name]
+    assert len(gpu_ids(worker)) == 1
     grace = duration_seconds(worker["stop_grace_period"])
     assert grace > 10, "docker SIGKILLs after 10 s by default (DESIGN §11)"
     # A task stops claiming new batches after drain_seconds and then finishes the batch it holds.
     assert grace > Settings.model_fields["drain_seconds"].default
     assert worker.get("init") is True
     assert command_tokens(worker) == ["worker"]
-    assert service_env(worker)["KEVLAYA_DEVICE"] == "cuda"
+    assert service_env(resolved_compose()["services"][name])["KEVLAYA_DEVICE"] == "cuda"
+    assert volume_targets(worker)["/app/models"] == ("./models", True)
+
+
+def test_scaled_out_workers_use_distinct_gpus():
+    """`--scale worker=2` would give both replicas GPU 0: every GPU has its own worker service instead,
+    identical but for the device; the extra ones start only when asked for (a one-GPU host has no GPU 1)."""
+    services = raw_compose()["services"]
+    ids = [gpu_ids(services[name])[0] for name in WORKERS]
+    assert ids == [str(i) for i in range(len(WORKERS))]
+    assert "profiles" not in services["worker"]
+    for name in WORKERS[1:]:
+        assert services[name]["profiles"] == [f"gpu{name.removeprefix('worker-gpu')}"]
+        same = {k: v for k, v in services[name].items() if k not in ("deploy", "profiles")}
+        assert same == {k: v for k, v in services["worker"].items() if k != "deploy"}, name
 
 
 def test_flower_requires_basic_auth():
@@ -288,9 +309,9 @@ def test_api_key_passes_through_only_when_set():
 
 
 def test_models_are_mounted_read_only_and_configurable():
-    worker_raw = raw_compose()["services"]["worker"]
-    source, read_only = volume_targets(worker_raw)["/app/models"]
-    assert source == "./models" and read_only
+    for name in ("api", *WORKERS):  # the API reads the tokenizer to count prompt tokens
+        source, read_only = volume_targets(raw_compose()["services"][name])["/app/models"]
+        assert source == "./models" and read_only, name
     defaults = service_env(resolved_compose()["services"]["worker"])
     assert defaults["KEVLAYA_BASE_MODEL"] == "/app/models/demo/base"
     assert defaults["KEVLAYA_KEV__PATH"] == "/app/models/demo/kev"
@@ -303,9 +324,9 @@ def test_models_are_mounted_read_only_and_configurable():
 
 def test_app_services_share_one_image():
     services = raw_compose()["services"]
-    images = {services[name].get("image") for name in ("migrate", "api", "worker", "flower")}
+    images = {services[name].get("image") for name in ("migrate", "api", *WORKERS, "flower")}
     assert len(images) == 1 and None not in images
-    for name in ("migrate", "api", "worker", "flower"):
+    for name in ("migrate", "api", *WORKERS, "flower"):
         assert services[name].get("build") in (".", {"context": "."}), name
 
 

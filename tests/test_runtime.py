@@ -420,3 +420,36 @@ def test_the_celery_parent_never_imports_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_job_that_cannot_be_encoded_or_run_fails_alone_as_invalid_input(runtime: AdapterRuntime) -> None:
+    """Encoded per request before batching: a lone surrogate, a prompt over the context or a temperature that
+    overflows sampling fails that job alone (`invalid_input`), never the batch it was claimed with."""
+    context = runtime.model.config.max_position_embeddings
+    good = request("laya", PROMPTS[0])
+    surrogate = request("laya", "pick \ud800 one")
+    too_long = request("laya", PROMPTS[1], max_new_tokens=context)
+    overflowing = request("laya", PROMPTS[2], temperature=1e-45, seed=1)
+    outcome = runtime.run_batch([good, surrogate, too_long, overflowing])
+    by_id = {r.job_id: r for r in outcome.results}
+    assert by_id[good.job_id].error_code is None and by_id[good.job_id].completion_tokens > 0
+    for bad, words in ((surrogate, "tokenized"), (too_long, "context"), (overflowing, "temperature")):
+        assert by_id[bad.job_id].error_code == "invalid_input", by_id[bad.job_id]
+        assert words in by_id[bad.job_id].error_message
+
+
+def test_old_model_libraries_are_refused_at_start_up_with_what_to_install() -> None:
+    from worker.library_features import missing_library_features
+
+    assert missing_library_features() == []  # the installed releases have everything
+
+    class OldPeftModel:
+        def set_adapter(self, adapter_name): ...  # noqa: ANN001, ANN201
+
+    class OldTokenizer:
+        def apply_chat_template(self, conversation, tokenize=True): ...  # noqa: ANN001, ANN201
+
+    missing = missing_library_features(peft_model=OldPeftModel, tokenizer=OldTokenizer)
+    assert len(missing) == 2
+    assert "set_adapter(inference_mode" in missing[0] and "peft>=" in missing[0]
+    assert "sanitize_control_tokens" in missing[1] and "transformers>=" in missing[1]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from shared.db import session_scope
 from shared.models import Batch, Job, JobStatus
 from shared.queue import QueueUnavailable, publish_wakeup
-from shared.schemas import to_messages
+from shared.schemas import to_messages, with_system_prompt
 from shared.settings import Settings
 from worker.cascade import complete_parent, escalate, is_cascade_head, needs_escalation
 from worker.claims import JobOutcome, claim_batch, finish_job, queue_snapshot, renew_leases
@@ -127,9 +127,7 @@ class BatchEngine:
 
     def _request(self, job: Job) -> GenerationRequest:
         profile = self.settings.adapter_profile(job.adapter)  # type: ignore[arg-type]
-        messages = to_messages(job.input)
-        if messages[0]["role"] != "system" and profile.system_prompt:
-            messages = [{"role": "system", "content": profile.system_prompt}, *messages]
+        messages = with_system_prompt(to_messages(job.input), profile.system_prompt)
         params = job.params
         return GenerationRequest(
             job_id=job.id, adapter=job.adapter, messages=messages,

@@ -27,7 +27,7 @@ class GenerationResult:
     completion_tokens: int
     prefill_ms: float  # the prefill of the forward passes this row shared
     decode_ms: float  # this row's own decode: from its first token to its last
-    error_code: str | None = None  # "numerical_error" | "out_of_memory" | "adapter_unavailable" | None
+    error_code: str | None = None  # "numerical_error" | "out_of_memory" | "adapter_unavailable" | "invalid_input" | None
     error_message: str | None = None
     # The model's own log-probability of each completion token (raw logits, before temperature/top-p),
     # and the character span each token covers in `text`: a span's probability is a calibrated confidence.

@@ -29,8 +29,10 @@ from transformers import (
 )
 
 from shared.manifest import verify_manifest
+from shared.schemas import MIN_TEMPERATURE
 from shared.settings import ADAPTERS, Settings
 from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
+from worker.library_features import require_library_features
 
 __all__ = ["AdapterRuntime", "BatchOutcome", "GenerationRequest", "GenerationResult"]
 
@@ -194,6 +196,7 @@ class AdapterRuntime:
 
     @classmethod
     def load(cls, settings: Settings) -> AdapterRuntime:
+        require_library_features()
         started = time.perf_counter()
         device = resolve_device(settings.device)
         base = settings.base_model
@@ -259,6 +262,8 @@ class AdapterRuntime:
         for index, request in enumerate(requests):
             if reason := self._refusal(request.adapter):
                 results[index] = _failure(request, "adapter_unavailable", reason)
+            elif problem := self._input_problem(request):
+                results[index] = _failure(request, "invalid_input", problem)
             else:
                 groups.setdefault((None if mixed else request.adapter, _sampling_key(request)), []).append(index)
 
@@ -314,6 +319,21 @@ class AdapterRuntime:
         if adapter in self.unavailable:
             return self.unavailable[adapter]
         return f"unknown adapter {adapter!r}; this worker serves {', '.join(sorted(self.adapters)) or 'none'}"
+
+    def _input_problem(self, request: GenerationRequest) -> str | None:
+        """Why this one request cannot be encoded or cannot fit the context, or None. Checked per request, so
+        a bad job fails alone instead of failing the batch it was claimed with."""
+        if 0 < request.temperature < MIN_TEMPERATURE:  # sampling would divide the logits into inf/NaN
+            return f"temperature {request.temperature} is below the minimum of {MIN_TEMPERATURE} (0 = greedy)"
+        try:
+            prompt_tokens = int(self._encode([request])["attention_mask"].sum())
+        except Exception as exc:
+            return f"the input cannot be tokenized: {exc.__class__.__name__}: {exc}"
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is not None and prompt_tokens + request.max_new_tokens > context:
+            return (f"the prompt is {prompt_tokens} tokens; with max_new_tokens {request.max_new_tokens} that is "
+                    f"over the model's context of {context} tokens")
+        return None
 
     def _activate(self, adapter: str) -> float:
         if adapter == self.active_adapter:

@@ -4,15 +4,30 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import CurrentKey, SessionDep, SettingsDep
-from api.errors import ApiError
+from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, reject_unknown_query_parameters
+from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
+from api.prompt_budget import FieldNames
 from api.submission import check_limits, enqueue, new_job, wait_finished
-from shared.schemas import JobCreate, JobOut, JobParams, Message, MessagesInput, RequestedAdapter
+from shared.schemas import (
+    JobCreate,
+    JobOut,
+    JobParams,
+    JobTimings,
+    Message,
+    MessagesInput,
+    RequestedAdapter,
+    Seed,
+    Temperature,
+    TopP,
+)
 
-router = APIRouter(prefix="/v1/chat", tags=["chat"])
+router = APIRouter(prefix="/v1/chat", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])
+
+# Limits are reported under the names this request uses.
+CHAT_FIELDS = FieldNames(input="messages", max_new_tokens="max_tokens")
 
 
 class ChatRequest(BaseModel):
@@ -23,9 +38,9 @@ class ChatRequest(BaseModel):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    temperature: Temperature = None
+    top_p: TopP = None
+    seed: Seed = None
     stream: Literal[False] | None = Field(default=None, description="streaming is not supported")
     n: Literal[1] | None = None
 
@@ -39,11 +54,47 @@ class ChatRequest(BaseModel):
         )
 
 
-def _completion(job: JobOut, model: str) -> dict[str, Any]:
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: Literal["stop", "length"]
+    logprobs: None
+
+
+class ChatUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class KevlayaExtra(BaseModel):
+    """Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it."""
+
+    job_id: str
+    decision: dict[str, Any] | None
+    timings: JobTimings
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage
+    kevlaya: KevlayaExtra
+
+
+def _completion(job: JobOut, model: str) -> ChatCompletion:
     limit = job.params.get("max_new_tokens")
     finish_reason = "length" if limit is not None and job.tokens.completion == limit else "stop"
     prompt, completion = job.tokens.prompt or 0, job.tokens.completion or 0
-    return {
+    return ChatCompletion.model_validate({
         "id": f"chatcmpl-{job.id}",
         "object": "chat.completion",
         "created": int(job.created_at.timestamp()),
@@ -58,14 +109,18 @@ def _completion(job: JobOut, model: str) -> dict[str, Any]:
         # Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it.
         "kevlaya": {"job_id": str(job.id), "decision": job.result.decision if job.result else None,
                     "timings": job.timings.model_dump()},
-    }
+    })
 
 
-@router.post("/completions")
+@router.post("/completions", responses={
+    **error_responses(400, 413, *AUTH_ERRORS, 504),
+    422: {"model": ErrorResponse, "description": "Invalid request (the message names the field), or the job "
+          "failed: the code is the job's error code"},
+})
 async def chat_completions(request: ChatRequest, key: CurrentKey, session: SessionDep,
-                           settings: SettingsDep) -> dict[str, Any]:
+                           settings: SettingsDep, budget: PromptBudgetDep) -> ChatCompletion:
     job_request = request.to_job()
-    check_limits(job_request, settings)
+    check_limits(job_request, settings, budget, names=CHAT_FIELDS)
     job = new_job(job_request, key)
     enqueue(session, [job])
     session.close()  # the wait below must not hold a pooled connection

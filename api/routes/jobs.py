@@ -6,13 +6,13 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Depends, Query, Response, status
 from sqlalchemy import and_, or_, select, update
 
-from api.deps import CurrentKey, SessionDep, SettingsDep
-from api.errors import ApiError
+from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, reject_unknown_query_parameters
+from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.presenters import decode_cursor, encode_cursor, job_accepted, jobs_out
-from api.submission import check_limits, enqueue, existing_job, get_visible, new_job, visible_to, wait_finished
+from api.submission import check_limits, get_visible, store_jobs, visible_to, wait_finished
 from shared.models import Job, JobStatus
 from shared.schemas import (
     JobAccepted,
@@ -24,52 +24,45 @@ from shared.schemas import (
     RequestedAdapter,
 )
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(reject_unknown_query_parameters)])
 
 JobStatusName = Annotated[str | None, Query(pattern="^(queued|running|succeeded|failed|cancelled)$")]
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted)
+_LOCATION = {"Location": {"description": "the job's URL", "schema": {"type": "string"}}}
+_SUBMIT_RESPONSES = {
+    200: {"model": JobAccepted, "headers": _LOCATION,
+          "description": "A job with this idempotency key exists already: that job"},
+    202: {"headers": _LOCATION, "description": "Stored and queued"},
+    **error_responses(400, 413, 422, *AUTH_ERRORS),
+}
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted, responses=_SUBMIT_RESPONSES)
 def submit_job(request: JobCreate, key: CurrentKey, session: SessionDep, settings: SettingsDep,
-               response: Response) -> JobAccepted:
-    check_limits(request, settings)
-    existing = existing_job(session, key, request.idempotency_key)
-    if existing is not None:
+               budget: PromptBudgetDep, response: Response) -> JobAccepted:
+    check_limits(request, settings, budget)
+    [(job, created)] = store_jobs(session, key, [request])
+    if not created:
         response.status_code = status.HTTP_200_OK
-        response.headers["Location"] = f"/v1/jobs/{existing.id}"
-        return job_accepted(existing)
-    job = new_job(request, key)
-    enqueue(session, [job])
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return job_accepted(job)
 
 
-@router.post("/batch", status_code=status.HTTP_202_ACCEPTED, response_model=JobBatchAccepted)
+@router.post("/batch", status_code=status.HTTP_202_ACCEPTED, response_model=JobBatchAccepted,
+             responses=error_responses(400, 413, 422, *AUTH_ERRORS))
 def submit_jobs(request: JobBatchCreate, key: CurrentKey, session: SessionDep,
-                settings: SettingsDep) -> JobBatchAccepted:
+                settings: SettingsDep, budget: PromptBudgetDep) -> JobBatchAccepted:
     if len(request.jobs) > settings.max_batch_submit:
         raise ApiError(422, "invalid_request",
                        f"jobs: {len(request.jobs)} jobs, the limit is {settings.max_batch_submit}")
     for index, item in enumerate(request.jobs):
-        check_limits(item, settings, field_prefix=f"jobs.{index}.")
-    accepted: list[Job] = []
-    new: list[Job] = []
-    seen: dict[str, Job] = {}
-    for item in request.jobs:
-        job = seen.get(item.idempotency_key) if item.idempotency_key else None
-        job = job or existing_job(session, key, item.idempotency_key)
-        if job is None:
-            job = new_job(item, key)
-            new.append(job)
-        if item.idempotency_key:
-            seen[item.idempotency_key] = job
-        accepted.append(job)
-    if new:
-        enqueue(session, new)
-    return JobBatchAccepted(jobs=[job_accepted(j) for j in accepted])
+        check_limits(item, settings, budget, field_prefix=f"jobs.{index}.")
+    stored = store_jobs(session, key, request.jobs)
+    return JobBatchAccepted(jobs=[job_accepted(job) for job, _ in stored])
 
 
-@router.get("", response_model=JobPage)
+@router.get("", response_model=JobPage, responses=error_responses(400, 422, *AUTH_ERRORS))
 def list_jobs(key: CurrentKey, session: SessionDep,
               status_: Annotated[JobStatusName, Query(alias="status")] = None,
               adapter: Annotated[RequestedAdapter | None, Query()] = None,
@@ -94,22 +87,24 @@ def list_jobs(key: CurrentKey, session: SessionDep,
     return JobPage(jobs=jobs_out(session, list(page)), next_cursor=next_cursor)
 
 
-@router.get("/{job_id}", response_model=JobOut)
+@router.get("/{job_id}", response_model=JobOut, responses=error_responses(404, 422, *AUTH_ERRORS))
 def get_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOut:
     return jobs_out(session, [get_visible(session, key, job_id)])[0]
 
 
-@router.get("/{job_id}/wait", response_model=JobOut)
+@router.get("/{job_id}/wait", response_model=JobOut, responses=error_responses(404, 422, *AUTH_ERRORS))
 async def wait_for_job(job_id: uuid.UUID, key: CurrentKey, settings: SettingsDep,
-                       timeout: Annotated[float, Query(gt=0)] = 30.0) -> JobOut:
+                       timeout: Annotated[float | None, Query(gt=0, description="seconds; default 30 "
+                                                              "(or the configured maximum, if lower)")] = None) -> JobOut:
     """Long-poll: answers as soon as the job is finished, or with its current state at the timeout."""
+    timeout = min(30.0, settings.max_wait_timeout_s) if timeout is None else timeout
     if timeout > settings.max_wait_timeout_s:
         raise ApiError(422, "invalid_request", f"timeout: at most {settings.max_wait_timeout_s} seconds")
 
     return await wait_finished(key, job_id, timeout)
 
 
-@router.delete("/{job_id}", response_model=JobOut)
+@router.delete("/{job_id}", response_model=JobOut, responses=error_responses(404, 409, 422, *AUTH_ERRORS))
 def cancel_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOut:
     job = get_visible(session, key, job_id)
     if job.parent_job_id is not None:

@@ -1,0 +1,103 @@
+"""Prompt tokens at submit time: a job whose prompt and new tokens cannot fit the model's context is refused
+with 422 instead of failing later on the worker.
+
+The prompt is counted as the worker will build it: the adapter's system prompt, the chat template, control
+tokens in user text encoded as text. Only the tokenizer is loaded (through transformers' tokenizers backend,
+which does not import torch: the API process never does, DESIGN §2)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from api.errors import ApiError
+from shared.schemas import JobCreate, with_system_prompt
+from shared.settings import Adapter, Settings
+
+log = logging.getLogger("kevlaya.api")
+
+# Config keys under which Hugging Face model configs give the context length, most common first.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """How the request being checked names its fields (jobs and chat completions differ)."""
+
+    input: str = "input"
+    max_new_tokens: str = "params.max_new_tokens"
+
+
+JOB_FIELDS = FieldNames()
+
+
+def context_length(config: dict) -> int | None:
+    for section in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            if isinstance(section.get(key), int):
+                return section[key]
+    return None
+
+
+class PromptBudget:
+    def __init__(self, tokenizer, context_tokens: int, settings: Settings):  # noqa: ANN001
+        self.tokenizer, self.context_tokens, self.settings = tokenizer, context_tokens, settings
+        # The Rust tokenizer's settings are toggled per call; concurrent calls from the thread pool must not
+        # interleave ("Already borrowed").
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, settings: Settings) -> PromptBudget | None:
+        """The base model's tokenizer and context length, or None (logged) when they cannot be read."""
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        base = settings.base_model
+        try:
+            config = json.loads((Path(base) / "config.json").read_text())
+            context = context_length(config)
+            if context is None:
+                raise ValueError(f"config.json has none of {', '.join(_CONTEXT_KEYS)}")
+            tokenizer = TokenizersBackend.from_pretrained(base)
+        except Exception as exc:
+            log.error("prompt tokens are not checked at submit time: cannot read the tokenizer or config of %s "
+                      "(%s: %s); over-long jobs will fail on the worker with invalid_input",
+                      base, exc.__class__.__name__, exc)
+            return None
+        log.info("prompt budget: %s, context %d tokens", base, context)
+        return cls(tokenizer, context, settings)
+
+    def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
+        with self._lock:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False, sanitize_control_tokens=True)
+        return len(ids)
+
+    def stages(self, request: JobCreate) -> list[tuple[Adapter, int, bool]]:
+        """(adapter, max_new_tokens, whether the job chose it) for every adapter the job may run on."""
+        chosen = request.params.max_new_tokens
+        if request.adapter == "auto":
+            # The cascade's Kev stage drops the job's max_new_tokens and takes Kev's default (worker/cascade.py).
+            return [("laya", chosen or self.settings.laya.max_new_tokens, chosen is not None),
+                    ("kev", self.settings.kev.max_new_tokens, False)]
+        adapter: Adapter = request.adapter
+        return [(adapter, chosen or self.settings.adapter_profile(adapter).max_new_tokens, chosen is not None)]
+
+    def check(self, request: JobCreate, field_prefix: str = "", names: FieldNames = JOB_FIELDS) -> None:
+        for adapter, new_tokens, chosen in self.stages(request):
+            profile = self.settings.adapter_profile(adapter)
+            prompt = self.prompt_tokens(with_system_prompt(request.messages(), profile.system_prompt))
+            if prompt + new_tokens <= self.context_tokens:
+                continue
+            where = (f"{names.max_new_tokens} {new_tokens}" if chosen
+                     else f"{adapter.capitalize()}'s default max_new_tokens {new_tokens}")
+            room = self.context_tokens - prompt
+            raise ApiError(
+                422, "invalid_request",
+                f"{field_prefix}{names.input}: the prompt is {prompt} tokens with {adapter.capitalize()}'s system "
+                f"prompt; with {where} that is {prompt + new_tokens}, over the model's context of "
+                f"{self.context_tokens} tokens"
+                + (f" (at most {room} new tokens would fit)" if room > 0 else ""),
+            )
