@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Response, status
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, or_, select
 
 from api.deps import CurrentKey, SessionDep, SettingsDep
 from api.errors import ApiError
 from api.presenters import decode_cursor, encode_cursor, job_accepted, jobs_out
 from api.submission import check_limits, enqueue, existing_job, get_visible, new_job, visible_to, wait_finished
-from shared.models import Job, JobStatus
+from shared import lifecycle
+from shared.models import Job
 from shared.schemas import (
     JobAccepted,
     JobBatchAccepted,
@@ -100,12 +100,12 @@ def get_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOut:
 
 
 @router.get("/{job_id}/wait", response_model=JobOut)
-async def wait_for_job(job_id: uuid.UUID, key: CurrentKey, settings: SettingsDep,
+async def wait_for_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, settings: SettingsDep,
                        timeout: Annotated[float, Query(gt=0)] = 30.0) -> JobOut:
     """Long-poll: answers as soon as the job is finished, or with its current state at the timeout."""
     if timeout > settings.max_wait_timeout_s:
         raise ApiError(422, "invalid_request", f"timeout: at most {settings.max_wait_timeout_s} seconds")
-
+    session.close()  # the key was checked; the wait must not hold a pooled connection
     return await wait_finished(key, job_id, timeout)
 
 
@@ -115,10 +115,7 @@ def cancel_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOu
     if job.parent_job_id is not None:
         raise ApiError(409, "conflict", f"job {job_id} is a stage of `auto` job {job.parent_job_id}; "
                        "it cannot be cancelled on its own")
-    cancelled = session.execute(
-        update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-        .values(status=JobStatus.CANCELLED, finished_at=datetime.now(timezone.utc))
-    ).rowcount
+    cancelled = lifecycle.cancel(session, job_id)
     session.commit()
     session.refresh(job)
     if not cancelled:
