@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 
 from api.body_limit import BodySizeLimit
 from api.errors import install_error_handlers
 from api.routes import chat, health, jobs
+from api.waiting import notices
 from shared.settings import get_settings
+
+
+@asynccontextmanager
+async def _lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    yield
+    await notices.close()  # the long-polls' Redis subscription
 
 
 def create_app() -> FastAPI:
     app = FastAPI(
+        lifespan=_lifespan,
         title="kevlaya",
         version="0.1.0",
         summary="Decision jobs for two LoRA roles (Kev, Laya) on one shared base model.",

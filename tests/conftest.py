@@ -215,6 +215,7 @@ def start_process(tmp_path: Path) -> Iterator[callable]:
         started.append(proc)
         return proc
 
+    start.started = started  # the processes, for tests that inspect them
     yield start
     for proc in started:
         try:
