@@ -10,6 +10,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from sqlalchemy.engine import make_url
 
 from shared import db, queue
 from shared.migrate import upgrade
+from shared.notify import FINISHED_CHANNEL
 from shared.settings import get_settings
 
 POSTGRES_ADMIN_URL = os.environ.get("KEVLAYA_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -275,3 +277,24 @@ def wait_finished(api: httpx.Client, job_ids: list[str], timeout: float = 180) -
         return jobs if all(j["status"] in ("succeeded", "failed", "cancelled") for j in jobs) else None
 
     return wait_until(all_done, timeout, interval=0.5, what=f"{len(job_ids)} jobs to finish")
+
+
+class Notices:
+    """Collects the "job finished" notices published on the real Redis."""
+
+    def __init__(self, url: str):
+        self.client = redis.Redis.from_url(url)
+        self.pubsub = self.client.pubsub()
+        self.pubsub.subscribe(FINISHED_CHANNEL)
+        self.pubsub.get_message(timeout=2)  # the subscribe confirmation
+        self.seen: Counter[str] = Counter()
+
+    def collect(self, wait_s: float = 0.5) -> Counter[str]:
+        while (message := self.pubsub.get_message(timeout=wait_s)) is not None:
+            if message["type"] == "message":
+                self.seen[message["data"].decode()] += 1
+        return self.seen
+
+    def close(self) -> None:
+        self.pubsub.close()
+        self.client.close()

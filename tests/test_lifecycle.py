@@ -10,39 +10,17 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-import redis
 from sqlalchemy import select, update
 
 from shared import lifecycle
 from shared.db import session_scope
 from shared.lifecycle import IllegalTransition, JobOutcome
 from shared.models import Job, JobStatus
-from shared.notify import FINISHED_CHANNEL
 from shared.settings import Settings
+from tests.conftest import Notices
 from tests.test_claims import add_jobs, plan
 from worker.cascade import escalate
 from worker.claims import claim_batch
-
-
-class Notices:
-    """Collects the "job finished" notices published on the real Redis."""
-
-    def __init__(self, url: str):
-        self.client = redis.Redis.from_url(url)
-        self.pubsub = self.client.pubsub()
-        self.pubsub.subscribe(FINISHED_CHANNEL)
-        self.pubsub.get_message(timeout=2)  # the subscribe confirmation
-        self.seen: Counter[str] = Counter()
-
-    def collect(self, wait_s: float = 0.5) -> Counter[str]:
-        while (message := self.pubsub.get_message(timeout=wait_s)) is not None:
-            if message["type"] == "message":
-                self.seen[message["data"].decode()] += 1
-        return self.seen
-
-    def close(self) -> None:
-        self.pubsub.close()
-        self.client.close()
 
 
 @pytest.fixture
