@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -12,6 +14,7 @@ from api.docs import install_docs
 from api.errors import install_error_handlers
 from api.prompt_budget import PromptBudget
 from api.routes import chat, health, jobs, models
+from api.waiting import notices
 from shared.settings import Settings, get_settings
 
 
@@ -43,9 +46,16 @@ def _with_configured_bounds(schema: dict[str, Any], settings: Settings) -> dict[
     return schema
 
 
+@asynccontextmanager
+async def _lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    yield
+    await notices.close()  # the long-polls' Redis subscription
+
+
 def create_app() -> FastAPI:
     settings = get_settings()
     app = FastAPI(
+        lifespan=_lifespan,
         title="kevlaya",
         version="0.1.0",
         summary="Decision jobs for two LoRA roles (Kev, Laya) on one shared base model.",

@@ -16,11 +16,12 @@ from sqlalchemy.orm import Session
 from api.errors import RETRY_AFTER_S, ApiError
 from api.presenters import jobs_out
 from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
+from api.waiting import notices
 from shared.db import new_session
 from shared.models import ApiKey, Job, JobStatus
 from shared.queue import QueueUnavailable, ping_queue, publish_wakeup
 from shared.schemas import JobCreate, JobOut
-from shared.settings import Settings
+from shared.settings import Settings, get_settings
 
 log = logging.getLogger("kevlaya.api")
 
@@ -138,16 +139,27 @@ def get_visible(session: Session, key: ApiKey, job_id: uuid.UUID) -> Job:
 
 
 async def wait_finished(key: ApiKey, job_id: uuid.UUID, timeout_s: float) -> JobOut:
-    """The job as soon as it is finished, or as it stands when `timeout_s` has passed (without holding a
-    database connection or a thread while it waits)."""
+    """The job as soon as it is finished, or as it stands when `timeout_s` has passed. While it waits it holds
+    no database connection and no thread: it wakes on the job's "finished" notice, or re-checks every
+    `KEVLAYA_WAIT_RECHECK_S` in case a notice was lost."""
 
     def read() -> JobOut:
         with new_session() as session:
             return jobs_out(session, [get_visible(session, key, job_id)])[0]
 
     deadline = time.monotonic() + timeout_s
-    job = await run_in_threadpool(read)
-    while job.status not in JobStatus.FINISHED and time.monotonic() < deadline:
-        await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
+    recheck_s = get_settings().wait_recheck_s
+    with notices.watch(job_id) as finished:
+        await notices.subscribed(timeout_s=min(1.0, timeout_s))
         job = await run_in_threadpool(read)
+        while job.status not in JobStatus.FINISHED:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(finished.wait(), min(remaining, recheck_s))
+            except TimeoutError:
+                pass
+            finished.clear()
+            job = await run_in_threadpool(read)
     return job

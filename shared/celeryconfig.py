@@ -23,6 +23,10 @@ worker_pool = "prefork"
 # Every wake-up is a task and a restart reloads the model, so recycling is opt-in.
 worker_max_tasks_per_child = _settings.worker_recycle_after_tasks
 
+# The model is loaded in each new pool child before it reports up; Celery kills a child that takes longer
+# than this (4 s by default), and a replacement child that can never load in time is killed forever.
+worker_proc_alive_timeout = _settings.model_load_timeout_s
+
 task_time_limit = _settings.job_time_limit_s
 task_soft_time_limit = max(_settings.job_time_limit_s - 30, 5)
 

@@ -116,7 +116,7 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
 def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:
     """Run the GPU worker: one Celery prefork child at concurrency 1 that loads the model."""
     _exec_celery(["-A", "worker.tasks", "worker", "--pool", "prefork", "--concurrency", "1",
-                      "--prefetch-multiplier", "1", "-E", "-n", f"kevlaya@{socket.gethostname()}",
+                      "--prefetch-multiplier", "1", "-E", "-n", f"kevlaya-{os.getpid()}@{socket.gethostname()}",
                       "--loglevel", loglevel])
 
 
@@ -150,7 +150,7 @@ def flower() -> None:
 @models_app.command("random")
 def models_random(
     out: Annotated[Path, typer.Argument(help="directory to write base/, kev/ and laya/ into")],
-    shape: Annotated[str, typer.Option(help="tiny, qwen2.5-1.5b, qwen2.5-3b or llama-2-7b")] = "tiny",
+    shape: Annotated[str, typer.Option(help="tiny, slow-load, qwen2.5-1.5b, qwen2.5-3b or llama-2-7b")] = "tiny",
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Build a random-weight base model of a real shape plus Kev/Laya LoRA adapters (tests, benchmarks)."""

@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     worker_recycle_after_tasks: int | None = Field(
         default=None, ge=1, description="restart the worker child (and reload the model) after this many tasks"
     )
+    model_load_timeout_s: float = Field(
+        default=600, gt=0, description="how long a new worker child may take to load the model before Celery kills it"
+    )
     job_time_limit_s: int = Field(default=900, ge=10, description="hard limit for one worker task (a drain of batches)")
     drain_seconds: float = Field(default=60, gt=0, description="a task stops claiming new batches after this long")
     sweep_interval_s: float = Field(default=10, gt=0)
@@ -106,6 +109,9 @@ class Settings(BaseSettings):
         default=65_536, ge=4096, description="request line plus headers; a larger request is refused by the server"
     )
     max_wait_timeout_s: float = Field(default=60, gt=0)
+    wait_recheck_s: float = Field(
+        default=5, gt=0, description="long-polls wake up on a Redis notice; this often they re-read the job anyway"
+    )
     chat_timeout_s: float = Field(default=120, gt=0, description="how long /v1/chat/completions waits for its job")
 
     # VRAM (the GPU runtime uses it; the CPU path ignores it)

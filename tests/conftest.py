@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from sqlalchemy.engine import make_url
 
 from shared import db, queue
 from shared.migrate import upgrade
+from shared.notify import FINISHED_CHANNEL
 from shared.redis_server import redis_server_binary, start_redis_server
 from shared.settings import get_settings
 from tests.postgres_server import PostgresServer
@@ -222,6 +224,7 @@ def start_process(tmp_path: Path) -> Iterator[callable]:
         started.append(proc)
         return proc
 
+    start.started = started  # the processes, for tests that inspect them
     yield start
     for proc in started:
         try:
@@ -281,3 +284,24 @@ def wait_finished(api: httpx.Client, job_ids: list[str], timeout: float = 180) -
         return jobs if all(j["status"] in ("succeeded", "failed", "cancelled") for j in jobs) else None
 
     return wait_until(all_done, timeout, interval=0.5, what=f"{len(job_ids)} jobs to finish")
+
+
+class Notices:
+    """Collects the "job finished" notices published on the real Redis."""
+
+    def __init__(self, url: str):
+        self.client = redis.Redis.from_url(url)
+        self.pubsub = self.client.pubsub()
+        self.pubsub.subscribe(FINISHED_CHANNEL)
+        self.pubsub.get_message(timeout=2)  # the subscribe confirmation
+        self.seen: Counter[str] = Counter()
+
+    def collect(self, wait_s: float = 0.5) -> Counter[str]:
+        while (message := self.pubsub.get_message(timeout=wait_s)) is not None:
+            if message["type"] == "message":
+                self.seen[message["data"].decode()] += 1
+        return self.seen
+
+    def close(self) -> None:
+        self.pubsub.close()
+        self.client.close()

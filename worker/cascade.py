@@ -1,15 +1,16 @@
 """The `auto` cascade (DESIGN §8): Laya answers first; an invalid or unsure answer goes to Kev.
 
 An escalated `auto` job ends up with two children: a finished record of Laya's stage and the Kev job.
-The parent waits (running, without a lease, so expiry never re-queues it) and takes Kev's answer."""
+The parent waits (running, without a lease, so expiry never re-queues it); whatever final state the Kev
+stage reaches settles it (`shared.lifecycle.settle_parent`)."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from shared import lifecycle
 from shared.models import Job, JobStatus
 from worker.claims import JobOutcome
 
@@ -27,10 +28,7 @@ def needs_escalation(outcome: JobOutcome, threshold: float) -> bool:
 
 def escalate(session: Session, parent: Job, batch_id, laya: JobOutcome) -> Job | None:  # noqa: ANN001
     """Record Laya's stage and queue Kev; None when this batch no longer holds the parent's lease."""
-    held = session.execute(
-        update(Job).where(Job.id == parent.id, Job.batch_id == batch_id, Job.status == JobStatus.RUNNING)
-        .values(lease_owner=None, lease_expires_at=None)
-    ).rowcount == 1
+    held = lifecycle.escalate(session, parent, batch_id)
     if not held:
         return None
     now = datetime.now(timezone.utc)
@@ -53,24 +51,3 @@ def escalate(session: Session, parent: Job, batch_id, laya: JobOutcome) -> Job |
     session.add_all([stage, kev])
     session.flush()
     return kev
-
-
-def complete_parent(session: Session, child: Job, kev: JobOutcome) -> None:
-    """Kev finished an escalated job: its answer becomes the parent's; timings and tokens add up."""
-    parent = session.get(Job, child.parent_job_id)
-    stages = session.scalars(select(Job).where(Job.parent_job_id == parent.id, Job.id != child.id)).all()
-    outcomes = [*stages, kev]
-
-    def total(field: str) -> float | None:
-        values = [getattr(o, field) for o in outcomes if getattr(o, field) is not None]
-        return sum(values) if values else None
-
-    now = datetime.now(timezone.utc)
-    session.execute(
-        update(Job).where(Job.id == parent.id, Job.status == JobStatus.RUNNING, Job.lease_owner.is_(None))
-        .values(status=kev.status, result_text=kev.result_text, decision=kev.decision, error_code=kev.error_code,
-                error_message=kev.error_message, finished_at=now,
-                total_ms=(now - parent.created_at).total_seconds() * 1000,
-                switch_ms=total("switch_ms"), prefill_ms=total("prefill_ms"), decode_ms=total("decode_ms"),
-                prompt_tokens=total("prompt_tokens"), completion_tokens=total("completion_tokens"))
-    )

@@ -17,7 +17,7 @@ from shared.models import Batch, Job, JobStatus
 from shared.queue import QueueUnavailable, publish_wakeup
 from shared.schemas import to_messages, with_system_prompt
 from shared.settings import Settings
-from worker.cascade import complete_parent, escalate, is_cascade_head, needs_escalation
+from worker.cascade import escalate, is_cascade_head, needs_escalation
 from worker.claims import JobOutcome, claim_batch, finish_job, queue_snapshot, renew_leases
 from worker.generation import GenerationRequest
 from worker.outcomes import job_outcome
@@ -105,10 +105,8 @@ class BatchEngine:
                         lost += 1
                     else:
                         escalated.append(child)
-                elif not finish_job(session, job, batch.id, result):
+                elif not finish_job(session, job, batch.id, result):  # also settles an `auto` parent
                     lost += 1
-                elif job.parent_job_id is not None:
-                    complete_parent(session, job, result)
             session.query(Batch).filter(Batch.id == batch.id).update({
                 Batch.switch_ms: outcome.switch_ms, Batch.prefill_ms: outcome.prefill_ms,
                 Batch.decode_ms: outcome.decode_ms, Batch.tokens: outcome.tokens,

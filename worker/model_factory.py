@@ -47,6 +47,12 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=None, max_position_embeddings=2048,
     )),
+    # ~360 M parameters (1.4 GB in fp32): quantizing it to NF4 while loading takes several seconds on a CPU,
+    # longer than a new Celery pool child gets by default (tests of worker restarts with a slow model load).
+    "slow-load": (LlamaConfig, dict(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
+        intermediate_size=4096, vocab_size=None, max_position_embeddings=2048,
+    )),
     "qwen2.5-1.5b": (Qwen2Config, dict(
         hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
         intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,

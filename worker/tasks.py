@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
+from celery.exceptions import Reject
 from celery.signals import worker_process_init, worker_process_shutdown
 
+from shared import lifecycle
 from shared.db import reset_engine, session_scope
 from shared.heartbeat import beat
 from shared.queue import RUN_TASK, celery_app, publish_wakeup
 from shared.settings import get_settings
-from worker.claims import requeue_expired, stale_queued_adapters
+from worker.claims import stale_queued_adapters
 from worker.engine import BatchEngine, worker_name
 
 log = logging.getLogger("kevlaya.worker")
@@ -25,8 +28,10 @@ _stop = threading.Event()
 
 
 @worker_process_init.connect
-def _load_model(**_kwargs: object) -> None:
-    """Runs in the forked child: CUDA and database connections must be created here, never in the parent."""
+def _load_model(sender: str | None = None, **_kwargs: object) -> None:
+    """Runs in the forked child: CUDA and database connections must be created here, never in the parent.
+
+    Celery waits `worker_proc_alive_timeout` (KEVLAYA_MODEL_LOAD_TIMEOUT_S) for this to return."""
     global _engine, _load_error
     reset_engine()
     settings = get_settings()
@@ -37,7 +42,31 @@ def _load_model(**_kwargs: object) -> None:
         _engine = BatchEngine(AdapterRuntime.load(settings), settings)
     except Exception as exc:
         _load_error = f"{exc.__class__.__name__}: {exc}"
-        log.exception("model load failed; jobs stay queued until a worker loads the model")
+        log.exception("model load failed; this worker stops taking wake-ups, so workers that can serve get them")
+    if sender:
+        threading.Thread(target=_consume_jobs, args=(sender, _engine is not None), name="consumer-control",
+                         daemon=True).start()
+
+
+def _consume_jobs(node: str, consume: bool) -> None:
+    """Make this worker's main process consume the job queue only while its child has a model.
+
+    Messages are fetched by the main process, so the child asks it by remote control; it retries until the
+    main process answers, since its consumer may still be starting when a fast failure gets here."""
+    queue = app.conf.task_default_queue
+    while not _stop.is_set():
+        try:
+            if consume:
+                replies = app.control.add_consumer(queue, destination=[node], reply=True, timeout=2)
+            else:
+                replies = app.control.cancel_consumer(queue, destination=[node], reply=True, timeout=2)
+        except Exception as exc:  # the broker may be down; keep trying
+            log.warning("could not reach this worker's consumer: %s", exc)
+            replies = None
+        if replies:
+            log.info("%s: %s", node, "consuming %s" % queue if consume else "stopped consuming %s" % queue)
+            return
+        _stop.wait(1)
 
 
 @worker_process_shutdown.connect
@@ -46,15 +75,16 @@ def _stop_background(**_kwargs: object) -> None:
 
 
 def sweep() -> None:
-    """Re-queue jobs of dead workers and re-publish wake-ups that were lost (e.g. Redis restarted)."""
+    """Repair the job ledger (expired leases, parents left waiting on a finished stage, running jobs without a
+    lease) and re-publish wake-ups that were lost (e.g. Redis restarted)."""
     settings = get_settings()
     with session_scope() as session:
-        requeued = requeue_expired(session, settings.max_attempts)
+        repaired = lifecycle.repair(session, settings.max_attempts)
         stale = stale_queued_adapters(session, older_than_s=settings.sweep_interval_s)
-    if requeued:
-        log.warning("re-queued %d job(s) whose lease expired", len(requeued))
+    if repaired.requeued:
+        log.warning("re-queued %d job(s) whose lease expired or that held none", len(repaired.requeued))
     if _engine is not None and not _engine.draining.is_set():
-        for adapter in set(stale) | {a for a in ("kev", "laya") if requeued}:
+        for adapter in set(stale) | {a for a in ("kev", "laya") if repaired.requeued}:
             publish_wakeup(None, adapter)
 
 
@@ -90,5 +120,8 @@ def _status() -> dict[str, object]:
 def run_queued(job_id: str | None, adapter: str) -> int:
     """Wake-up for job `job_id` on `adapter`: run batches (not only that job) until the queue is empty."""
     if _engine is None:
-        raise RuntimeError(f"model not loaded: {_load_error}")
+        # This worker has stopped consuming (or is about to): give the wake-up back for one that can serve it.
+        # The pause keeps a message that comes straight back here from spinning before the cancel lands.
+        time.sleep(1)
+        raise Reject(f"model not loaded: {_load_error}", requeue=True)
     return _engine.drain(get_settings().drain_seconds)

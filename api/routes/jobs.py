@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Response, status
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, or_, select
 
 from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.presenters import decode_cursor, encode_cursor, job_accepted, jobs_out
 from api.submission import check_limits, get_visible, store_jobs, visible_to, wait_finished
-from shared.models import Job, JobStatus
+from shared import lifecycle
+from shared.models import Job
 from shared.schemas import (
     JobAccepted,
     JobBatchAccepted,
@@ -93,14 +93,14 @@ def get_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOut:
 
 
 @router.get("/{job_id}/wait", response_model=JobOut, responses=error_responses(404, 422, *AUTH_ERRORS))
-async def wait_for_job(job_id: uuid.UUID, key: CurrentKey, settings: SettingsDep,
+async def wait_for_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, settings: SettingsDep,
                        timeout: Annotated[float | None, Query(gt=0, description="seconds; default 30 "
                                                               "(or the configured maximum, if lower)")] = None) -> JobOut:
     """Long-poll: answers as soon as the job is finished, or with its current state at the timeout."""
     timeout = min(30.0, settings.max_wait_timeout_s) if timeout is None else timeout
     if timeout > settings.max_wait_timeout_s:
         raise ApiError(422, "invalid_request", f"timeout: at most {settings.max_wait_timeout_s} seconds")
-
+    session.close()  # the key was checked; the wait must not hold a pooled connection
     return await wait_finished(key, job_id, timeout)
 
 
@@ -110,10 +110,7 @@ def cancel_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOu
     if job.parent_job_id is not None:
         raise ApiError(409, "conflict", f"job {job_id} is a stage of `auto` job {job.parent_job_id}; "
                        "it cannot be cancelled on its own")
-    cancelled = session.execute(
-        update(Job).where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-        .values(status=JobStatus.CANCELLED, finished_at=datetime.now(timezone.utc))
-    ).rowcount
+    cancelled = lifecycle.cancel(session, job_id)
     session.commit()
     session.refresh(job)
     if not cancelled:

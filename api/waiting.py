@@ -1,0 +1,103 @@
+"""Long-polls that wait on "job finished" notices instead of polling the database.
+
+One Redis subscription per API process fans the notices out to the waiting requests. A waiter holds no
+database connection and no thread while it waits; it reads the job row when its notice arrives and, in case
+a notice was lost (Redis down, the subscription reconnecting), every `KEVLAYA_WAIT_RECHECK_S` anyway."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis.asyncio as aioredis
+
+from shared.notify import FINISHED_CHANNEL
+from shared.settings import get_settings
+
+log = logging.getLogger("kevlaya.api")
+
+
+class FinishedJobNotices:
+    """The subscriber of one event loop, and the events of the requests waiting on it."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._subscribed: asyncio.Event | None = None
+
+    @contextmanager
+    def watch(self, job_id: uuid.UUID) -> Iterator[asyncio.Event]:
+        """An event set when `job_id` may have finished. Register before reading the row, so a notice sent
+        between the read and the wait is not missed."""
+        self._ensure_listening()
+        event, key = asyncio.Event(), str(job_id)
+        self._waiters.setdefault(key, set()).add(event)
+        try:
+            yield event
+        finally:
+            events = self._waiters.get(key)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiters[key]
+
+    async def subscribed(self, timeout_s: float) -> bool:
+        """Wait (briefly) until the subscription is up; False if it is not, and waiters rely on re-checks."""
+        self._ensure_listening()
+        try:
+            await asyncio.wait_for(self._subscribed.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._task = None
+
+    def _ensure_listening(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._loop, self._subscribed = loop, asyncio.Event()
+            self._task = loop.create_task(self._listen(), name="finished-job-notices")
+
+    def _wake(self, key: str) -> None:
+        for event in self._waiters.get(key, ()):
+            event.set()
+
+    def _wake_all(self) -> None:
+        for events in self._waiters.values():
+            for event in events:
+                event.set()
+
+    async def _listen(self) -> None:
+        while True:
+            client = aioredis.Redis.from_url(get_settings().redis_url, socket_connect_timeout=2,
+                                             health_check_interval=30)
+            try:
+                async with client.pubsub() as pubsub:
+                    await pubsub.subscribe(FINISHED_CHANNEL)
+                    self._subscribed.set()
+                    self._wake_all()  # notices sent while we were not subscribed are lost: everyone re-reads
+                    async for message in pubsub.listen():
+                        if message["type"] == "message":
+                            self._wake(message["data"].decode())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis down or restarting: waiters fall back to their re-checks
+                log.warning("job notices unavailable, retrying in 1 s: %s", exc)
+            finally:
+                self._subscribed.clear()
+                await client.aclose()
+            await asyncio.sleep(1)
+
+
+notices = FinishedJobNotices()
