@@ -3,7 +3,7 @@ with 422 instead of failing later on the worker.
 
 The prompt is counted as the worker will build it: the adapter's system prompt, the chat template, control
 tokens in user text encoded as text. Only the tokenizer is loaded (through transformers' tokenizers backend,
-which does not import torch: the API process never does, DESIGN §2)."""
+which does not import torch: the API process never does, docs/architecture.md §2)."""
 
 from __future__ import annotations
 

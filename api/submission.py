@@ -42,7 +42,7 @@ def check_limits(request: JobCreate, settings: Settings, budget: PromptBudget | 
 
 
 def new_job(request: JobCreate, key: ApiKey) -> Job:
-    # `auto` is a cascade that starts with Laya (DESIGN §8).
+    # `auto` is a cascade that starts with Laya (docs/architecture.md §8).
     adapter = "laya" if request.adapter == "auto" else request.adapter
     return Job(
         id=uuid.uuid4(),

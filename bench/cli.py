@@ -40,7 +40,7 @@ def bench(
     scheme on a random-weight model of a real shape, under the card's memory cap. Prints a table last."""
     import logging
 
-    from bench.report import table, write
+    from bench.report import plot, table, write_json
     from bench.run import BenchConfig, run_bench
 
     if shape not in SHAPES:
@@ -63,10 +63,15 @@ def bench(
                          jobs=jobs, prompt_tokens=(prompt_min, prompt_max),
                          new_tokens={"kev": kev_tokens, "laya": laya_tokens}, recipe_per_adapter=recipe_jobs,
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url)
-    result = {"command": shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
-                                    else ["python", "-m", "bench", *sys.argv[1:]]),
-              "date": date.today().isoformat(), **run_bench(config)}
-    json_path, png_path = write(result, out, f"{shape}-{result['date']}")
+    command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
+                         else ["python", "-m", "bench", *sys.argv[1:]])
+    stem = f"{shape}-{date.today().isoformat()}"
+    json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
+    header = {"command": command, "date": date.today().isoformat()}
+    # Written after every phase: a run stopped early (a time limit on a lent GPU) keeps what it measured.
+    result = {**header, **run_bench(config, save=lambda partial: write_json({**header, **partial}, json_path))}
+    write_json(result, json_path)
+    plot(result, png_path)
     typer.echo(f"written {json_path} and {png_path}")
     typer.echo(table(result))
 

@@ -67,9 +67,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write(result: dict[str, Any], out_dir: Path, stem: str) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
-    json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    plot(result, png_path)
-    return json_path, png_path
+def write_json(result: dict[str, Any], path: Path) -> None:
+    """Written whole to a temporary file first, so a run killed mid-write never leaves a truncated file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.tmp")
+    partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    partial.replace(path)

@@ -9,7 +9,9 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,8 @@ def runtime_phase(config: BenchConfig, settings: Settings, jobs: list[BenchJob])
         kev = [j for j in jobs if j.adapter == "kev"]
         recipe["profile"] = decode_busy_fraction(runtime, _requests(kev[:1]))
         service_profile = decode_busy_fraction(runtime, _requests(kev[:config.max_batch]))
+        log.info("GPU busy during decode: batch 1 %s; batch %d %s", recipe["profile"], config.max_batch,
+                 service_profile)
     finally:
         del runtime
         gc.collect()
@@ -134,44 +138,52 @@ def laya_latencies(service: Service, jobs: list[BenchJob], rng: random.Random) -
     return latencies
 
 
-def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob],
-                  laya_jobs: list[BenchJob], fit_jobs: dict[int, list[BenchJob]]) -> dict[str, Any]:
+def _memory(service: Service, since: datetime) -> list[dict[str, Any]]:
+    return [{"t_s": (b.started_at - since).total_seconds(), "peak_allocated_gib": b.peak_vram_bytes / 2**30,
+             "size": b.size, "adapters": b.adapters}
+            for b in service.batches(since=since) if b.peak_vram_bytes is not None]
+
+
+def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob], laya_jobs: list[BenchJob],
+                  fit_jobs: dict[int, list[BenchJob]], figures: dict[str, Any], save: Callable[[], None]) -> None:
+    """Fills `figures` phase by phase and calls `save` after each, so a run cut short keeps what it measured."""
     rng = random.Random(config.seed)
     with Service(config.workdir / "service", env, config.redis_url) as service:
         service.wait(service.submit([jobs[0].body(), jobs[1].body()]))  # warm-up, as the recipe had
         started = service.batches()[-1].started_at
         rows = service.wait(service.submit([j.body() for j in jobs]))
         batches = [b for b in service.batches(since=started) if b.id in {r.batch_id for r in rows}]
-        throughput = {"jobs_per_s": len(rows) / _seconds(rows), **batch_figures(batches, rows)}
-        log.info("service: %.3f jobs/s, %d batches", throughput["jobs_per_s"], len(batches))
+        figures.update(jobs_per_s=len(rows) / _seconds(rows), **batch_figures(batches, rows),
+                       memory_over_time=_memory(service, started))
+        log.info("service: %.3f jobs/s, %d batches", figures["jobs_per_s"], len(batches))
+        save()
 
         idle = laya_latencies(service, laya_jobs, rng)
+        figures.update(laya_p50_ms_idle=percentile(idle, 50), laya_p95_ms_idle=percentile(idle, 95),
+                       laya_ms_idle=idle)
+        save()
         kev = next(j for j in jobs if j.adapter == "kev")
         with KevLoad(service, kev, depth=2 * config.max_batch):
             time.sleep(2.0)  # let the first Kev batch start
             loaded = laya_latencies(service, laya_jobs, rng)
+            figures.update(laya_p50_ms_under_kev_load=percentile(loaded, 50),
+                           laya_p95_ms_under_kev_load=percentile(loaded, 95), laya_ms_under_kev_load=loaded)
+            save()
 
-        fit = []
+        figures["fit"] = []
         for load, load_jobs in fit_jobs.items():
             since = service.batches()[-1].started_at
             fit_rows = service.wait(service.submit([j.body() for j in load_jobs]))
             fit_batches = [b for b in service.batches(since=since) if b.id in {r.batch_id for r in fit_rows}]
-            fit.append({"load": load, "jobs_per_s": len(fit_rows) / _seconds(fit_rows),
-                        **batch_figures(fit_batches, fit_rows)})
-            log.info("fit at load %d: %s", load, fit[-1])
-        memory = [{"t_s": (b.started_at - started).total_seconds(), "peak_allocated_gib": b.peak_vram_bytes / 2**30,
-                   "size": b.size, "adapters": b.adapters}
-                  for b in service.batches(since=started) if b.peak_vram_bytes is not None]
-    return {
-        **throughput,
-        "laya_p50_ms_idle": percentile(idle, 50), "laya_p95_ms_idle": percentile(idle, 95),
-        "laya_p50_ms_under_kev_load": percentile(loaded, 50), "laya_p95_ms_under_kev_load": percentile(loaded, 95),
-        "laya_ms_idle": idle, "laya_ms_under_kev_load": loaded,
-        "fit": fit, "memory_over_time": memory,
-    }
+            figures["fit"].append({"load": load, "jobs_per_s": len(fit_rows) / _seconds(fit_rows),
+                                   **batch_figures(fit_batches, fit_rows)})
+            log.info("fit at load %d: %s", load, figures["fit"][-1])
+            save()
+        figures["memory_over_time"] = _memory(service, started)
 
 
-def run_bench(config: BenchConfig) -> dict[str, Any]:
+def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lambda _result: None) -> dict[str, Any]:
+    """The whole benchmark; `save` gets the result so far after every phase (`complete` is False until the end)."""
     device = resolve_device(config.device)
     started = time.perf_counter()
     model_dir = config.workdir / "model"
@@ -202,12 +214,8 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     fit_jobs = {load: make_jobs(tokenizer, count=load, prompt_tokens=(256, 256), **{
         **workload, "seed": config.seed + 2, "new_tokens": {"kev": 128, "laya": 128}}) for load in config.fit_loads}
 
-    measured = runtime_phase(config, settings, jobs)
-    service = service_phase(config, env, jobs, laya_jobs, fit_jobs)
-    service["gpu_busy_fraction"] = (measured["service_profile"] or {}).get("busy_fraction")
-    service["profile"] = measured["service_profile"]
-    recipe = measured["recipe"]
-    return {
+    result: dict[str, Any] = {
+        "complete": False,
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
         "shape": config.shape,
         "device": device,
@@ -218,14 +226,26 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
                      "latency_samples": config.latency_samples, "fit_loads": list(config.fit_loads),
                      "max_batch": config.max_batch,
                      "prompt_tokens_seen": [min(j.prompt_tokens for j in jobs), max(j.prompt_tokens for j in jobs)]},
-        "seed_scheme": recipe,
-        "service": service,
-        "speedup_vs_seed": service["jobs_per_s"] / recipe["jobs_per_s"],
-        "gpu_busy_method": "PyTorch profiler: CUDA kernel time over wall time of the decode steps of one run_batch "
+        "gpu_busy_method": "PyTorch profiler: CUDA kernel time over wall time of 16 decode steps of one run_batch "
                            "(prefill removed by a one-token run), in the bench process on the same runtime code "
                            "and cap; service = a full Kev batch as the scheduler forms it, seed = batch 1",
-        "bench_seconds": time.perf_counter() - started,
     }
+    measured = runtime_phase(config, settings, jobs)
+    result["seed_scheme"] = measured["recipe"]
+    result["service"] = service = {"gpu_busy_fraction": (measured["service_profile"] or {}).get("busy_fraction"),
+                                   "profile": measured["service_profile"]}
+
+    def checkpoint() -> None:
+        if "jobs_per_s" in service:
+            result["speedup_vs_seed"] = service["jobs_per_s"] / result["seed_scheme"]["jobs_per_s"]
+        result["bench_seconds"] = time.perf_counter() - started
+        save(result)
+
+    checkpoint()
+    service_phase(config, env, jobs, laya_jobs, fit_jobs, service, checkpoint)
+    result["complete"] = True
+    checkpoint()
+    return result
 
 
 def _versions() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Celery configuration (loaded with `config_from_object`). Why each value: DESIGN §3 and §11."""
+"""Celery configuration (loaded with `config_from_object`). Why each value: docs/architecture.md §3 and §11."""
 
 from shared.settings import get_settings
 

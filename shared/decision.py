@@ -1,4 +1,4 @@
-"""The decision object every adapter answers with (DESIGN §9), and how it is found in raw text."""
+"""The decision object every adapter answers with (docs/architecture.md §9), and how it is found in raw text."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every change of a job's status, in one place (DESIGN §3).
+"""Every change of a job's status, in one place (docs/architecture.md §3).
 
     queued  → running            claim (with a lease)
     queued  → cancelled          cancel

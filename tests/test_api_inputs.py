@@ -179,7 +179,7 @@ def test_max_new_tokens_counts_against_the_context(client):
 
 
 def test_the_api_process_never_imports_torch(service_env):
-    """The prompt budget loads the tokenizer without torch (DESIGN §2): build the app, submit, check."""
+    """The prompt budget loads the tokenizer without torch (docs/architecture.md §2): build the app, submit, check."""
     code = (
         "import sys\n"
         "from fastapi.testclient import TestClient\n"

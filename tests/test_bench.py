@@ -19,6 +19,7 @@ def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: 
     [json_path] = out.glob("tiny-*.json")
     assert json_path.with_suffix(".png").stat().st_size > 0
     result = json.loads(json_path.read_text())
+    assert result["complete"] is True and not list(out.glob("*.tmp"))  # saved after each phase, then whole
     assert result["command"].startswith("kevlaya bench --shape tiny")
     service, seed = result["service"], result["seed_scheme"]
     assert seed["jobs_per_s"] > 0 and seed["timed_jobs"] == 2

@@ -1,4 +1,4 @@
-"""The deployment files say what DESIGN §2 and §11 require.
+"""The deployment files say what docs/architecture.md §2 and §11 require.
 
 There may be no Docker engine where the tests run, so docker-compose.yml is parsed with PyYAML and its
 `${VAR}` interpolation is resolved here. When a compose CLI is installed, `config -q` checks the file too.
@@ -255,7 +255,7 @@ def test_each_worker_owns_one_gpu_and_gets_time_to_finish_a_batch(name):
     worker = raw_compose()["services"][name]
     assert len(gpu_ids(worker)) == 1
     grace = duration_seconds(worker["stop_grace_period"])
-    assert grace > 10, "docker SIGKILLs after 10 s by default (DESIGN §11)"
+    assert grace > 10, "docker SIGKILLs after 10 s by default (docs/architecture.md §11)"
     # A task stops claiming new batches after drain_seconds and then finishes the batch it holds.
     assert grace > Settings.model_fields["drain_seconds"].default
     assert worker.get("init") is True

@@ -438,18 +438,22 @@ def test_a_job_that_cannot_be_encoded_or_run_fails_alone_as_invalid_input(runtim
         assert words in by_id[bad.job_id].error_message
 
 
-def test_old_model_libraries_are_refused_at_start_up_with_what_to_install() -> None:
+def test_old_model_libraries_are_refused_at_start_up_with_what_to_install(runtime: AdapterRuntime) -> None:
     from worker.library_features import missing_library_features
 
-    assert missing_library_features() == []  # the installed releases have everything
+    assert missing_library_features(tokenizer=runtime.tokenizer) == []  # the installed releases have everything
 
     class OldPeftModel:
         def set_adapter(self, adapter_name): ...  # noqa: ANN001, ANN201
 
-    class OldTokenizer:
-        def apply_chat_template(self, conversation, tokenize=True): ...  # noqa: ANN001, ANN201
+    class OldTokenizer:  # takes the option through **kwargs and ignores it, as older transformers did
+        eos_token, eos_token_id = runtime.tokenizer.eos_token, runtime.tokenizer.eos_token_id
 
-    missing = missing_library_features(peft_model=OldPeftModel, tokenizer=OldTokenizer)
+        def apply_chat_template(self, conversation, **kwargs):  # noqa: ANN001, ANN003, ANN201
+            kwargs.pop("sanitize_control_tokens", None)
+            return runtime.tokenizer.apply_chat_template(conversation, **kwargs)
+
+    missing = missing_library_features(peft_model=OldPeftModel, tokenizer=OldTokenizer())
     assert len(missing) == 2
     assert "set_adapter(inference_mode" in missing[0] and "peft>=" in missing[0]
     assert "sanitize_control_tokens" in missing[1] and "transformers>=" in missing[1]

@@ -1,4 +1,4 @@
-"""The batching policy, on plain data (DESIGN §4)."""
+"""The batching policy, on plain data (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The `auto` cascade (DESIGN §8): Laya answers first; an invalid or unsure answer goes to Kev.
+"""The `auto` cascade (docs/architecture.md §8): Laya answers first; an invalid or unsure answer goes to Kev.
 
 An escalated `auto` job ends up with two children: a finished record of Laya's stage and the Kev job.
 The parent waits (running, without a lease, so expiry never re-queues it); whatever final state the Kev

@@ -1,5 +1,5 @@
 """The job ledger as the worker sees it: snapshot the queue, claim a batch atomically with a lease,
-renew leases; every status change itself goes through `shared.lifecycle` (DESIGN §3)."""
+renew leases; every status change itself goes through `shared.lifecycle` (docs/architecture.md §3)."""
 
 from __future__ import annotations
 

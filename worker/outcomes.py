@@ -1,4 +1,4 @@
-"""What a generation means for its job: success with a decision, or which failure (DESIGN §6, §9)."""
+"""What a generation means for its job: success with a decision, or which failure (docs/architecture.md §6, §9)."""
 
 from __future__ import annotations
 

@@ -159,7 +159,7 @@ def _load_base(path: str, device: str, vram_budget_gb: float, quantization: str 
         total = torch.cuda.get_device_properties(0).total_memory
         budget = vram_budget_gb * 2**30
         if budget < total:
-            # Emulate the target card on a bigger one, so over-budget code fails here too (DESIGN §5).
+            # Emulate the target card on a bigger one, so over-budget code fails here too (docs/architecture.md §5).
             torch.cuda.set_per_process_memory_fraction(budget / total, 0)
     if not nf4:
         return AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=placement)
@@ -196,7 +196,6 @@ class AdapterRuntime:
 
     @classmethod
     def load(cls, settings: Settings) -> AdapterRuntime:
-        require_library_features()
         started = time.perf_counter()
         device = resolve_device(settings.device)
         base = settings.base_model
@@ -206,6 +205,7 @@ class AdapterRuntime:
         tokenizer.padding_side = "left"  # decoder-only generation: prompts end where the new tokens start
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
+        require_library_features(tokenizer)
         model: torch.nn.Module = _load_base(base, device, settings.vram_budget_gb, settings.quantization)
         log.info("loaded base model %s on %s in %.1fs", base, device, time.perf_counter() - started)
 

@@ -1,4 +1,4 @@
-"""Adapter-affinity batching (DESIGN §4). Pure: decides *what* runs next from plain data, never touches
+"""Adapter-affinity batching (docs/architecture.md §4). Pure: decides *what* runs next from plain data, never touches
 the model or the database, so it can be tested exhaustively."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`/v1/jobs`: submit, batch submit, get, wait, list, cancel (DESIGN §8)."""
+"""`/v1/jobs`: submit, batch submit, get, wait, list, cancel (docs/architecture.md §8)."""
 
 from __future__ import annotations
 

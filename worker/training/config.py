@@ -18,7 +18,7 @@ OUTPUT_FILES = frozenset({*ADAPTER_FILES, "training.json", MANIFEST_NAME})
 
 
 def preset(adapter: str) -> dict[str, Any]:
-    """The recipe's defaults for `adapter` (DESIGN §10) plus its serving system prompt."""
+    """The recipe's defaults for `adapter` (docs/architecture.md §10) plus its serving system prompt."""
     if adapter == "kev":
         return {"r": 16, "alpha": 32, "lr": 1e-4, "system_prompt": KevProfile().system_prompt}
     if adapter == "laya":
