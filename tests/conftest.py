@@ -16,11 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from sqlalchemy import create_engine, text
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
 from shared import db, queue
 from shared.migrate import upgrade
+from shared.models import Job
 from shared.notify import FINISHED_CHANNEL
 from shared.redis_server import redis_server_binary, start_redis_server
 from shared.settings import get_settings
@@ -233,6 +235,21 @@ def start_process(tmp_path: Path) -> Iterator[callable]:
             proc.stop()
         except Exception:
             pass
+
+
+@pytest.fixture
+def client(service_env: dict[str, str]) -> Iterator[TestClient]:
+    """The app in this process, on this test's database and Redis. The server's own answer is what is tested,
+    also for unexpected errors, so they are not re-raised here."""
+    from api.main import create_app
+
+    with TestClient(create_app(), raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+def job_count() -> int:
+    with db.session_scope() as session:
+        return session.scalar(select(func.count()).select_from(Job))
 
 
 # -- a running service: the API as a process, and helpers to drive it ------------------------------------

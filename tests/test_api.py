@@ -5,25 +5,10 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
 
 from shared.db import session_scope
 from shared.keys import create_key
-from shared.models import Job
-from tests.conftest import AUTH
-
-
-@pytest.fixture
-def client(service_env: dict[str, str]) -> TestClient:
-    from api.main import create_app
-
-    with TestClient(create_app()) as test_client:
-        yield test_client
-
-
-def job_count() -> int:
-    with session_scope() as session:
-        return session.scalar(select(func.count()).select_from(Job))
+from tests.conftest import AUTH, job_count
 
 
 def submit(client: TestClient, adapter: str = "laya", prompt: str = "pick the cheapest option", **extra):

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event, func, select
+from sqlalchemy import event, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
@@ -25,21 +25,7 @@ from shared.db import new_session, session_scope
 from shared.heartbeat import beat
 from shared.models import ApiKey, Job
 from shared.settings import get_settings
-from tests.conftest import AUTH, free_port, reset_process_state, wait_until
-
-
-@pytest.fixture
-def client(service_env: dict[str, str]) -> TestClient:
-    from api.main import create_app
-
-    # The server's own answer is what is tested, also for unexpected errors: do not re-raise them here.
-    with TestClient(create_app(), raise_server_exceptions=False) as test_client:
-        yield test_client
-
-
-def job_count() -> int:
-    with session_scope() as session:
-        return session.scalar(select(func.count()).select_from(Job))
+from tests.conftest import AUTH, free_port, job_count, reset_process_state, wait_until
 
 
 def submit(client: TestClient, **extra):

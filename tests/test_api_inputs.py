@@ -13,27 +13,13 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
 
 from shared.db import session_scope
 from shared.models import Job
 from shared.settings import get_settings
-from tests.conftest import AUTH
+from tests.conftest import AUTH, job_count
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def client(service_env: dict[str, str]) -> TestClient:
-    from api.main import create_app
-
-    with TestClient(create_app(), raise_server_exceptions=False) as test_client:
-        yield test_client
-
-
-def job_count() -> int:
-    with session_scope() as session:
-        return session.scalar(select(func.count()).select_from(Job))
 
 
 def post_raw(client: TestClient, path: str, raw: str) -> object:
