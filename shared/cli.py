@@ -137,6 +137,8 @@ def flower() -> None:
     """Serve Flower (queue monitoring) on KEVLAYA_FLOWER_HOST:KEVLAYA_FLOWER_PORT."""
     settings = get_settings()
     args = ["flower", f"--address={settings.flower_host}", f"--port={settings.flower_port}"]
+    if settings.flower_db:  # task history survives a restart of Flower
+        args += ["--persistent=True", f"--db={settings.flower_db}"]
     # Secrets travel in the environment, not on the command line, where `ps` shows them to every user.
     os.environ["CELERY_BROKER_URL"] = settings.redis_url
     os.environ.pop("FLOWER_BASIC_AUTH", None)
