@@ -80,10 +80,16 @@ def _postgres_percentiles(column: str) -> str:
     """
 
 
-def _window_function_percentiles(column: str) -> str:
-    # Per adapter: n, and for each p the position floor(h) and the fraction h - floor(h) (h >= 1, so CAST floors).
-    positions = ", ".join(f"CAST(1 + {p} * (COUNT(*) - 1) AS INTEGER) AS lo{i}, "
-                          f"(1 + {p} * (COUNT(*) - 1)) - CAST(1 + {p} * (COUNT(*) - 1) AS INTEGER) AS f{i}"
+def _floor(dialect: str, expression: str) -> str:
+    # SQLite's CAST truncates, which is floor for h >= 1 (FLOOR needs its optional math functions);
+    # PostgreSQL's CAST rounds.
+    return f"CAST({expression} AS INTEGER)" if dialect == "sqlite" else f"CAST(FLOOR({expression}) AS INTEGER)"
+
+
+def _window_function_percentiles(dialect: str, column: str) -> str:
+    # Per adapter: n, and for each p the position floor(h) and the fraction h - floor(h).
+    positions = ", ".join(f"{_floor(dialect, f'1 + {p} * (COUNT(*) - 1)')} AS lo{i}, "
+                          f"(1 + {p} * (COUNT(*) - 1)) - {_floor(dialect, f'1 + {p} * (COUNT(*) - 1)')} AS f{i}"
                           for i, p in enumerate(PERCENTILES))
     wanted = ", ".join(f"s.lo{i}, s.lo{i} + 1" for i in range(len(PERCENTILES)))
     values = ", ".join(f"SUM(CASE WHEN r.rn = s.lo{i} THEN r.v * (1 - s.f{i}) "
@@ -105,7 +111,7 @@ def percentile_sql(dialect: str, column: str, *, portable: bool = False) -> str:
     sort over all of them."""
     if dialect == "postgresql" and not portable:
         return _postgres_percentiles(column)
-    return _window_function_percentiles(column)
+    return _window_function_percentiles(dialect, column)
 
 
 _COUNTS = f"""
