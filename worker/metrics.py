@@ -86,9 +86,13 @@ class WorkerMetrics:
         """Current GPU memory of this process; zeros on a CPU. torch only where the worker child loaded it."""
         figures = {"allocated_bytes": 0, "reserved_bytes": 0, "peak_bytes": 0, "budget_bytes": int(budget_gb * 2**30)}
         torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            figures.update(allocated_bytes=torch.cuda.memory_allocated(), reserved_bytes=torch.cuda.memory_reserved(),
-                           peak_bytes=torch.cuda.max_memory_allocated())
+        try:
+            if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+                figures.update(allocated_bytes=torch.cuda.memory_allocated(),
+                               reserved_bytes=torch.cuda.memory_reserved(),
+                               peak_bytes=torch.cuda.max_memory_allocated())
+        except (AttributeError, RuntimeError):  # torch still importing in the loading thread: no figures yet
+            pass
         for kind, value in figures.items():
             self.memory[kind.removesuffix("_bytes")].set(value)
         return figures
