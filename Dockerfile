@@ -28,11 +28,13 @@ COPY migrations ./migrations
 # bitsandbytes for the NF4 base. The cache mount keeps rebuilds after a code change from re-downloading it.
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install ".[cuda]" \
- && mkdir -p /app/models
+ && mkdir -p /app/models \
+ && mkdir -p /data && chown kevlaya:kevlaya /data
 
+# /data: Flower's task history (a named volume takes this directory's owner on first use).
 USER kevlaya
 
-EXPOSE 8000 5555
+EXPOSE 8000 5555 9109
 
 # Exec form: the process (and, for the worker, the Celery process `kevlaya worker` execs into) gets
 # SIGTERM directly, so Celery can finish its batch before the stop grace period runs out.

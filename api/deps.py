@@ -119,3 +119,12 @@ def _enforce_rate_limit(key: ApiKey) -> None:
 
 
 CurrentKey = Annotated[ApiKey, Depends(current_key)]
+
+
+def admin_key(key: CurrentKey) -> ApiKey:
+    if not key.is_admin:
+        raise ApiError(403, "forbidden", "this needs an admin key")
+    return key
+
+
+AdminKey = Annotated[ApiKey, Depends(admin_key)]

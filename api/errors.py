@@ -45,6 +45,7 @@ class ErrorResponse(BaseModel):
 _STATUS_TEXT = {
     400: "Malformed request (e.g. a body that is not JSON, a cursor this API did not issue)",
     401: "Missing, unknown or revoked API key",
+    403: "The key is valid but not an admin key",
     404: "No such job visible to this key",
     405: "Method not allowed on this path (see the Allow header)",
     409: "The job's state does not allow this",

@@ -12,8 +12,9 @@ from fastapi.openapi.utils import get_openapi
 from api.body_limit import BodySizeLimit
 from api.docs import install_docs
 from api.errors import install_error_handlers
+from api.metrics import ApiMetrics, RequestMetrics
 from api.prompt_budget import PromptBudget
-from api.routes import chat, health, jobs, models
+from api.routes import chat, health, jobs, metrics, models, stats, status_page
 from api.waiting import notices
 from shared.settings import Settings, get_settings
 
@@ -68,7 +69,12 @@ def create_app() -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(chat.router)
     app.include_router(models.router)
+    app.include_router(stats.router)
+    app.include_router(metrics.router)
+    app.include_router(status_page.router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.state.metrics = ApiMetrics()
+    app.add_middleware(RequestMetrics, metrics=app.state.metrics)  # outermost: refused bodies count too
     # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
     app.state.prompt_budget = PromptBudget.load(settings)
 

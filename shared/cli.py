@@ -20,9 +20,11 @@ app = typer.Typer(help="Kev & Laya decision-job service.", no_args_is_help=True,
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys (stored hashed; the key is shown once).", no_args_is_help=True)
 models_app = typer.Typer(help="Model directories.", no_args_is_help=True)
+dev_app = typer.Typer(help="Development aids: bulk data for measurements.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 app.add_typer(models_app, name="models")
+app.add_typer(dev_app, name="dev")
 app.command("bench")(bench)  # defined beside the benchmark it runs
 
 
@@ -137,6 +139,8 @@ def flower() -> None:
     """Serve Flower (queue monitoring) on KEVLAYA_FLOWER_HOST:KEVLAYA_FLOWER_PORT."""
     settings = get_settings()
     args = ["flower", f"--address={settings.flower_host}", f"--port={settings.flower_port}"]
+    if settings.flower_db:  # task history survives a restart of Flower
+        args += ["--persistent=True", f"--db={settings.flower_db}"]
     # Secrets travel in the environment, not on the command line, where `ps` shows them to every user.
     os.environ["CELERY_BROKER_URL"] = settings.redis_url
     os.environ.pop("FLOWER_BASIC_AUTH", None)
@@ -332,6 +336,55 @@ def evaluate(
                        f"accuracy {comparison['nf4_modes'][mode]['accuracy']:.1%} vs "
                        f"{comparison['reference_modes'][mode]['accuracy']:.1%}")
     typer.echo(f"written {out / 'results.json'} and {out / 'results.png'}")
+
+
+@dev_app.command("seed-jobs")
+def dev_seed_jobs(
+    count: Annotated[int, typer.Argument(help="job rows to insert (their batches come with them)")],
+    hours: Annotated[float, typer.Option(help="spread the jobs' creation over the last this many hours")] = 24,
+    seed: Annotated[int, typer.Option()] = 0,
+    time_stats: Annotated[str, typer.Option(
+        help="then time GET /v1/stats for these windows (comma-separated; empty: skip)")] = "15m,1h,1d",
+    repeat: Annotated[int, typer.Option(help="timed requests per window (the median is printed)")] = 3,
+) -> None:
+    """Insert realistic job and batch rows into KEVLAYA_DATABASE_URL, then time /v1/stats on them."""
+    import statistics
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from bench.seed import seed_jobs
+    from shared.db import get_engine, session_scope
+    from shared.keys import create_key
+    from shared.models import ApiKey
+
+    done = seed_jobs(get_engine(), count, hours=hours, seed=seed)
+    typer.echo(f"inserted {done['jobs']:,} jobs and {done['batches']:,} batches in {done['seconds']:.1f}s "
+               f"({done['jobs'] / done['seconds']:,.0f} jobs/s)")
+    windows = [w.strip() for w in time_stats.split(",") if w.strip()]
+    if not windows:
+        return
+    with session_scope() as session:
+        row, key = create_key(session, "seed-jobs timing", admin=True)
+        row_id = row.id
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+        with TestClient(create_app()) as client:
+            for window in windows:
+                seconds = []
+                for _ in range(repeat):
+                    started = time.perf_counter()
+                    response = client.get("/v1/stats", params={"window": window}, headers=headers)
+                    seconds.append(time.perf_counter() - started)
+                    if response.status_code != 200:
+                        _fail(f"/v1/stats?window={window}: {response.status_code} {response.text}")
+                runs = sum(a["latency_ms"]["end_to_end"]["count"] for a in response.json()["adapters"].values())
+                typer.echo(f"GET /v1/stats?window={window}: median {statistics.median(seconds) * 1000:,.0f} ms "
+                           f"over {repeat} requests ({runs:,} finished runs in the window)")
+    finally:
+        with session_scope() as session:  # the timing key must not outlive the measurement
+            session.get(ApiKey, row_id).revoked_at = datetime.now(timezone.utc)
 
 
 def main() -> None:

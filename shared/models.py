@@ -89,6 +89,12 @@ class Batch(Base):
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
 
+    # /v1/stats reads a window of batches from this index alone (migration 0003)
+    __table_args__ = (
+        Index("ix_batches_stats", "started_at", "worker", "adapters", "size", "prefill_ms", "decode_ms", "tokens",
+              "oom_splits", "peak_vram_bytes"),
+    )
+
 
 class Job(Base):
     __tablename__ = "jobs"
@@ -96,6 +102,10 @@ class Job(Base):
         UniqueConstraint("api_key_id", "idempotency_key", name="uq_jobs_api_key_idempotency"),
         Index("ix_jobs_status_adapter_created", "status", "adapter", "created_at"),
         Index("ix_jobs_created_id", "created_at", "id"),
+        # /v1/stats reads a window of jobs from this index alone, and finds escalations (migration 0003)
+        Index("ix_jobs_stats", "created_at", "adapter", "status", "error_code", "requested_adapter", "parent_job_id",
+              "queue_ms", "ttft_ms", "decode_ms", "total_ms", "completion_tokens", "id"),
+        Index("ix_jobs_parent_adapter", "parent_job_id", "adapter"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)

@@ -117,11 +117,18 @@ class Settings(BaseSettings):
     # VRAM (the GPU runtime uses it; the CPU path ignores it)
     vram_budget_gb: float = Field(default=6.0, gt=0)
 
+    # Observability (README: Monitoring)
+    worker_metrics_host: str = Field(default="127.0.0.1", description="address of the worker's /metrics server")
+    worker_metrics_port: int = Field(default=9109, ge=0, le=65535,
+                                     description="the worker's Prometheus port; 0 disables it")
+    log_format: Literal["text", "json"] = Field(default="text", description="worker log lines: text or JSON")
+    flower_db: str | None = Field(default=None, description="Flower keeps its task history in this file")
+
     # Benchmarks only: every job generates exactly its max_new_tokens (end-of-sequence is ignored), so two
     # serving schemes compared on random weights produce the same number of tokens.
     ignore_eos: bool = False
 
-    @field_validator("api_key", "flower_basic_auth", mode="before")
+    @field_validator("api_key", "flower_basic_auth", "flower_db", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value

@@ -182,6 +182,8 @@ def worker_env(service_env: dict[str, str], tiny_model: dict[str, Path]) -> dict
         "KEVLAYA_KEV__PATH": str(tiny_model["kev"]),
         "KEVLAYA_LAYA__PATH": str(tiny_model["laya"]),
         "KEVLAYA_DEVICE": "cpu",
+        # a free port per test: other workers on this machine may hold the default one
+        "KEVLAYA_WORKER_METRICS_PORT": str(free_port()),
     }
 
 

@@ -24,7 +24,8 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 
 REQUIRED_ENV = {"POSTGRES_PASSWORD": "pg-s3cret", "FLOWER_BASIC_AUTH": "admin:fl0wer"}
 WORKERS = ("worker", "worker-gpu1")  # one service per GPU
-SERVICES = {"redis", "postgres", "migrate", "api", *WORKERS, "flower"}
+MONITORING = {"prometheus", "grafana"}  # the `monitoring` profile
+SERVICES = {"redis", "postgres", "migrate", "api", *WORKERS, "flower", *MONITORING}
 LONG_RUNNING = SERVICES - {"migrate"}
 APP_SERVICES_WITH_DB = ("api", "worker", "migrate")
 
@@ -173,14 +174,14 @@ def test_everything_resolves_with_the_required_variables_only():
     assert "${" not in text
 
 
-def test_only_api_and_flower_publish_ports_on_the_publish_host():
+def test_only_api_flower_and_grafana_publish_ports_on_the_publish_host():
     raw, resolved = raw_compose()["services"], resolved_compose()["services"]
     publishers = {name for name, svc in raw.items() if svc.get("ports")}
-    assert publishers == {"api", "flower"}
-    for name in ("redis", "postgres", *WORKERS, "migrate"):
+    assert publishers == {"api", "flower", "grafana"}
+    for name in ("redis", "postgres", *WORKERS, "migrate", "prometheus"):
         assert not raw[name].get("ports") and raw[name].get("network_mode") != "host", name
 
-    expected = {"api": "8000", "flower": "5555"}
+    expected = {"api": "8000", "flower": "5555", "grafana": "3000"}
     for name, target in expected.items():
         (raw_host, _, _), = published_ports(raw[name])
         assert raw_host.startswith("${KEVLAYA_PUBLISH_HOST"), f"{name} must bind to the publish-host variable"
@@ -412,3 +413,80 @@ def test_dockerignore_keeps_local_state_out():
     patterns = {line.strip() for line in DOCKERIGNORE.read_text().splitlines()}
     for needed in (".git", ".venv", "**/__pycache__", "**/*.db", ".kevlaya", ".env", "**/.pytest_cache", "models"):
         assert needed in patterns, needed
+
+
+# --- monitoring and Flower's history --------------------------------------------------------------------
+
+MONITORING_DIR = ROOT / "monitoring"
+DASHBOARD = MONITORING_DIR / "grafana" / "dashboards" / "kevlaya.json"
+
+
+def dashboard_metric_names() -> set[str]:
+    """Every metric name the dashboard's queries use (kevlaya_ series; PromQL functions are not metrics)."""
+    exprs = [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel["targets"]]
+    assert exprs and all("kevlaya_" in expr for expr in exprs)
+    return {name for expr in exprs for name in re.findall(r"\bkevlaya_[a-zA-Z0-9_:]+", expr)}
+
+
+def test_monitoring_is_a_profile_of_its_own():
+    services = raw_compose()["services"]
+    for name in MONITORING:
+        assert services[name]["profiles"] == ["monitoring"], name
+    for name in SERVICES - MONITORING - {"worker-gpu1"}:
+        assert "profiles" not in services[name], f"{name} must start without a profile"
+
+
+def test_prometheus_scrapes_the_api_and_every_worker_at_their_service_names_and_ports():
+    compose = resolved_compose()
+    services = compose["services"]
+    prometheus = services["prometheus"]
+    source, read_only = volume_targets(prometheus)["/etc/prometheus/prometheus.yml"]
+    assert (ROOT / source).resolve() == MONITORING_DIR / "prometheus.yml" and read_only
+    config = yaml.safe_load((MONITORING_DIR / "prometheus.yml").read_text())
+    targets = {target for job in config["scrape_configs"] for group in job["static_configs"]
+               for target in group["targets"]}
+    paths = {job.get("metrics_path", "/metrics") for job in config["scrape_configs"]}
+    assert paths == {"/metrics"}
+    expected = {f"api:{service_env(services['api'])['KEVLAYA_API_PORT']}"}
+    for name in WORKERS:
+        env = service_env(services[name])
+        assert env["KEVLAYA_WORKER_METRICS_HOST"] == "0.0.0.0", "reachable from the prometheus container"
+        assert env["KEVLAYA_WORKER_METRICS_PORT"] != "0"
+        assert env["KEVLAYA_WORKER_METRICS_PORT"] in [str(p) for p in services[name].get("expose", [])]
+        expected.add(f"{name}:{env['KEVLAYA_WORKER_METRICS_PORT']}")
+    assert targets == expected
+    for target in targets:
+        assert target.split(":")[0] in services
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard_and_needs_a_password():
+    services = raw_compose()["services"]
+    grafana = services["grafana"]
+    mounts = volume_targets(grafana)
+    provisioning, read_only = mounts["/etc/grafana/provisioning"]
+    assert read_only and (ROOT / provisioning).resolve() == MONITORING_DIR / "grafana" / "provisioning"
+    dashboards_dir, _ = mounts["/var/lib/grafana/dashboards"]
+    assert (ROOT / dashboards_dir).resolve() == DASHBOARD.parent
+    providers = yaml.safe_load((MONITORING_DIR / "grafana/provisioning/dashboards/kevlaya.yml").read_text())
+    assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    sources = yaml.safe_load((MONITORING_DIR / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    [source] = sources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    used = {panel["datasource"]["uid"] for panel in json.loads(DASHBOARD.read_text())["panels"]}
+    assert used == {source["uid"]}
+    # Without GRAFANA_ADMIN_PASSWORD the container refuses to start rather than use admin/admin.
+    assert "GF_SECURITY_ADMIN_PASSWORD" in " ".join(grafana["entrypoint"])
+    assert service_env(resolved_compose()["services"]["grafana"])["GF_SECURITY_ADMIN_PASSWORD"] == ""
+    assert service_env(resolved_compose(GRAFANA_ADMIN_PASSWORD="g")["services"]["grafana"])[
+        "GF_SECURITY_ADMIN_PASSWORD"] == "g"
+
+
+def test_flower_keeps_its_history_on_a_volume_and_its_password_out_of_the_command_line():
+    compose = raw_compose()
+    flower = compose["services"]["flower"]
+    env = service_env(resolved_compose()["services"]["flower"])
+    source, read_only = volume_targets(flower)[str(Path(env["KEVLAYA_FLOWER_DB"]).parent)]
+    assert source in compose["volumes"] and not read_only
+    assert REQUIRED_ENV["FLOWER_BASIC_AUTH"] not in " ".join(command_tokens(flower))
+    values = [rest for keyword, rest in dockerfile_instructions() if keyword == "RUN"]
+    assert any("chown kevlaya:kevlaya /data" in run for run in values), "the service user must own /data"

@@ -20,6 +20,7 @@ from shared.settings import Settings
 from worker.cascade import escalate, is_cascade_head, needs_escalation
 from worker.claims import JobOutcome, claim_batch, finish_job, queue_snapshot, renew_leases
 from worker.generation import GenerationRequest
+from worker.metrics import METRICS
 from worker.outcomes import job_outcome
 from worker.scheduler import BatchPlan, SchedulerState, SchedulingPolicy, plan_next_batch
 
@@ -81,6 +82,7 @@ class BatchEngine:
             return 0
         log.info("batch %s: %d job(s) on %s%s", batch.id, len(jobs), batch.adapters,
                  " (adapter switch)" if plan.switch else "")
+        METRICS.batch_started(len(jobs))
         try:
             with self._lease_kept(batch.id):
                 outcome = self.runtime.run_batch([self._request(job) for job in jobs], mixed=plan.mixed)
@@ -91,6 +93,7 @@ class BatchEngine:
             with session_scope() as session:
                 for job in jobs:
                     finish_job(session, job, batch.id, failure)
+            METRICS.batch_failed(batch, jobs, failure.error_message)
             return len(jobs)
         self.state.advance(plan)
         by_id = {r.job_id: r for r in outcome.results}
@@ -113,6 +116,7 @@ class BatchEngine:
                 Batch.peak_vram_bytes: outcome.peak_vram_bytes, Batch.oom_splits: outcome.oom_splits,
                 Batch.finished_at: datetime.now(timezone.utc),
             })
+        METRICS.batch_finished(plan, batch, jobs, outcome, escalated=len(escalated), lost=lost)
         if lost:
             log.warning("batch %s: %d job(s) had lost their lease; their results were discarded", batch.id, lost)
         for child in escalated:

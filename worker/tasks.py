@@ -9,15 +9,17 @@ import threading
 import time
 
 from celery.exceptions import Reject
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import setup_logging, worker_process_init, worker_process_shutdown
 
 from shared import lifecycle
 from shared.db import reset_engine, session_scope
 from shared.heartbeat import beat
+from shared.logs import configure_logging
 from shared.queue import RUN_TASK, celery_app, publish_wakeup
 from shared.settings import get_settings
 from worker.claims import stale_queued_adapters
 from worker.engine import BatchEngine, worker_name
+from worker.metrics import METRICS, serve_metrics
 
 log = logging.getLogger("kevlaya.worker")
 app = celery_app()
@@ -25,6 +27,12 @@ app = celery_app()
 _engine: BatchEngine | None = None
 _load_error: str | None = None
 _stop = threading.Event()
+
+
+@setup_logging.connect
+def _configure_logging(loglevel: int | str | None = None, **_kwargs: object) -> None:
+    """Our format (text or JSON, KEVLAYA_LOG_FORMAT) instead of Celery's; the child inherits it."""
+    configure_logging(get_settings().log_format, loglevel or logging.INFO)
 
 
 @worker_process_init.connect
@@ -40,9 +48,11 @@ def _load_model(sender: str | None = None, **_kwargs: object) -> None:
         from worker.runtime import AdapterRuntime  # torch is imported only in the worker child
 
         _engine = BatchEngine(AdapterRuntime.load(settings), settings)
+        METRICS.model_loaded.set(1)
     except Exception as exc:
         _load_error = f"{exc.__class__.__name__}: {exc}"
         log.exception("model load failed; this worker stops taking wake-ups, so workers that can serve get them")
+    serve_metrics(settings)
     if sender:
         threading.Thread(target=_consume_jobs, args=(sender, _engine is not None), name="consumer-control",
                          daemon=True).start()
@@ -104,11 +114,13 @@ def _background_loop() -> None:
 
 
 def _status() -> dict[str, object]:
+    memory = METRICS.memory_snapshot(get_settings().vram_budget_gb)
     if _engine is None:
-        return {"model_loaded": False, "error": _load_error}
+        return {"model_loaded": False, "error": _load_error, "memory": memory}
     runtime = _engine.runtime
     return {
         "model_loaded": True,
+        "memory": memory,
         "device": runtime.device,
         "active_adapter": runtime.active_adapter,
         "unavailable_adapters": runtime.unavailable,
