@@ -78,6 +78,7 @@ class WorkerMetrics:
             for code in ERROR_CODES:
                 self.failures.labels(adapter, code)
             self.batches.labels(adapter)
+            self.batch_size.labels(adapter)
         self.up.set(1)
 
     # -- memory ------------------------------------------------------------------------------------------------
