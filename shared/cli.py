@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from bench.cli import bench
+from bench.cli import bench, load
 from shared.settings import get_settings
 
 app = typer.Typer(help="Kev & Laya decision-job service.", no_args_is_help=True, add_completion=False)
@@ -24,6 +24,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 app.add_typer(models_app, name="models")
 app.command("bench")(bench)  # defined beside the benchmark it runs
+app.command("load")(load)
 
 
 def _fail(message: str) -> None:
