@@ -109,7 +109,8 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
     settings = get_settings()
     # h11 (not httptools) because it bounds the request line and headers; httptools takes any size.
     uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
-                reload=reload, proxy_headers=True, log_level="info", http="h11",
+                reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
+                log_level="info", http="h11",
                 h11_max_incomplete_event_size=settings.max_header_bytes)
 
 
