@@ -280,7 +280,6 @@ def stored_keys(keys: list[str]) -> dict[str, str]:
             select(Job.idempotency_key, Job.id).where(Job.idempotency_key.in_(keys))).all()}
 
 
-@pytest.mark.slow  # a 10 s outage, then the drain of what was submitted meanwhile: about a minute per database
 def test_database_unreachable_for_ten_seconds_with_submits_in_flight(env, api, start_process, notices,
                                                                      database_url, request):
     admin_url = request.getfixturevalue("postgres_admin_url") if database_url.startswith("postgresql") else None
