@@ -80,11 +80,21 @@ def enqueue(session: Session, jobs: list[Job]) -> None:
                        headers={"Retry-After": RETRY_AFTER_S}) from exc
     session.add_all(jobs)
     session.commit()
-    for job in jobs:
+    for job in wakeups(jobs, get_settings().max_batch):
         try:
             publish_wakeup(job.id, job.adapter)
         except QueueUnavailable:
             log.warning("job %s stored but its wake-up was not published; the sweeper will re-publish it", job.id)
+
+
+def wakeups(jobs: list[Job], max_batch: int) -> list[Job]:
+    """The jobs whose wake-up is published: one per `max_batch` jobs of an adapter. A wake-up drains the queue,
+    not one job, so this wakes as many workers as there are batches to run; one per job would only add no-ops
+    (and a Redis round trip each to a batch submit)."""
+    by_adapter: dict[str, list[Job]] = {}
+    for job in jobs:
+        by_adapter.setdefault(job.adapter, []).append(job)
+    return [group[i] for group in by_adapter.values() for i in range(0, len(group), max_batch)]
 
 
 def _resolve(session: Session, key: ApiKey, requests: list[JobCreate]) -> tuple[list[tuple[Job, bool]], list[Job]]:

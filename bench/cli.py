@@ -78,3 +78,55 @@ def bench(
 
 app = typer.Typer(add_completion=False)
 app.command()(bench)
+
+
+def load(
+    singles: Annotated[int, typer.Option(help="single submits (POST /v1/jobs)")] = 2000,
+    batches: Annotated[int, typer.Option(help="batch submits (POST /v1/jobs/batch)")] = 40,
+    batch_size: Annotated[int, typer.Option(help="jobs per batch submit")] = 256,
+    concurrency: Annotated[int, typer.Option(help="single submits in flight at once")] = 32,
+    batch_concurrency: Annotated[int, typer.Option(help="batch submits in flight at once")] = 4,
+    time_limit: Annotated[float, typer.Option(help="no request is sent after this many seconds")] = 120,
+    drain: Annotated[bool, typer.Option(help="then start a worker and check every job ran exactly once")] = True,
+    drain_timeout: Annotated[float, typer.Option(help="seconds the drain may take")] = 300,
+    database_url: Annotated[Optional[str], typer.Option(
+        help="PostgreSQL (migrated here) for the API it starts; default: a SQLite file in --workdir")] = None,
+    url: Annotated[Optional[str], typer.Option(
+        help="an API already running (loopback only); with --database-url and --redis-url its drain is checked")]
+    = None,
+    api_key: Annotated[Optional[str], typer.Option(help="key for --url (default: KEVLAYA_API_KEY)")] = None,
+    redis_url: Annotated[Optional[str], typer.Option(help="a Redis to use; default: a private server")] = None,
+    workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (database, model, logs)")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="write the figures as JSON here")] = None,
+) -> None:
+    """Submit load against the API on this machine: submits/s, jobs/s, p50/p95/p99 submit latency and errors
+    for single and batch submits, then a drain by a real worker checked for exactly-once. Prints a table last."""
+    import json
+    import logging
+    import os
+
+    from bench.load import LoadConfig, new_workdir, require_loopback, run_load, table
+
+    if min(singles, batches) < 0 or min(batch_size, concurrency, batch_concurrency) < 1 or time_limit <= 0:
+        raise typer.BadParameter("counts >= 0, --batch-size and concurrencies >= 1, --time-limit > 0")
+    for given in (url, redis_url, None if (database_url or "sqlite").startswith("sqlite") else database_url):
+        if given:
+            try:
+                require_loopback(given)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    config = LoadConfig(workdir=workdir or new_workdir(), singles=singles, batches=batches, batch_size=batch_size,
+                        concurrency=concurrency, batch_concurrency=batch_concurrency, time_limit_s=time_limit,
+                        drain=drain, drain_timeout_s=drain_timeout, database_url=database_url, url=url,
+                        api_key=api_key or os.environ.get("KEVLAYA_API_KEY") or "kl_load_admin_key",
+                        redis_url=redis_url)
+    result = run_load(config)
+    result["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    typer.echo(table(result))
+    if drain and result.get("drain") and not result["drain"]["exactly_once"]:
+        raise typer.Exit(1)

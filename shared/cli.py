@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from bench.cli import bench
+from bench.cli import bench, load
 from shared.settings import get_settings
 
 app = typer.Typer(help="Kev & Laya decision-job service.", no_args_is_help=True, add_completion=False)
@@ -26,6 +26,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(models_app, name="models")
 app.add_typer(dev_app, name="dev")
 app.command("bench")(bench)  # defined beside the benchmark it runs
+app.command("load")(load)
 
 
 def _fail(message: str) -> None:
@@ -110,7 +111,8 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
     settings = get_settings()
     # h11 (not httptools) because it bounds the request line and headers; httptools takes any size.
     uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
-                reload=reload, proxy_headers=True, log_level="info", http="h11",
+                reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
+                log_level="info", http="h11",
                 h11_max_incomplete_event_size=settings.max_header_bytes)
 
 

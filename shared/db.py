@@ -13,8 +13,12 @@ from shared.settings import get_settings
 
 
 def make_engine(url: str) -> Engine:
+    settings = get_settings()
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # As many connections as the API has request threads: past the pool size each checkout would open
+        # (and set up) a new connection, and close it again.
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               pool_size=settings.db_pool_size, max_overflow=settings.db_pool_size)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):  # noqa: ANN001
@@ -23,10 +27,11 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA busy_timeout=30000")
             cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute(f"PRAGMA synchronous={settings.sqlite_synchronous}")
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_pre_ping=True, pool_size=settings.db_pool_size, max_overflow=20)
 
 
 @lru_cache

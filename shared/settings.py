@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     database_url: str = "sqlite:///./kevlaya.db"
     api_key: SecretStr | None = Field(default=None, description="bootstrap admin key")
+    api_workers: int = Field(default=1, ge=1, description="API processes (uvicorn workers) on the one port")
+    db_pool_size: int = Field(default=40, ge=1, description="database connections kept per process")
+    sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
+        default="FULL", description="FULL: a commit survives power loss; NORMAL (WAL): survives a crash of the "
+        "process, not of the machine, and saves an fsync per commit")
 
     # Models
     base_model: str = str(DEFAULT_MODEL_DIR / "base")

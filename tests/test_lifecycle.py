@@ -60,8 +60,8 @@ def test_a_kev_stage_failed_by_a_batch_exception_settles_its_parent(service_env,
     from worker.runtime import AdapterRuntime
 
     parent_id, kev_id = escalated_auto_job()
-    with session_scope() as session:  # a stored input the worker cannot read makes the whole batch raise
-        session.execute(update(Job).where(Job.id == kev_id).values(input={"messages": [{"role": "user"}]}))
+    with session_scope() as session:  # stored params the runtime cannot use make the (one-job) batch raise
+        session.execute(update(Job).where(Job.id == kev_id).values(params={"temperature": "warm"}))
     settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
                         kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])})
     engine = BatchEngine(AdapterRuntime.load(settings), settings)
@@ -69,7 +69,7 @@ def test_a_kev_stage_failed_by_a_batch_exception_settles_its_parent(service_env,
     assert engine.run_one(plan("kev")) == 1
 
     kev, parent = row(kev_id), row(parent_id)
-    assert kev.status == "failed" and kev.error_code == "internal" and "KeyError" in kev.error_message
+    assert kev.status == "failed" and kev.error_code == "internal" and "TypeError" in kev.error_message
     assert parent.status == "failed" and parent.error_code == "internal"
     assert parent.error_message == kev.error_message and parent.finished_at is not None
     assert parent.completion_tokens == 3  # the Laya stage's tokens still count

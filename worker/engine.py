@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -19,7 +20,7 @@ from shared.schemas import to_messages, with_system_prompt
 from shared.settings import Settings
 from worker.cascade import escalate, is_cascade_head, needs_escalation
 from worker.claims import JobOutcome, claim_batch, finish_job, queue_snapshot, renew_leases
-from worker.generation import GenerationRequest
+from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
 from worker.metrics import METRICS
 from worker.outcomes import job_outcome
 from worker.scheduler import BatchPlan, SchedulerState, SchedulingPolicy, plan_next_batch
@@ -83,9 +84,10 @@ class BatchEngine:
         log.info("batch %s: %d job(s) on %s%s", batch.id, len(jobs), batch.adapters,
                  " (adapter switch)" if plan.switch else "")
         METRICS.batch_started(len(jobs))
+        requests, unreadable = self._requests(jobs)
         try:
             with self._lease_kept(batch.id):
-                outcome = self.runtime.run_batch([self._request(job) for job in jobs], mixed=plan.mixed)
+                outcome = self._run_isolating(requests, plan.mixed)
         except Exception as exc:  # a bug must fail the batch visibly, not re-run it forever
             log.exception("batch %s failed", batch.id)
             failure = JobOutcome(status=JobStatus.FAILED, error_code="internal",
@@ -101,6 +103,9 @@ class BatchEngine:
         with session_scope() as session:
             lost = 0
             for job in jobs:
+                if job.id in unreadable:
+                    lost += not finish_job(session, job, batch.id, unreadable[job.id])
+                    continue
                 result = job_outcome(by_id[job.id], job.params.get("output", "decision"), outcome.switch_ms)
                 if is_cascade_head(job) and needs_escalation(result, self.settings.cascade_threshold):
                     child = escalate(session, job, batch.id, result)
@@ -126,6 +131,49 @@ class BatchEngine:
             except QueueUnavailable:
                 pass  # this drain or the sweeper picks it up from the database anyway
         return len(jobs)
+
+    def _requests(self, jobs: list[Job]) -> tuple[list[GenerationRequest], dict[uuid.UUID, JobOutcome]]:
+        """Each job's generation request; a row this worker cannot read (written by another version of the
+        service, or by hand) fails alone with `invalid_input` instead of failing its batch."""
+        requests, unreadable = [], {}
+        for job in jobs:
+            try:
+                requests.append(self._request(job))
+            except Exception as exc:
+                unreadable[job.id] = JobOutcome(status=JobStatus.FAILED, error_code="invalid_input",
+                                                error_message=f"the stored job cannot be read: "
+                                                              f"{exc.__class__.__name__}: {exc}")
+        return requests, unreadable
+
+    def _run_isolating(self, requests: list[GenerationRequest], mixed: bool) -> BatchOutcome:
+        """The batch in one go; should the runtime raise, each request alone, so that a job that breaks it fails
+        by itself (`internal`, naming the exception) and its batch-mates still get their answers."""
+        if not requests:
+            return BatchOutcome(results=[], switch_ms=0.0, prefill_ms=0.0, decode_ms=0.0, tokens=0,
+                                peak_vram_bytes=None)
+        try:
+            return self.runtime.run_batch(requests, mixed=mixed)
+        except Exception:
+            if len(requests) == 1:
+                raise
+            log.exception("a batch of %d jobs failed; running them one by one to isolate the cause", len(requests))
+        outcomes = []
+        for request in requests:
+            try:
+                outcomes.append(self.runtime.run_batch([request], mixed=mixed))
+            except Exception as exc:
+                log.exception("job %s fails the runtime even alone", request.job_id)
+                outcomes.append(BatchOutcome(
+                    results=[GenerationResult(job_id=request.job_id, text=None, prompt_tokens=0, completion_tokens=0,
+                                              prefill_ms=0.0, decode_ms=0.0, error_code="internal",
+                                              error_message=f"{exc.__class__.__name__}: {exc}")],
+                    switch_ms=0.0, prefill_ms=0.0, decode_ms=0.0, tokens=0, peak_vram_bytes=None))
+        peaks = [o.peak_vram_bytes for o in outcomes if o.peak_vram_bytes is not None]
+        return BatchOutcome(
+            results=[r for o in outcomes for r in o.results], switch_ms=sum(o.switch_ms for o in outcomes),
+            prefill_ms=sum(o.prefill_ms for o in outcomes), decode_ms=sum(o.decode_ms for o in outcomes),
+            tokens=sum(o.tokens for o in outcomes), peak_vram_bytes=max(peaks) if peaks else None,
+            oom_splits=sum(o.oom_splits for o in outcomes))
 
     def _request(self, job: Job) -> GenerationRequest:
         profile = self.settings.adapter_profile(job.adapter)  # type: ignore[arg-type]

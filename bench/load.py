@@ -1,0 +1,333 @@
+"""`kevlaya load`: submit throughput and latency of the API, then an exactly-once check of the drain.
+
+Bounded in requests and in time, and loopback only. By default it starts its own service: a private Redis, a
+migrated SQLite file (or the PostgreSQL at `--database-url`) and `kevlaya api`. Two submit phases run at a
+fixed concurrency: single submits (`POST /v1/jobs`), then batch submits (`POST /v1/jobs/batch`). Only then is a
+real worker (`kevlaya worker`, a tiny random-weight model on the CPU, large batches of one new token) started,
+so that it does not take CPU from the API while submits are timed; it drains every stored job, and the rows
+and Redis "finished" notices are checked: each accepted job stored once, run once, announced once."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+log = logging.getLogger("kevlaya.load")
+API_KEY = "kl_load_admin_key"
+
+
+def require_loopback(url: str) -> None:
+    """Load is only ever sent to this machine."""
+    host = urlsplit(url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"{url}: load goes to loopback addresses only (127.0.0.0/8, ::1, localhost)")
+
+
+@dataclass
+class LoadConfig:
+    workdir: Path
+    singles: int = 2000
+    batches: int = 40
+    batch_size: int = 256
+    concurrency: int = 32
+    batch_concurrency: int = 4
+    time_limit_s: float = 120.0
+    drain: bool = True
+    drain_timeout_s: float = 300.0
+    database_url: str | None = None  # default: a SQLite file in workdir
+    url: str | None = None  # an API already running (then no service is started)
+    api_key: str = API_KEY
+    redis_url: str | None = None
+    settings: dict[str, str] = field(default_factory=dict)  # extra KEVLAYA_* for the API it starts
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 10) - 1]
+
+
+@dataclass
+class Phase:
+    name: str
+    requests: int = 0
+    jobs: int = 0
+    errors: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    job_ids: list[str] = field(default_factory=list)
+
+    def figures(self) -> dict[str, Any]:
+        ok = len(self.latencies_ms)
+        return {
+            "requests": self.requests, "accepted_jobs": len(self.job_ids), "errors": dict(self.errors),
+            "seconds": round(self.seconds, 3),
+            "submits_per_s": round(ok / self.seconds, 1) if self.seconds else None,
+            "jobs_per_s": round(len(self.job_ids) / self.seconds, 1) if self.seconds else None,
+            **{f"p{q}_ms": (round(v, 2) if (v := percentile(self.latencies_ms, q)) is not None else None)
+               for q in (50, 95, 99)},
+            "max_ms": round(max(self.latencies_ms), 2) if self.latencies_ms else None,
+        }
+
+
+def job_body(n: int) -> dict[str, Any]:
+    return {"adapter": "kev" if n % 2 else "laya", "input": f"Load job {n}: option A costs {n % 17}, B costs "
+            f"{(n * 7) % 17}. Which is cheaper?", "params": {"output": "text", "max_new_tokens": 1}}
+
+
+async def run_phase(client: httpx.AsyncClient, phase: Phase, count: int, size: int, concurrency: int,
+                    deadline: float) -> None:
+    """`count` requests of `size` jobs (1: single submits), `concurrency` at a time, none sent after `deadline`."""
+    counter = iter(range(count))
+
+    async def one_by_one() -> None:
+        for n in counter:
+            if time.monotonic() > deadline:
+                return
+            bodies = [job_body(n * size + i) for i in range(size)]
+            started = time.perf_counter()
+            try:
+                response = await (client.post("/v1/jobs", json=bodies[0]) if size == 1
+                                  else client.post("/v1/jobs/batch", json={"jobs": bodies}))
+            except httpx.HTTPError as exc:
+                phase.requests += 1
+                phase.errors[exc.__class__.__name__] += 1
+                continue
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            phase.requests += 1
+            if response.status_code != 202:
+                phase.errors[str(response.status_code)] += 1
+                continue
+            phase.latencies_ms.append(elapsed_ms)
+            body = response.json()
+            phase.job_ids += [body["id"]] if size == 1 else [j["id"] for j in body["jobs"]]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one_by_one() for _ in range(concurrency)))
+    phase.seconds = time.perf_counter() - started
+
+
+async def submit_all(config: LoadConfig, base_url: str) -> list[Phase]:
+    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    headers = {"Authorization": f"Bearer {config.api_key}"}
+    deadline = time.monotonic() + config.time_limit_s
+    phases = [Phase("single"), Phase("batch")]
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=60) as client:
+        await client.get("/healthz")
+        await run_phase(client, phases[0], config.singles, 1, config.concurrency, deadline)
+        await run_phase(client, phases[1], config.batches, config.batch_size, config.batch_concurrency, deadline)
+    return phases
+
+
+# -- the service it starts, and the drain check -------------------------------------------------------------
+
+class LoadService:
+    """Redis, the database and the API as real processes; the worker once the submits are done."""
+
+    def __init__(self, config: LoadConfig):
+        from bench.service import free_port
+
+        self.config = config
+        self.workdir = config.workdir
+        self.database_url = config.database_url or f"sqlite:///{self.workdir / 'load.db'}"
+        self.port = free_port()
+        self.redis_url = config.redis_url or f"redis://127.0.0.1:{free_port()}/0"
+        self.env = {**os.environ, "KEVLAYA_DATABASE_URL": self.database_url, "KEVLAYA_REDIS_URL": self.redis_url,
+                    "KEVLAYA_API_KEY": config.api_key, "KEVLAYA_API_PORT": str(self.port),
+                    "KEVLAYA_API_HOST": "127.0.0.1", **config.settings}
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LoadService:
+        from shared.migrate import upgrade
+        from shared.redis_server import answers, start_redis_server
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        upgrade(self.database_url)
+        if not answers(self.redis_url):
+            port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
+            self.processes["redis"] = start_redis_server(port, self.workdir / "redis", persistent=False)
+        self._start("api")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            self._alive("api")
+            try:
+                if httpx.get(f"{self.base_url}/healthz", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the API did not answer in 60 s:\n{self.log_tail('api')}")
+
+    def _start(self, kind: str, extra: dict[str, str] | None = None) -> None:
+        log_file = open(self.workdir / f"{kind}.log", "wb")
+        self.processes[kind] = subprocess.Popen([sys.executable, "-m", "shared.cli", kind],
+                                                env={**self.env, **(extra or {})}, stdout=log_file,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _alive(self, kind: str) -> None:
+        if self.processes[kind].poll() is not None:
+            raise RuntimeError(f"the {kind} exited:\n{self.log_tail(kind)}")
+
+    def log_tail(self, kind: str, chars: int = 3000) -> str:
+        return (self.workdir / f"{kind}.log").read_text(errors="replace")[-chars:]
+
+    def start_worker(self) -> None:
+        from worker.model_factory import build_random_model
+
+        model = build_random_model(self.workdir / "model", "tiny", seed=0)
+        self._start("worker", {"KEVLAYA_BASE_MODEL": str(model["base"]), "KEVLAYA_KEV__PATH": str(model["kev"]),
+                               "KEVLAYA_LAYA__PATH": str(model["laya"]), "KEVLAYA_DEVICE": "cpu",
+                               # large batches of one new token: the drain checks bookkeeping, not the model
+                               "KEVLAYA_MAX_BATCH": "256", "KEVLAYA_BATCH_WINDOW_MS": "0"})
+
+    def __exit__(self, *_exc: object) -> None:
+        for name in ("worker", "api", "redis"):
+            process = self.processes.get(name)
+            if process is None or process.poll() is not None:
+                continue
+            os.killpg(process.pid, 15) if name != "redis" else process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def check_drain(database_url: str, redis_url: str, accepted: list[str], timeout_s: float,
+                alive: Any = None) -> dict[str, Any]:
+    """Wait until every accepted job is finished, then check it was stored, run and announced exactly once."""
+    import redis
+    from sqlalchemy import create_engine, func, select
+    from sqlalchemy.orm import Session
+
+    from shared.models import Batch, Job, JobStatus
+    from shared.notify import FINISHED_CHANNEL
+
+    engine = create_engine(database_url)
+    subscriber = redis.Redis.from_url(redis_url).pubsub()
+    subscriber.subscribe(FINISHED_CHANNEL)
+    announced: Counter[str] = Counter()
+
+    def collect() -> None:
+        while (message := subscriber.get_message(timeout=0.01)) is not None:
+            if message["type"] == "message":
+                announced[message["data"].decode()] += 1
+
+    started = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    pending = len(accepted)
+    try:
+        while time.monotonic() < deadline:
+            collect()
+            with Session(engine) as session:
+                pending = session.scalar(select(func.count()).select_from(Job)
+                                         .where(Job.status.not_in(JobStatus.FINISHED)))
+            if pending == 0:
+                break
+            if alive is not None:
+                alive()
+            time.sleep(0.2)
+        seconds = time.perf_counter() - started
+        time.sleep(0.5)
+        collect()
+        with Session(engine) as session:
+            rows = session.execute(select(Job.id, Job.status, Job.attempts, Job.batch_id, Job.parent_job_id)).all()
+            batches = {b.id: b for b in session.scalars(select(Batch))}
+    finally:
+        subscriber.close()
+        engine.dispose()
+    stored = Counter(str(r.id) for r in rows)
+    wanted = set(accepted)
+    finished_batches = [b for b in batches.values() if b.finished_at is not None]
+    problems = {
+        "accepted_twice": len(accepted) - len(wanted),
+        "accepted_not_stored": len(wanted - set(stored)),
+        "stored_not_accepted": len(set(stored) - wanted),
+        "not_succeeded": sum(1 for r in rows if r.status != "succeeded"),
+        "attempts_not_1": sum(1 for r in rows if r.attempts != 1),
+        "in_no_finished_batch": sum(1 for r in rows if r.batch_id not in batches
+                                    or batches[r.batch_id].finished_at is None),
+        "runs_minus_jobs": sum(b.size for b in finished_batches) - len(rows),
+        "announced_not_once": sum(1 for i in wanted if announced[i] != 1),
+    }
+    return {
+        "jobs": len(wanted), "pending": pending, "seconds": round(seconds, 2),
+        "jobs_per_s": round(len(wanted) / seconds, 1) if seconds else None,
+        "batches": len(finished_batches),
+        "problems": problems,
+        "exactly_once": pending == 0 and not any(problems.values()),
+    }
+
+
+def run_load(config: LoadConfig) -> dict[str, Any]:
+    if config.url:
+        require_loopback(config.url)
+        phases = asyncio.run(submit_all(config, config.url.rstrip("/")))
+        result: dict[str, Any] = {"target": config.url}
+        if config.drain and config.database_url and config.redis_url:
+            # someone else's worker drains it; only the bookkeeping is checked
+            result["drain"] = check_drain(config.database_url, config.redis_url,
+                                          [i for p in phases for i in p.job_ids], config.drain_timeout_s)
+    else:
+        with LoadService(config) as service:
+            log.info("API at %s on %s", service.base_url, service.database_url.split("://")[0])
+            phases = asyncio.run(submit_all(config, service.base_url))
+            service._alive("api")
+            result = {"target": f"started: kevlaya api on {make_kind(service.database_url)}"}
+            if config.drain:
+                log.info("submits done; starting a worker to drain %d job(s)",
+                         sum(len(p.job_ids) for p in phases))
+                service.start_worker()
+                result["drain"] = check_drain(service.database_url, service.redis_url,
+                                              [i for p in phases for i in p.job_ids], config.drain_timeout_s,
+                                              alive=lambda: service._alive("worker"))
+    result.update({p.name: p.figures() for p in phases})
+    result["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()
+                        if k not in ("api_key",)}
+    return result
+
+
+def make_kind(database_url: str) -> str:
+    return "PostgreSQL" if database_url.startswith("postgresql") else "SQLite"
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"target: {result['target']}",
+             f"{'phase':<8}{'requests':>9}{'jobs':>8}{'errors':>8}{'submits/s':>11}{'jobs/s':>10}"
+             f"{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}"]
+    for name in ("single", "batch"):
+        f = result[name]
+        lines.append(f"{name:<8}{f['requests']:>9}{f['accepted_jobs']:>8}{sum(f['errors'].values()):>8}"
+                     f"{f['submits_per_s'] or 0:>11.1f}{f['jobs_per_s'] or 0:>10.1f}"
+                     f"{f['p50_ms'] or 0:>9.1f}{f['p95_ms'] or 0:>9.1f}{f['p99_ms'] or 0:>9.1f}")
+    if drain := result.get("drain"):
+        lines.append(f"drain: {drain['jobs']} jobs in {drain['seconds']} s by {drain['batches']} batches; "
+                     f"exactly once: {'yes' if drain['exactly_once'] else 'NO'} {json.dumps(drain['problems'])}")
+    return "\n".join(lines)
+
+
+def new_workdir() -> Path:
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"kevlaya-load-{uuid.uuid4().hex[:6]}-"))

@@ -1,0 +1,40 @@
+"""`kevlaya load` at a small bound: real API, Redis and worker processes; its drain report must say exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.load import require_loopback
+
+pytestmark = pytest.mark.integration
+
+
+def test_load_submits_then_drains_every_job_exactly_once(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
+    out = tmp_path / "load.json"
+    command = [os.sys.executable, "-m", "shared.cli", "load", "--singles", "60", "--batches", "3", "--batch-size",
+               "50", "--concurrency", "8", "--time-limit", "30", "--drain-timeout", "120",
+               "--workdir", str(tmp_path / "work"), "--redis-url", redis_server.url, "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["single"]["accepted_jobs"] == 60 and result["batch"]["accepted_jobs"] == 150
+    assert result["single"]["errors"] == {} and result["batch"]["errors"] == {}
+    assert result["single"]["p99_ms"] >= result["single"]["p50_ms"] > 0 and result["single"]["submits_per_s"] > 0
+    drain = result["drain"]
+    assert drain["jobs"] == 210 and drain["pending"] == 0 and drain["exactly_once"] is True
+    assert set(drain["problems"].values()) == {0}
+    assert "exactly once: yes" in done.stdout  # the table, printed last
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.5:8000", "http://example.com", "redis://192.168.1.2:6379/0"])
+def test_load_refuses_anything_but_loopback(url: str) -> None:
+    with pytest.raises(ValueError, match="loopback"):
+        require_loopback(url)
+    require_loopback("http://127.0.0.1:8000")
+    require_loopback("http://localhost:8000")
+    require_loopback("postgresql+psycopg://postgres@[::1]:5432/x")
