@@ -163,10 +163,13 @@ def settle_parent(session: Session, parent_id: uuid.UUID) -> bool:
 
     parent = session.scalar(select(Job).where(Job.id == parent_id))
     now = _now()
+    # The caller's first token of the answer it gets is the Kev stage's: count from the parent's creation.
+    ttft_ms = (None if stage.ttft_ms is None
+               else (stage.created_at - parent.created_at).total_seconds() * 1000 + stage.ttft_ms)
     settled = _move(
         session, RUNNING, status, Job.id == parent_id, Job.lease_owner.is_(None),
         result_text=stage.result_text, decision=stage.decision, error_code=error_code, error_message=error_message,
-        finished_at=now, total_ms=(now - parent.created_at).total_seconds() * 1000,
+        finished_at=now, total_ms=(now - parent.created_at).total_seconds() * 1000, ttft_ms=ttft_ms,
         switch_ms=total("switch_ms"), prefill_ms=total("prefill_ms"), decode_ms=total("decode_ms"),
         prompt_tokens=total("prompt_tokens"), completion_tokens=total("completion_tokens"),
     )

@@ -79,6 +79,7 @@ def test_an_unsure_laya_escalates_to_kev_and_the_parent_returns_kevs_answer(env,
     assert "max_new_tokens" not in kev_job["params"]  # Kev is not held to the limit given for Laya
     assert job["tokens"]["completion"] == laya["tokens"]["completion"] + kev["tokens"]["completion"]
     assert job["timings"]["total_ms"] >= kev["timings"]["total_ms"]
+    assert job["timings"]["total_ms"] >= job["timings"]["ttft_ms"] > kev["timings"]["ttft_ms"] > 0
     # the Kev stage cannot be cancelled on its own, and the stages are jobs of their own
     assert api.delete(f"/v1/jobs/{kev['id']}").status_code == 409
     assert api.get(f"/v1/jobs/{laya['id']}").json()["parent_job_id"] == job_id
