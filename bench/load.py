@@ -13,10 +13,7 @@ import asyncio
 import ipaddress
 import json
 import logging
-import os
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -146,72 +143,43 @@ class LoadService:
     """Redis, the database and the API as real processes; the worker once the submits are done."""
 
     def __init__(self, config: LoadConfig):
-        from bench.service import free_port
+        from bench.service import Processes, free_port
 
-        self.config = config
-        self.workdir = config.workdir
-        self.database_url = config.database_url or f"sqlite:///{self.workdir / 'load.db'}"
         self.port = free_port()
-        self.redis_url = config.redis_url or f"redis://127.0.0.1:{free_port()}/0"
-        self.env = {**os.environ, "KEVLAYA_DATABASE_URL": self.database_url, "KEVLAYA_REDIS_URL": self.redis_url,
-                    "KEVLAYA_API_KEY": config.api_key, "KEVLAYA_API_PORT": str(self.port),
-                    "KEVLAYA_API_HOST": "127.0.0.1", **config.settings}
-        self.processes: dict[str, subprocess.Popen] = {}
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.processes = Processes(
+            config.workdir, {"KEVLAYA_API_KEY": config.api_key, "KEVLAYA_API_PORT": str(self.port),
+                             "KEVLAYA_API_HOST": "127.0.0.1", **config.settings},
+            config.database_url or f"sqlite:///{config.workdir / 'load.db'}",
+            config.redis_url or f"redis://127.0.0.1:{free_port()}/0")
+        self.database_url, self.redis_url = self.processes.database_url, self.processes.redis_url
 
     def __enter__(self) -> LoadService:
-        from shared.migrate import upgrade
-        from shared.redis_server import answers, start_redis_server
-
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        upgrade(self.database_url)
-        if not answers(self.redis_url):
-            port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
-            self.processes["redis"] = start_redis_server(port, self.workdir / "redis", persistent=False)
-        self._start("api")
+        self.processes.prepare()
+        self.processes.start("api")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            self._alive("api")
+            self.processes.check_alive("api")
             try:
                 if httpx.get(f"{self.base_url}/healthz", timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"the API did not answer in 60 s:\n{self.log_tail('api')}")
-
-    def _start(self, kind: str, extra: dict[str, str] | None = None) -> None:
-        log_file = open(self.workdir / f"{kind}.log", "wb")
-        self.processes[kind] = subprocess.Popen([sys.executable, "-m", "shared.cli", kind],
-                                                env={**self.env, **(extra or {})}, stdout=log_file,
-                                                stderr=subprocess.STDOUT, start_new_session=True)
-
-    def _alive(self, kind: str) -> None:
-        if self.processes[kind].poll() is not None:
-            raise RuntimeError(f"the {kind} exited:\n{self.log_tail(kind)}")
-
-    def log_tail(self, kind: str, chars: int = 3000) -> str:
-        return (self.workdir / f"{kind}.log").read_text(errors="replace")[-chars:]
+        raise RuntimeError(f"the API did not answer in 60 s:\n{self.processes.log_tail('api')}")
 
     def start_worker(self) -> None:
         from worker.model_factory import build_random_model
 
-        model = build_random_model(self.workdir / "model", "tiny", seed=0)
-        self._start("worker", {"KEVLAYA_BASE_MODEL": str(model["base"]), "KEVLAYA_KEV__PATH": str(model["kev"]),
-                               "KEVLAYA_LAYA__PATH": str(model["laya"]), "KEVLAYA_DEVICE": "cpu",
-                               # large batches of one new token: the drain checks bookkeeping, not the model
-                               "KEVLAYA_MAX_BATCH": "256", "KEVLAYA_BATCH_WINDOW_MS": "0"})
+        model = build_random_model(self.processes.workdir / "model", "tiny", seed=0)
+        self.processes.start("worker", {
+            "KEVLAYA_BASE_MODEL": str(model["base"]), "KEVLAYA_KEV__PATH": str(model["kev"]),
+            "KEVLAYA_LAYA__PATH": str(model["laya"]), "KEVLAYA_DEVICE": "cpu",
+            # large batches of one new token: the drain checks bookkeeping, not the model
+            "KEVLAYA_MAX_BATCH": "256", "KEVLAYA_BATCH_WINDOW_MS": "0"})
 
     def __exit__(self, *_exc: object) -> None:
-        for name in ("worker", "api", "redis"):
-            process = self.processes.get(name)
-            if process is None or process.poll() is not None:
-                continue
-            os.killpg(process.pid, 15) if name != "redis" else process.terminate()
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        self.processes.stop()
 
 
 def check_drain(database_url: str, redis_url: str, accepted: list[str], timeout_s: float,
@@ -293,7 +261,7 @@ def run_load(config: LoadConfig) -> dict[str, Any]:
         with LoadService(config) as service:
             log.info("API at %s on %s", service.base_url, service.database_url.split("://")[0])
             phases = asyncio.run(submit_all(config, service.base_url))
-            service._alive("api")
+            service.processes.check_alive("api")
             result = {"target": f"started: kevlaya api on {make_kind(service.database_url)}"}
             if config.drain:
                 log.info("submits done; starting a worker to drain %d job(s)",
@@ -301,7 +269,7 @@ def run_load(config: LoadConfig) -> dict[str, Any]:
                 service.start_worker()
                 result["drain"] = check_drain(service.database_url, service.redis_url,
                                               [i for p in phases for i in p.job_ids], config.drain_timeout_s,
-                                              alive=lambda: service._alive("worker"))
+                                              alive=lambda: service.processes.check_alive("worker"))
     result.update({p.name: p.figures() for p in phases})
     result["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()
                         if k not in ("api_key",)}

@@ -57,66 +57,86 @@ class BatchRow:
     oom_splits: int | None
 
 
-class Service:
-    """API + worker + Redis for one benchmark run; `settings` are KEVLAYA_* values (e.g. the model paths)."""
+class Processes:
+    """The service's own processes for one measurement, each logging to `workdir/<kind>.log`: a Redis-protocol
+    server when none answers at the URL, then `kevlaya api` and `kevlaya worker` as a user runs them."""
 
-    def __init__(self, workdir: Path, settings: dict[str, str], redis_url: str | None = None):
-        self.workdir = workdir
-        self.database_url = f"sqlite:///{workdir / 'bench.db'}"
-        self.port = free_port()
-        self.redis_url = redis_url or f"redis://127.0.0.1:{free_port()}/0"
-        self.env = {**os.environ, **settings, "KEVLAYA_DATABASE_URL": self.database_url,
-                    "KEVLAYA_REDIS_URL": self.redis_url, "KEVLAYA_API_KEY": API_KEY,
-                    "KEVLAYA_API_PORT": str(self.port)}
-        self.processes: dict[str, subprocess.Popen] = {}
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}",
-                                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
-        self.engine = create_engine(self.database_url)
+    def __init__(self, workdir: Path, settings: dict[str, str], database_url: str, redis_url: str):
+        self.workdir, self.database_url, self.redis_url = workdir, database_url, redis_url
+        self.env = {**os.environ, **settings, "KEVLAYA_DATABASE_URL": database_url, "KEVLAYA_REDIS_URL": redis_url}
+        self.running: dict[str, subprocess.Popen] = {}
 
-    def __enter__(self) -> Service:
+    def prepare(self) -> None:
+        """The database migrated, and a Redis answering (a private server if none does)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         upgrade(self.database_url)
         if not answers(self.redis_url):
             port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
-            self.processes["redis"] = start_redis_server(port, self.workdir / "redis", persistent=False)
-        for kind in ("api", "worker"):
-            log_file = open(self.workdir / f"{kind}.log", "wb")
-            self.processes[kind] = subprocess.Popen([sys.executable, "-m", "shared.cli", kind], env=self.env,
-                                                    stdout=log_file, stderr=subprocess.STDOUT,
-                                                    start_new_session=True)
+            self.running["redis"] = start_redis_server(port, self.workdir / "redis", persistent=False)
+
+    def start(self, kind: str, extra: dict[str, str] | None = None) -> None:
+        log_file = open(self.workdir / f"{kind}.log", "wb")
+        self.running[kind] = subprocess.Popen([sys.executable, "-m", "shared.cli", kind],
+                                              env={**self.env, **(extra or {})}, stdout=log_file,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+
+    def check_alive(self, kind: str) -> None:
+        if self.running[kind].poll() is not None:
+            raise RuntimeError(f"the {kind} exited:\n{self.log_tail(kind)}")
+
+    def log_tail(self, kind: str, chars: int = 3000) -> str:
+        return (self.workdir / f"{kind}.log").read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        for name in ("worker", "api", "redis"):
+            process = self.running.get(name)
+            if process is None or process.poll() is not None:
+                continue
+            os.killpg(process.pid, 15) if name != "redis" else process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+class Service:
+    """API + worker + Redis for one benchmark run; `settings` are KEVLAYA_* values (e.g. the model paths)."""
+
+    def __init__(self, workdir: Path, settings: dict[str, str], redis_url: str | None = None):
+        self.port = free_port()
+        database_url = f"sqlite:///{workdir / 'bench.db'}"
+        self.processes = Processes(workdir, {**settings, "KEVLAYA_API_KEY": API_KEY, "KEVLAYA_API_PORT": str(self.port)},
+                                   database_url, redis_url or f"redis://127.0.0.1:{free_port()}/0")
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}",
+                                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+        self.engine = create_engine(database_url)
+
+    def __enter__(self) -> Service:
+        self.processes.prepare()
+        self.processes.start("api")
+        self.processes.start("worker")
         self._wait_ready(timeout=900)
         return self
 
     def __exit__(self, *_exc: object) -> None:
         self.client.close()
-        for name in ("api", "worker", "redis"):
-            process = self.processes.get(name)
-            if process is not None and process.poll() is None:
-                os.killpg(process.pid, 15) if name != "redis" else process.terminate()
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        self.processes.stop()
         self.engine.dispose()
-
-    def log_tail(self, kind: str, chars: int = 3000) -> str:
-        return (self.workdir / f"{kind}.log").read_text(errors="replace")[-chars:]
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for kind in ("api", "worker"):
-                if self.processes[kind].poll() is not None:
-                    raise RuntimeError(f"the {kind} exited while starting:\n{self.log_tail(kind)}")
-            if "model load failed" in self.log_tail("worker", 100_000):  # it would wait for a fix in vain
-                raise RuntimeError(f"the worker could not load the model:\n{self.log_tail('worker')}")
+            self.processes.check_alive("api")
+            self.processes.check_alive("worker")
+            if "model load failed" in self.processes.log_tail("worker", 100_000):  # it would wait for a fix in vain
+                raise RuntimeError(f"the worker could not load the model:\n{self.processes.log_tail('worker')}")
             try:
                 if self.client.get("/readyz").status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"the service was not ready after {timeout:.0f}s:\n{self.log_tail('worker')}")
+        raise RuntimeError(f"the service was not ready after {timeout:.0f}s:\n{self.processes.log_tail('worker')}")
 
     # -- jobs ------------------------------------------------------------------------------------------------
 
@@ -142,8 +162,7 @@ class Service:
             rows = self.jobs(ids)
             if all(row.status in JobStatus.FINISHED for row in rows):
                 return rows
-            if self.processes["worker"].poll() is not None:
-                raise RuntimeError(f"the worker exited:\n{self.log_tail('worker')}")
+            self.processes.check_alive("worker")
             time.sleep(0.2)
         raise RuntimeError(f"{len(ids)} job(s) not finished after {timeout:.0f}s")
 
