@@ -65,15 +65,13 @@ def create_app() -> FastAPI:
     )
     install_docs(app)
     install_error_handlers(app)
-    app.include_router(health.router)
-    app.include_router(jobs.router)
-    app.include_router(chat.router)
-    app.include_router(models.router)
-    app.include_router(stats.router)
-    app.include_router(metrics.router)
-    app.include_router(status_page.router)
+    routers = [health.router, jobs.router, chat.router, models.router, stats.router, metrics.router,
+               status_page.router]
+    for router in routers:
+        app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.state.metrics = ApiMetrics()
+    app.state.metrics.start_at_zero([*app.routes, *(route for router in routers for route in router.routes)])
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)  # outermost: refused bodies count too
     # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
     app.state.prompt_budget = PromptBudget.load(settings)

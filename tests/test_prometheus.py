@@ -78,6 +78,18 @@ def test_worker_series_start_at_zero_for_each_adapter():
             assert present in (set(), ADAPTERS), (family.name, label, present)
 
 
+def test_api_latency_series_start_at_zero_for_every_route(client):
+    """The same rule for the API: before any request, every route's latency series is there at 0, so the
+    first burst of submissions shows on the dashboard's p95 panel (it stayed empty when only one scrape had
+    seen the /v1/jobs series)."""
+    counts = {(s.labels["method"], s.labels["route"]): s.value
+              for family in client.app.state.metrics.registry.collect()
+              if family.name == "kevlaya_http_request_duration_seconds"
+              for s in family.samples if s.name.endswith("_count")}
+    for method, route in [("POST", "/v1/jobs"), ("GET", "/v1/jobs/{job_id}"), ("POST", "/v1/chat/completions")]:
+        assert counts.get((method, route)) == 0, (method, route, sorted(counts))
+
+
 class Prometheus:
     def __init__(self, executable: str, config: dict, directory: Path):
         self.config_path = directory / "prometheus.yml"
