@@ -4,6 +4,7 @@
     queued  → cancelled          cancel
     running → succeeded | failed finish, while the finishing batch still holds the lease
     running → queued | failed    lease expired (the worker died), failed once `max_attempts` is reached
+    running → queued             release: the worker gives a job back unrun (not counted as an attempt)
     running → running            escalate: an `auto` job gives up its lease and waits for its Kev stage
 
 A stage that reaches a final state settles its `auto` parent in the same transaction, whatever path it took
@@ -111,6 +112,14 @@ def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome)
         total_ms=(now - job.created_at).total_seconds() * 1000,
         finished_at=now, lease_owner=None, lease_expires_at=None,
     ))
+
+
+def release(session: Session, ids: Iterable[uuid.UUID], batch_id: uuid.UUID) -> list[uuid.UUID]:
+    """running → queued for jobs this batch still holds: the worker dropped their rows to free memory, so the
+    attempt does not count. Returns the released."""
+    return [job.id for job in _move(session, RUNNING, QUEUED, Job.id.in_(list(ids)), Job.batch_id == batch_id,
+                                    Job.lease_owner.is_not(None), lease_owner=None, lease_expires_at=None,
+                                    attempts=Job.attempts - 1)]
 
 
 def escalate(session: Session, parent: Job, batch_id: uuid.UUID) -> bool:

@@ -88,6 +88,15 @@ class Settings(BaseSettings):
     max_wait_ms: int = Field(default=2000, ge=0)
     max_consecutive_batches: int = Field(default=8, ge=1)
     mixed_batches: bool = False
+    engine: Literal["batch", "continuous"] = Field(
+        default="batch", description="batch: static batches through generate; continuous: one decode step at a "
+        "time over every job in flight, both adapters per step, slots refilled between steps (docs/architecture.md §14)")
+    engine_window_tokens: int = Field(
+        default=1024, ge=16, description="continuous engine: the most tokens (prompt + new) one job may hold; each "
+        "slot reserves this much key/value cache")
+    engine_workspace_gb: float = Field(
+        default=0.5, ge=0, description="continuous engine on CUDA: memory kept free for activations beside the "
+        "weights and the key/value cache when sizing the slots")
     cascade_threshold: float = Field(default=0.85, ge=0, le=1)
 
     # Reliability

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+from sqlalchemy.orm import Session
+
 from shared.db import session_scope
 from shared.models import Batch, Job, JobStatus
 from shared.queue import QueueUnavailable, publish_wakeup
@@ -33,6 +35,42 @@ log = logging.getLogger("kevlaya.worker")
 
 def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def generation_request(job: Job, settings: Settings) -> GenerationRequest:
+    """What the model is asked for a stored job: its adapter's system prompt and defaults, its own params."""
+    profile = settings.adapter_profile(job.adapter)  # type: ignore[arg-type]
+    messages = with_system_prompt(to_messages(job.input), profile.system_prompt)
+    params = job.params
+    return GenerationRequest(
+        job_id=job.id, adapter=job.adapter, messages=messages,
+        max_new_tokens=params.get("max_new_tokens", profile.max_new_tokens),
+        temperature=params.get("temperature", profile.temperature),
+        top_p=params.get("top_p", profile.top_p),
+        seed=params.get("seed"),
+    )
+
+
+def settle_job(session: Session, job: Job, batch_id: uuid.UUID, result: GenerationResult | JobOutcome,
+               switch_ms: float, settings: Settings) -> tuple[bool, Job | None]:
+    """Store what became of one job: its outcome, or, for an unsure `auto` head, its Kev stage. Returns whether
+    this worker still held the lease, and the escalated stage if there is one."""
+    outcome = result if isinstance(result, JobOutcome) else job_outcome(result, job.params.get("output", "decision"),
+                                                                         switch_ms)
+    if isinstance(result, GenerationResult) and is_cascade_head(job) and needs_escalation(
+            outcome, settings.cascade_threshold):
+        child = escalate(session, job, batch_id, outcome)
+        return child is not None, child
+    return finish_job(session, job, batch_id, outcome), None  # also settles an `auto` parent
+
+
+def announce_escalations(children: list[Job]) -> None:
+    for child in children:
+        log.info("job %s: Laya was unsure, escalated to Kev as job %s", child.parent_job_id, child.id)
+        try:
+            publish_wakeup(child.id, child.adapter)
+        except QueueUnavailable:
+            pass  # a drain or the sweeper picks it up from the database anyway
 
 
 class BatchEngine:
@@ -103,18 +141,10 @@ class BatchEngine:
         with session_scope() as session:
             lost = 0
             for job in jobs:
-                if job.id in unreadable:
-                    lost += not finish_job(session, job, batch.id, unreadable[job.id])
-                    continue
-                result = job_outcome(by_id[job.id], job.params.get("output", "decision"), outcome.switch_ms)
-                if is_cascade_head(job) and needs_escalation(result, self.settings.cascade_threshold):
-                    child = escalate(session, job, batch.id, result)
-                    if child is None:
-                        lost += 1
-                    else:
-                        escalated.append(child)
-                elif not finish_job(session, job, batch.id, result):  # also settles an `auto` parent
-                    lost += 1
+                stored, child = settle_job(session, job, batch.id, unreadable.get(job.id) or by_id[job.id],
+                                           outcome.switch_ms, self.settings)
+                lost += not stored
+                escalated += [child] if child is not None else []
             session.query(Batch).filter(Batch.id == batch.id).update({
                 Batch.switch_ms: outcome.switch_ms, Batch.prefill_ms: outcome.prefill_ms,
                 Batch.decode_ms: outcome.decode_ms, Batch.tokens: outcome.tokens,
@@ -124,12 +154,7 @@ class BatchEngine:
         METRICS.batch_finished(plan, batch, jobs, outcome, escalated=len(escalated), lost=lost)
         if lost:
             log.warning("batch %s: %d job(s) had lost their lease; their results were discarded", batch.id, lost)
-        for child in escalated:
-            log.info("job %s: Laya was unsure, escalated to Kev as job %s", child.parent_job_id, child.id)
-            try:
-                publish_wakeup(child.id, child.adapter)
-            except QueueUnavailable:
-                pass  # this drain or the sweeper picks it up from the database anyway
+        announce_escalations(escalated)
         return len(jobs)
 
     def _requests(self, jobs: list[Job]) -> tuple[list[GenerationRequest], dict[uuid.UUID, JobOutcome]]:
@@ -138,7 +163,7 @@ class BatchEngine:
         requests, unreadable = [], {}
         for job in jobs:
             try:
-                requests.append(self._request(job))
+                requests.append(generation_request(job, self.settings))
             except Exception as exc:
                 unreadable[job.id] = JobOutcome(status=JobStatus.FAILED, error_code="invalid_input",
                                                 error_message=f"the stored job cannot be read: "
@@ -174,18 +199,6 @@ class BatchEngine:
             prefill_ms=sum(o.prefill_ms for o in outcomes), decode_ms=sum(o.decode_ms for o in outcomes),
             tokens=sum(o.tokens for o in outcomes), peak_vram_bytes=max(peaks) if peaks else None,
             oom_splits=sum(o.oom_splits for o in outcomes))
-
-    def _request(self, job: Job) -> GenerationRequest:
-        profile = self.settings.adapter_profile(job.adapter)  # type: ignore[arg-type]
-        messages = with_system_prompt(to_messages(job.input), profile.system_prompt)
-        params = job.params
-        return GenerationRequest(
-            job_id=job.id, adapter=job.adapter, messages=messages,
-            max_new_tokens=params.get("max_new_tokens", profile.max_new_tokens),
-            temperature=params.get("temperature", profile.temperature),
-            top_p=params.get("top_p", profile.top_p),
-            seed=params.get("seed"),
-        )
 
     @contextmanager
     def _lease_kept(self, batch_id) -> Iterator[None]:  # noqa: ANN001

@@ -19,7 +19,7 @@ from worker.outcomes import job_outcome
 
 if TYPE_CHECKING:
     from shared.models import Batch, Job
-    from worker.generation import BatchOutcome
+    from worker.generation import BatchOutcome, GenerationResult
     from worker.scheduler import BatchPlan
 
 log = logging.getLogger("kevlaya.worker")
@@ -108,22 +108,32 @@ class WorkerMetrics:
         """Count and log a batch the engine has stored. An `auto` job sent on to Kev counts here as its Laya
         stage, with the stage's own status, as /v1/stats counts it."""
         self.rows_in_flight.set(0)
-        now = datetime.now(timezone.utc)
+        by_id = {r.job_id: r for r in outcome.results}
+        for job in jobs:
+            if job.id in by_id:
+                self.job_finished(job, by_id[job.id], outcome.switch_ms)
+            else:  # a stored job the worker could not read: failed before it reached the model
+                self._job(job, JobStatus.FAILED, "invalid_input", None, None, None, None, datetime.now(timezone.utc))
+        self.batch_closed(batch, len(jobs), outcome, mixed=plan.mixed, switch=plan.switch, escalated=escalated,
+                          lost=lost)
+
+    def job_finished(self, job: Job, result: GenerationResult, switch_ms: float) -> None:
+        final = job_outcome(result, job.params.get("output", "decision"), switch_ms)
+        self._job(job, final.status, final.error_code, result.first_token_ms, result.decode_ms,
+                  result.prompt_tokens, result.completion_tokens, datetime.now(timezone.utc))
+
+    def batch_closed(self, batch: Batch, size: int, outcome: BatchOutcome, *, mixed: bool, switch: bool,
+                     escalated: int, lost: int) -> None:
+        """A batch (continuous engine: the jobs admitted together) whose every job has been stored."""
         self.batches.labels(batch.adapters).inc()
-        self.batch_size.labels(batch.adapters).observe(len(jobs))
-        if plan.switch:
+        self.batch_size.labels(batch.adapters).observe(size)
+        if switch:
             self.switches.inc()
         self.oom_splits.inc(outcome.oom_splits)
         self.escalations.inc(escalated)
-        by_id = {r.job_id: r for r in outcome.results}
-        for job in jobs:
-            result = by_id[job.id]
-            final = job_outcome(result, job.params.get("output", "decision"), outcome.switch_ms)
-            self._job(job, final.status, final.error_code, result.first_token_ms, result.decode_ms,
-                      result.prompt_tokens, result.completion_tokens, now)
         events.info("batch finished", extra={FIELDS: {
-            "event": "batch", "batch_id": str(batch.id), "adapters": batch.adapters, "size": len(jobs),
-            "mixed": plan.mixed, "switch": plan.switch, "switch_ms": round(outcome.switch_ms, 3),
+            "event": "batch", "batch_id": str(batch.id), "adapters": batch.adapters, "size": size,
+            "mixed": mixed, "switch": switch, "switch_ms": round(outcome.switch_ms, 3),
             "prefill_ms": round(outcome.prefill_ms, 3), "decode_ms": round(outcome.decode_ms, 3),
             "tokens": outcome.tokens, "peak_vram_bytes": outcome.peak_vram_bytes, "oom_splits": outcome.oom_splits,
             "escalated": escalated, "lost_leases": lost, "worker": batch.worker,

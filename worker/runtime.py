@@ -29,10 +29,10 @@ from transformers import (
 )
 
 from shared.manifest import verify_manifest
-from shared.schemas import MIN_TEMPERATURE
 from shared.settings import ADAPTERS, Settings
 from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
 from worker.library_features import require_library_features
+from worker.tokens import decode_with_spans, encode_chats, input_problem
 
 __all__ = ["AdapterRuntime", "BatchOutcome", "GenerationRequest", "GenerationResult"]
 
@@ -321,19 +321,8 @@ class AdapterRuntime:
         return f"unknown adapter {adapter!r}; this worker serves {', '.join(sorted(self.adapters)) or 'none'}"
 
     def _input_problem(self, request: GenerationRequest) -> str | None:
-        """Why this one request cannot be encoded or cannot fit the context, or None. Checked per request, so
-        a bad job fails alone instead of failing the batch it was claimed with."""
-        if 0 < request.temperature < MIN_TEMPERATURE:  # sampling would divide the logits into inf/NaN
-            return f"temperature {request.temperature} is below the minimum of {MIN_TEMPERATURE} (0 = greedy)"
-        try:
-            prompt_tokens = int(self._encode([request])["attention_mask"].sum())
-        except Exception as exc:
-            return f"the input cannot be tokenized: {exc.__class__.__name__}: {exc}"
         context = getattr(self.model.config, "max_position_embeddings", None)
-        if context is not None and prompt_tokens + request.max_new_tokens > context:
-            return (f"the prompt is {prompt_tokens} tokens; with max_new_tokens {request.max_new_tokens} that is "
-                    f"over the model's context of {context} tokens")
-        return None
+        return input_problem(self.tokenizer, context, request, self._input_device)
 
     def _activate(self, adapter: str) -> float:
         if adapter == self.active_adapter:
@@ -383,21 +372,7 @@ class AdapterRuntime:
             torch.cuda.empty_cache()
 
     def _encode(self, batch: list[GenerationRequest]) -> BatchEncoding:
-        # Control tokens inside message content are encoded as text, so a user cannot forge role markers.
-        return self.tokenizer.apply_chat_template(
-            [r.messages for r in batch], add_generation_prompt=True, tokenize=True, return_dict=True,
-            padding=True, return_tensors="pt", sanitize_control_tokens=True,
-        ).to(self._input_device)
-
-    def _decode_with_spans(self, tokens: list[int]) -> tuple[str, list[tuple[int, int]]]:
-        """The text of `tokens` and the character span of each token in it (decoding prefixes, because a
-        byte-level token can end inside a multi-byte character)."""
-        spans, previous = [], 0
-        for end in range(1, len(tokens) + 1):
-            length = len(self.tokenizer.decode(tokens[:end], skip_special_tokens=True))
-            spans.append((previous, max(previous, length)))
-            previous = max(previous, length)
-        return self.tokenizer.decode(tokens, skip_special_tokens=True), spans
+        return encode_chats(self.tokenizer, batch, self._input_device)
 
     def _generate(self, batch: list[GenerationRequest], encoded: BatchEncoding, mixed: bool,
                   batch_started: float) -> _Run:
@@ -442,7 +417,7 @@ class AdapterRuntime:
             tokens = output[row, prompt_len:prompt_len + request.max_new_tokens].tolist()
             # A row ends at its first EOS (counted: the model produced it); after that it holds padding.
             count = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-            text, spans = self._decode_with_spans(tokens[:count])
+            text, spans = decode_with_spans(self.tokenizer, tokens[:count])
             last_step = steps[min(max(count, 1), len(steps)) - 1]
             result = GenerationResult(
                 job_id=request.job_id, text=text,

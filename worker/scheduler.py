@@ -82,3 +82,23 @@ def plan_next_batch(snapshot: QueueSnapshot, state: SchedulerState, policy: Sche
     else:
         chosen = waiting[0]  # the adapter whose oldest job has waited longest
     return BatchPlan(adapters=(chosen,), limit=limit, switch=chosen != active)
+
+
+def plan_slots(snapshot: QueueSnapshot, free: int, policy: SchedulingPolicy,
+               expected_tokens: dict[str, int]) -> list[tuple[str, int]]:
+    """Who takes the continuous engine's `free` slots, as (adapter, count) in claiming order.
+
+    A slot costs nothing to switch, so affinity no longer pays; what matters is who waits. Adapters whose
+    oldest job has waited past `max_wait_ms` come first (oldest first): the fairness bound. Then the adapter
+    with the shortest expected jobs (fewest new tokens), so a fast decider never queues behind a deliberate
+    analyst's backlog (docs/architecture.md §4)."""
+    waiting = snapshot.waiting()
+    starving = [a for a in waiting if snapshot.oldest_wait_ms[a] > policy.max_wait_ms]
+    rest = sorted((a for a in waiting if a not in starving), key=lambda a: (expected_tokens.get(a, 0), a))
+    plan, left = [], free
+    for adapter in starving + rest:
+        count = min(left, snapshot.queued[adapter])
+        if count > 0:
+            plan.append((adapter, count))
+            left -= count
+    return plan

@@ -20,11 +20,12 @@ from shared.settings import get_settings
 from worker.claims import stale_queued_adapters
 from worker.engine import BatchEngine, worker_name
 from worker.metrics import METRICS, serve_metrics
+from worker.slot_engine import SlotEngine
 
 log = logging.getLogger("kevlaya.worker")
 app = celery_app()
 
-_engine: BatchEngine | None = None
+_engine: BatchEngine | SlotEngine | None = None
 _load_error: str | None = None
 _stop = threading.Event()
 
@@ -47,7 +48,9 @@ def _load_model(sender: str | None = None, **_kwargs: object) -> None:
     try:
         from worker.runtime import AdapterRuntime  # torch is imported only in the worker child
 
-        _engine = BatchEngine(AdapterRuntime.load(settings), settings)
+        runtime = AdapterRuntime.load(settings)
+        _engine = SlotEngine(runtime, settings) if settings.engine == "continuous" else BatchEngine(runtime, settings)
+        log.info("engine: %s", settings.engine)
         METRICS.model_loaded.set(1)
     except Exception as exc:
         _load_error = f"{exc.__class__.__name__}: {exc}"

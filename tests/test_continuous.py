@@ -1,0 +1,165 @@
+"""The continuous decoder on the shipped demo model: the same answers as today's per-adapter `generate`, with
+Kev and Laya rows in the same steps, slots refilled while other rows decode, and per-row sampling."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from shared.settings import Settings
+from worker.continuous import SlotDecoder
+from worker.generation import GenerationRequest, GenerationResult
+from worker.runtime import AdapterRuntime
+from worker.sampling import RowSampling, choose, nucleus
+
+PROMPTS = [
+    "Should we ship on Friday?",
+    "Pick a vendor: A is cheap, B is reliable. Budget is tight.",
+    "Hire now or wait a quarter?",
+    "Refactor or rewrite the billing module? The team is small and the deadline is in March.",
+    "Train or plane to Lyon?",
+]
+
+
+@pytest.fixture(scope="module")
+def runtime() -> AdapterRuntime:
+    return AdapterRuntime.load(Settings(_env_file=None, device="cpu"))
+
+
+@pytest.fixture
+def decoder(runtime: AdapterRuntime):  # noqa: ANN201
+    def make(slots: int = 4, window: int = 256, **options: object) -> SlotDecoder:
+        made = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=slots, window=window,
+                           eos_ids=runtime.eos_ids, **options)
+        decoders.append(made)
+        return made
+
+    decoders: list[SlotDecoder] = []
+    yield make
+    for made in decoders:
+        made.close()  # the runtime's PEFT path must work again for the next test
+
+
+def request(adapter: str, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+            seed: int | None = None) -> GenerationRequest:
+    return GenerationRequest(job_id=uuid.uuid4(), adapter=adapter, messages=[{"role": "user", "content": prompt}],
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+
+
+def mixed_requests() -> list[GenerationRequest]:
+    lengths = [40, 12, 64, 8, 30, 50, 20, 10, 33, 5]
+    return [request(("kev", "laya")[i % 2], PROMPTS[i % len(PROMPTS)], n) for i, n in enumerate(lengths)]
+
+
+def assert_same_answers(expected: list[GenerationResult], got: list[GenerationResult]) -> None:
+    for want, have in zip(expected, got, strict=True):
+        assert have.error_code is None, have.error_message
+        assert have.token_ids == want.token_ids, (want.text, have.text)
+        assert have.text == want.text
+        assert have.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4)
+        assert have.prompt_tokens == want.prompt_tokens
+
+
+@pytest.mark.parametrize("slots, window", [(10, 256), (3, 256), (2, 96)], ids=["all-at-once", "refilled", "compacted"])
+def test_greedy_answers_equal_per_adapter_generate(runtime: AdapterRuntime, decoder, slots: int, window: int) -> None:
+    """Both adapters share every step; with fewer slots than jobs queued jobs take freed slots mid-run, and with a
+    window barely above the longest job the block is shifted right for long prompts and compacted left."""
+    requests = mixed_requests()
+    expected = [runtime.run_batch([r]).results[0] for r in requests]  # each job alone, on its own adapter
+    assert {len(r.token_ids) for r in expected} != {expected[0].completion_tokens}  # lengths really differ
+    assert_same_answers(expected, decoder(slots, window).run(requests))
+
+
+def test_a_freed_slot_is_taken_while_a_long_row_decodes(runtime: AdapterRuntime, decoder) -> None:
+    long, short, queued = request("kev", PROMPTS[3], 60), request("laya", PROMPTS[0], 3), request("laya", PROMPTS[2], 4)
+    expected = {r.job_id: runtime.run_batch([r]).results[0] for r in (long, short, queued)}
+    engine = decoder(slots=2)
+    done = {r.job_id: r for r in engine.admit([long, short])}
+    while short.job_id not in done:
+        done.update({r.job_id: r for r in engine.step()})
+    assert engine.free == 1 and long.job_id not in done  # the short row left; the long one still decodes
+    done.update({r.job_id: r for r in engine.admit([queued])})
+    while queued.job_id not in done:
+        done.update({r.job_id: r for r in engine.step()})
+    assert long.job_id not in done  # the queued job came and went while the long one kept going
+    while engine.rows:
+        done.update({r.job_id: r for r in engine.step()})
+    assert_same_answers([expected[r.job_id] for r in (long, short, queued)],
+                        [done[r.job_id] for r in (long, short, queued)])
+
+
+def test_a_seeded_job_samples_as_it_would_alone(runtime: AdapterRuntime, decoder) -> None:
+    """Rows with other temperatures, top-p and seeds (and unseeded ones) share its steps; its tokens are the ones
+    `generate` draws for it alone with the same seed."""
+    seeded = request("laya", PROMPTS[1], 24, temperature=0.8, top_p=0.9, seed=7)
+    mates = [request("kev", PROMPTS[0], 30, temperature=1.2, top_p=0.95, seed=1),
+             request("laya", PROMPTS[2], 16, temperature=0.5),
+             request("kev", PROMPTS[4], 20)]
+    alone = runtime.run_batch([seeded]).results[0]
+    together = decoder(slots=4).run([mates[0], seeded, *mates[1:]])[1]
+    assert together.token_ids == alone.token_ids
+    assert together.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-4)
+
+
+def test_a_row_with_broken_logits_fails_alone(runtime: AdapterRuntime, decoder) -> None:
+    requests = [request("kev", PROMPTS[0], 12), request("laya", PROMPTS[1], 12), request("kev", PROMPTS[2], 12)]
+    clean = [runtime.run_batch([r]).results[0] for r in requests]
+    engine = decoder(slots=3)
+    calls = 0
+
+    def poison_second_row_from_step_3(module: torch.nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls >= 3 and output.shape[0] == 3:
+            output[1] = float("nan")
+        return output
+
+    handle = runtime.model.get_base_model().lm_head.register_forward_hook(poison_second_row_from_step_3)
+    try:
+        results = engine.run(requests)
+    finally:
+        handle.remove()
+    assert results[1].error_code == "numerical_error" and results[1].completion_tokens == 2
+    assert results[1].token_ids == clean[1].token_ids[:2]  # its partial text is kept
+    assert_same_answers([clean[0], clean[2]], [results[0], results[2]])
+
+
+def test_out_of_memory_gives_back_the_newest_rows_and_admits_fewer(runtime: AdapterRuntime, decoder) -> None:
+    first = [request("kev", PROMPTS[0], 30), request("laya", PROMPTS[1], 30)]
+    later = [request("kev", PROMPTS[2], 30), request("laya", PROMPTS[3], 30)]
+    expected = [runtime.run_batch([r]).results[0] for r in first]
+    engine = decoder(slots=4)
+    engine.admit(first)
+    engine.step()
+    engine.admit(later)
+    given_back = engine.give_back_newest(2)
+    assert {r.job_id for r in given_back} == {r.job_id for r in later}
+    assert [row.request.job_id for row in engine.rows] == [r.job_id for r in first]
+    assert engine.limit == 3 and engine.free == 1
+    done = {}
+    while engine.rows:
+        done.update({r.job_id: r for r in engine.step()})
+    assert_same_answers(expected, [done[r.job_id] for r in first])
+
+
+def test_a_row_that_cannot_fit_the_window_is_refused_before_anything_runs(decoder) -> None:
+    engine = decoder(slots=2, window=48)
+    with pytest.raises(ValueError, match="window of 48"):
+        engine.admit([request("kev", PROMPTS[3], 40)])
+    assert engine.rows == [] and engine.free == 2
+
+
+def test_nucleus_and_greedy_choice() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]]))
+    kept = nucleus(logits[:1], 0.7)
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+    greedy = RowSampling.create(0.0, 1.0, None, torch.device("cpu"))
+    choice = choose(logits, [greedy, greedy], banned=[3])
+    assert choice.tokens == [0, 2] and choice.broken == [False, False]
+    assert choice.logprobs == pytest.approx([math_log(0.5), math_log(0.3)])
+
+
+def math_log(x: float) -> float:
+    return float(torch.log(torch.tensor(x)))

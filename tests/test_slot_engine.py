@@ -1,0 +1,120 @@
+"""The continuous engine in a real worker process (Celery, Redis, SQL, transformers + peft on the tiny model):
+jobs take slots as they free up, a Laya job does not wait for the Kev jobs ahead of it, nothing runs twice."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from sqlalchemy import func, select
+
+from shared import lifecycle
+from shared.db import session_scope
+from shared.models import Batch, Job
+from tests.conftest import TEXT, start_worker, submit, wait_finished, wait_until
+from worker.admission import SlotBudget, kv_bytes_per_token
+from worker.scheduler import QueueSnapshot, SchedulingPolicy, plan_slots
+
+POLICY = SchedulingPolicy(max_batch=8, max_wait_ms=2000, max_consecutive_batches=8)
+EXPECTED = {"kev": 256, "laya": 64}
+
+
+def test_free_slots_go_to_the_shortest_jobs_unless_someone_waited_too_long():
+    both = QueueSnapshot(queued={"kev": 10, "laya": 3}, oldest_wait_ms={"kev": 500, "laya": 10})
+    assert plan_slots(both, 5, POLICY, EXPECTED) == [("laya", 3), ("kev", 2)]
+    assert plan_slots(both, 2, POLICY, EXPECTED) == [("laya", 2)]
+    starving = QueueSnapshot(queued={"kev": 10, "laya": 3}, oldest_wait_ms={"kev": 2500, "laya": 10})
+    assert plan_slots(starving, 4, POLICY, EXPECTED) == [("kev", 4)]  # the fairness bound comes first
+    assert plan_slots(QueueSnapshot({}, {}), 4, POLICY, EXPECTED) == []
+
+
+def test_slots_come_from_the_budget_arithmetic():
+    # Qwen2.5-3B: 36 layers, 2 key/value heads of 128, fp16: 36 KiB per token
+    per_token = kv_bytes_per_token(36, 2, 128, 2)
+    assert per_token == 36 * 1024
+    budget = SlotBudget(budget_bytes=int(5.5 * 2**30), resident_bytes=int(1.94 * 2**30),
+                        workspace_bytes=2**29, kv_per_token=per_token, window=1024)
+    spare = int(5.5 * 2**30) - int(1.94 * 2**30) - 2**29
+    assert budget.slots(1000) == spare // (per_token * 1024) == 87  # 3.06 GiB of 36 MiB slots
+    assert budget.slots(16) == 16
+    # Llama-2-7B: 32 layers × 32 heads × 128 → 512 KiB per token; 3.9 GiB resident in a 5 GiB budget
+    seven = SlotBudget(budget_bytes=5 * 2**30, resident_bytes=int(3.9 * 2**30), workspace_bytes=2**28,
+                       kv_per_token=kv_bytes_per_token(32, 32, 128, 2), window=256)
+    assert seven.slots(16) == 6 and "6 slot(s) of 256 tokens" in seven.explain(16)
+    assert SlotBudget(2**30, 2**30, 0, per_token, 1024).slots(16) == 0
+
+
+@pytest.fixture
+def continuous_env(env):  # noqa: ANN001, ANN201
+    return {**env, "KEVLAYA_ENGINE": "continuous", "KEVLAYA_MAX_BATCH": "4", "KEVLAYA_ENGINE_WINDOW_TOKENS": "512"}
+
+
+@pytest.mark.integration
+def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, start_process):
+    job_ids = [submit(api, ("kev", "laya")[i % 2], f"Option A costs {i}, option B costs {30 - i}. Pick.",
+                      max_new_tokens=4 + i % 7) for i in range(30)]
+    start_worker(start_process, continuous_env, api)
+    jobs = wait_finished(api, job_ids)
+    assert [j["status"] for j in jobs] == ["succeeded"] * 30, [j["error"] for j in jobs]
+    for job in jobs:
+        assert job["attempts"] == 1 and job["batch_id"] is not None
+        assert job["tokens"]["prompt"] > 0 and 1 <= job["tokens"]["completion"] <= job["params"]["max_new_tokens"]
+        assert all(job["timings"][k] is not None for k in ("queue_ms", "prefill_ms", "decode_ms", "total_ms"))
+    with session_scope() as session:
+        finished = session.scalar(select(func.sum(Batch.size)).where(Batch.finished_at.is_not(None)))
+        assert finished == 30  # every claim group closed with all its jobs stored
+
+
+@pytest.mark.integration
+def test_a_laya_job_does_not_wait_for_the_kev_jobs_in_flight(continuous_env, api, start_process):
+    start_worker(start_process, continuous_env, api)
+    kev = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=300) for i in range(3)]
+
+    def decoding() -> bool:
+        with session_scope() as session:
+            return session.scalar(select(func.count()).where(Job.status == "running")) == 3
+
+    wait_until(decoding, 60, interval=0.05, what="the Kev jobs to take their slots")
+    laya = submit(api, "laya", "Pick A or B.", max_new_tokens=4)
+    done = wait_finished(api, [laya])[0]
+    assert done["status"] == "succeeded"
+    still_running = [api.get(f"/v1/jobs/{job_id}").json()["status"] for job_id in kev]
+    assert still_running == ["running"] * 3  # it took a free slot beside them, not a turn after them
+    assert [j["status"] for j in wait_finished(api, kev)] == ["succeeded"] * 3
+
+
+@pytest.mark.integration
+def test_a_worker_killed_mid_decode_loses_nothing_and_runs_nothing_twice(continuous_env, api, start_process):
+    worker = start_worker(start_process, continuous_env, api)
+    job_ids = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=300) for i in range(6)]
+
+    def running():
+        with session_scope() as session:
+            return session.execute(select(Job.id, Job.batch_id).where(Job.status == "running")).all()
+
+    wait_until(running, 60, interval=0.02, what="jobs to take slots")
+    worker.kill(signal.SIGKILL)
+    killed = {str(job_id) for job_id, _ in running()}
+    assert killed
+    start_worker(start_process, {**continuous_env, "KEVLAYA_LEASE_SECONDS": "3"}, api)
+    jobs = wait_finished(api, job_ids)
+    assert [j["status"] for j in jobs] == ["succeeded"] * 6, [j["error"] for j in jobs]
+    assert all(j["attempts"] == (2 if j["id"] in killed else 1) for j in jobs)
+
+
+def test_a_released_job_is_queued_again_without_counting_an_attempt(service_env):
+    import uuid
+    from datetime import datetime, timezone
+
+    with session_scope() as session:
+        batch = Batch(id=uuid.uuid4(), adapters="kev", mixed=False, worker="w", started_at=datetime.now(timezone.utc))
+        job = Job(adapter="kev", requested_adapter="kev", input="x", params=TEXT)
+        session.add_all([batch, job])
+        session.flush()
+        lifecycle.claim(session, [job.id], batch.id, "w", 60)
+    with session_scope() as session:
+        assert lifecycle.release(session, [job.id], uuid.uuid4()) == []  # another batch cannot release it
+        assert lifecycle.release(session, [job.id], batch.id) == [job.id]
+    with session_scope() as session:
+        stored = session.get(Job, job.id)
+        assert (stored.status, stored.attempts, stored.lease_owner) == ("queued", 0, None)

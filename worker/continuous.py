@@ -1,0 +1,251 @@
+"""Iteration-level batching: the unit of work is one decode step over every row in flight, whatever its adapter
+and sampling settings. Between steps new requests are prefilled into free slots; a row that finishes leaves at
+once and its slot is free for the next step (docs/architecture.md §14).
+
+No database or Celery here: the worker engine decides who gets a slot and records what comes out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from peft import PeftModel
+from transformers import PreTrainedTokenizerBase
+
+from worker.generation import GenerationRequest, GenerationResult
+from worker.kv_slots import SlotCache
+from worker.row_lora import RowLoRA
+from worker.sampling import RowSampling, choose
+from worker.tokens import decode_with_spans, encode_chats
+
+log = logging.getLogger("kevlaya.decoder")
+GENERATE_DEFAULT_TOP_K = 50
+
+
+@dataclass
+class Row:
+    request: GenerationRequest
+    adapter: int  # index into the decoder's adapters
+    sampling: RowSampling
+    prompt_tokens: int
+    admitted_at: float  # perf_counter when it was handed in (its time to first token counts from here)
+    order: int  # admission order: an out-of-memory step gives back the newest rows first
+    start: int = 0  # first cache column of this row
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prefill_ms: float = 0.0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    broken_after: int | None = None  # generated tokens before its logits went non-finite
+
+
+class SlotDecoder:
+    """Up to `slots` rows in flight on one model; each row attends over at most `window` tokens (prompt plus
+    new tokens). The model is a PeftModel holding `adapters`; while the decoder exists their LoRA is applied
+    per row (RowLoRA), not through PEFT's active adapter."""
+
+    def __init__(self, model: PeftModel, tokenizer: PreTrainedTokenizerBase, adapters: list[str], *, slots: int,
+                 window: int, eos_ids: list[int], ignore_eos: bool = False):
+        self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
+        self.eos_ids, self.ignore_eos = list(eos_ids), ignore_eos
+        # `generate` keeps the model's top-k (transformers' default: 50) when sampling; so does this decoder.
+        self.top_k = getattr(model.generation_config, "top_k", None) or GENERATE_DEFAULT_TOP_K
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        dtype = model.config.dtype if isinstance(model.config.dtype, torch.dtype) else torch.float16
+        if self.device.type == "cpu":
+            dtype = torch.float32
+        self.kv = SlotCache(model.config, slots, window, dtype, self.device)
+        self.lora = RowLoRA(model, self.adapters)
+        self.rows: list[Row] = []  # row i lives in slot i
+        self.limit = slots  # rows admitted at most; lowered when a step runs out of memory
+        self._order = itertools.count()
+        self._attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+        if self._attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {self._attention!r}: the decoder builds sdpa/eager masks")
+
+    @property
+    def window(self) -> int:
+        return self.kv.window
+
+    @property
+    def free(self) -> int:
+        return max(0, self.limit - len(self.rows))
+
+    def close(self) -> None:
+        """Give the model back its PEFT adapters (the decoder's cache is freed with it)."""
+        self.lora.remove()
+
+    # -- admission ---------------------------------------------------------------------------------------------
+
+    def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        """Whether a row of this size can ever run here: its prompt and new tokens within one slot's window."""
+        return prompt_tokens + max_new_tokens <= self.window
+
+    def admit(self, requests: list[GenerationRequest], admitted_at: float | None = None) -> list[GenerationResult]:
+        """Prefill `requests` (at most `free`, each known to fit) into free slots; returns the rows that are
+        already finished (a one-token answer or broken logits). Raises on a model failure, slots unchanged."""
+        if not requests:
+            return []
+        if len(requests) > self.free:
+            raise ValueError(f"{len(requests)} requests for {self.free} free slots")
+        admitted_at = time.perf_counter() if admitted_at is None else admitted_at
+        encoded = encode_chats(self.tokenizer, requests, self.device)
+        ids, present = encoded["input_ids"], encoded["attention_mask"]
+        width = ids.shape[1]
+        lengths = present.sum(1).tolist()
+        for request, length in zip(requests, lengths):
+            if not self.fits(length, request.max_new_tokens):
+                raise ValueError(f"job {request.job_id}: {length} prompt tokens + {request.max_new_tokens} new "
+                                 f"tokens exceed the decoder's window of {self.window}")
+        self._make_room(width)
+        first, t = len(self.rows), self.kv.t
+        new = [Row(request=r, adapter=self.adapters.index(r.adapter),
+                   sampling=RowSampling.create(r.temperature, r.top_p, r.seed, self.device),
+                   prompt_tokens=int(length), admitted_at=admitted_at, order=next(self._order),
+                   start=t - int(length))
+               for r, length in zip(requests, lengths)]
+
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        allowed = causal[None] & present.bool()[:, None, :]
+        allowed |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding attends to itself, not NaN
+        positions = (present.cumsum(1) - 1).clamp(min=0)
+        self.kv.view.rows, self.kv.view.read_lo = slice(first, first + len(new)), t - width
+        self.kv.view.write_lo, self.kv.view.write_hi = t - width, t
+        started = time.perf_counter()
+        logits = self._forward(ids, allowed, positions, [row.adapter for row in new])
+        self.rows.extend(new)
+        prefill_ms = (time.perf_counter() - started) * 1000
+        for row in new:
+            row.prefill_ms = prefill_ms
+        return self._advance(new, logits, first_row=first)
+
+    def _make_room(self, width: int) -> None:
+        """Make `t` at least `width` (a prompt block of that width ends at `t - 1`), shifting rows right."""
+        if not self.rows:
+            self.kv.t = width
+            return
+        by = width - self.kv.t
+        if by > 0:
+            self.kv.shift(len(self.rows), min(r.start for r in self.rows), self.kv.t, by)
+            for row in self.rows:
+                row.start += by
+            self.kv.t = width
+
+    # -- decoding ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[GenerationResult]:
+        """One new token for every row in flight; returns the rows that finished with it."""
+        if not self.rows:
+            return []
+        if self.kv.t == self.window:
+            self._compact()
+        n, t = len(self.rows), self.kv.t
+        lo = min(row.start for row in self.rows)
+        ids = torch.tensor([[row.tokens[-1]] for row in self.rows], device=self.device)
+        positions = torch.tensor([[row.prompt_tokens + len(row.tokens) - 1] for row in self.rows], device=self.device)
+        columns = torch.arange(lo, t + 1, device=self.device)
+        starts = torch.tensor([row.start for row in self.rows], device=self.device)
+        allowed = (columns[None, :] >= starts[:, None])[:, None, :]
+        self.kv.view.rows, self.kv.view.read_lo, self.kv.view.write_lo, self.kv.view.write_hi = (
+            slice(0, n), lo, t, t + 1)
+        logits = self._forward(ids, allowed, positions, [row.adapter for row in self.rows])
+        self.kv.t = t + 1
+        return self._advance(list(self.rows), logits, first_row=0)
+
+    def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor,
+                 adapters: list[int]) -> torch.Tensor:
+        """Logits of each row's last position. `allowed`: rows × queries × keys, True where attention may look."""
+        mask = allowed[:, None]
+        if self._attention == "eager":  # eager attention adds its mask to the scores
+            mask = torch.zeros(mask.shape, device=self.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+        self.lora.select(adapters)
+        with torch.inference_mode():
+            output = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                cache=self.kv.cache, use_cache=True, logits_to_keep=1)
+        return output.logits[:, -1]
+
+    def _advance(self, rows: list[Row], logits: torch.Tensor, first_row: int) -> list[GenerationResult]:
+        """Give each of `rows` (in slots first_row, ...) the token chosen from its logits; retire finished rows."""
+        choice = choose(logits, [row.sampling for row in rows], k=self.top_k,
+                        banned=self.eos_ids if self.ignore_eos else None)
+        now = time.perf_counter()
+        finished = []
+        for row, token, logprob, broken in zip(rows, choice.tokens, choice.logprobs, choice.broken):
+            if broken:
+                row.broken_after = len(row.tokens)
+            else:
+                row.tokens.append(token)
+                row.logprobs.append(logprob)
+                row.first_token_at = row.first_token_at or now
+                row.last_token_at = now
+            ended = bool(row.tokens) and row.tokens[-1] in self.eos_ids and not self.ignore_eos
+            if broken or ended or len(row.tokens) >= row.request.max_new_tokens:
+                finished.append(row)
+        results = [self._result(row) for row in finished]
+        for row in sorted(finished, key=lambda r: self.rows.index(r), reverse=True):
+            self._retire(self.rows.index(row))
+        return results
+
+    def _retire(self, slot: int) -> None:
+        """Free `slot`, moving the last row into it so rows stay contiguous."""
+        last = len(self.rows) - 1
+        if slot != last:
+            moved = self.rows[last]
+            self.kv.move_row(last, slot, moved.start, self.kv.t)
+            self.rows[slot] = moved
+        self.rows.pop()
+
+    def _compact(self) -> None:
+        """Shift every row left by the oldest row's start, freeing columns at the end of the window."""
+        by = min(row.start for row in self.rows)
+        assert by > 0, "a row longer than the window was admitted"
+        self.kv.shift(len(self.rows), by, self.kv.t, -by)
+        for row in self.rows:
+            row.start -= by
+        self.kv.t -= by
+
+    # -- out of memory -----------------------------------------------------------------------------------------
+
+    def give_back_newest(self, count: int) -> list[GenerationRequest]:
+        """Drop the `count` most recently admitted rows (their work is lost, they are not failed) and admit one
+        row fewer from now on than were in flight; returns their requests, to go back in the queue."""
+        self.limit = max(1, len(self.rows) - 1)
+        newest = sorted(self.rows, key=lambda r: r.order, reverse=True)[:count]
+        for row in sorted(newest, key=lambda r: self.rows.index(r), reverse=True):
+            self._retire(self.rows.index(row))
+        return [row.request for row in newest]
+
+    # -- results -----------------------------------------------------------------------------------------------
+
+    def _result(self, row: Row) -> GenerationResult:
+        text, spans = decode_with_spans(self.tokenizer, row.tokens)
+        result = GenerationResult(
+            job_id=row.request.job_id, text=text, prompt_tokens=row.prompt_tokens,
+            completion_tokens=len(row.tokens), prefill_ms=row.prefill_ms,
+            decode_ms=((row.last_token_at or 0) - (row.first_token_at or 0)) * 1000,
+            first_token_ms=((row.first_token_at or time.perf_counter()) - row.admitted_at) * 1000,
+            token_ids=list(row.tokens), token_logprobs=list(row.logprobs), token_spans=spans,
+        )
+        if row.broken_after is not None:
+            result.error_code = "numerical_error"
+            result.error_message = (f"non-finite logits (NaN/Inf) after {row.broken_after} generated token(s); "
+                                    "the sequence was stopped and its partial text kept")
+            log.error("job %s: %s", row.request.job_id, result.error_message)
+        return result
+
+    def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Every request to the end, admitting as slots free up; results in request order (tests, benchmarks)."""
+        waiting, done = list(requests), {}
+        while waiting or self.rows:
+            if waiting and self.free:
+                batch, waiting = waiting[:self.free], waiting[self.free:]
+                finished = self.admit(batch)
+            else:
+                finished = self.step()
+            done.update({r.job_id: r for r in finished})
+        return [done[r.job_id] for r in requests]

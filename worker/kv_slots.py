@@ -1,0 +1,94 @@
+"""The key/value cache of the continuous decoder: one preallocated block of `slots × window` tokens per layer.
+
+Rows live in slots 0..n-1 (kept contiguous, so a step runs on a prefix of the block) and share one timeline of
+columns: every row's last cached token is at column `t - 1`, so one decode step writes every row's new token at
+column `t`. A row admitted later is prefilled right-aligned to end at `t - 1`; the columns before its `start` are
+masked out. When `t` reaches the window's end the block is shifted left by the oldest row's start (docs/
+architecture.md §14). Nothing is allocated after construction, so memory use is known before the first job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass
+class View:
+    """What the next forward pass reads and writes: rows `rows`, writes columns [write_lo, write_hi), reads
+    columns [read_lo, write_hi)."""
+
+    rows: slice = field(default_factory=lambda: slice(0, 0))
+    read_lo: int = 0
+    write_lo: int = 0
+    write_hi: int = 0
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's block, seen through the shared `View`."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, view: View):
+        super().__init__()
+        self.keys, self.values, self.view = keys, values, view
+        self.device, self.is_initialized = keys.device, True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        v = self.view
+        self.keys[v.rows, :, v.write_lo:v.write_hi] = key_states
+        self.values[v.rows, :, v.write_lo:v.write_hi] = value_states
+        return self.keys[v.rows, :, v.read_lo:v.write_hi], self.values[v.rows, :, v.read_lo:v.write_hi]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.view.write_hi - self.view.read_lo, self.view.read_lo
+
+    def get_seq_length(self) -> int:
+        return self.view.write_hi
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+def kv_shape(config: object) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dimension) of a decoder config; refuses what one block cannot hold."""
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ValueError(f"layers of kinds {sorted(kinds)}: the slot cache holds full-attention layers only")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+class SlotCache:
+    def __init__(self, config: object, slots: int, window: int, dtype: torch.dtype, device: torch.device):
+        layers, kv_heads, head_dim = kv_shape(config)
+        self.slots, self.window = slots, window
+        self.view = View()
+        shape = (slots, kv_heads, window, head_dim)
+        self.layers = [SlotLayer(torch.zeros(shape, dtype=dtype, device=device),
+                                 torch.zeros(shape, dtype=dtype, device=device), self.view) for _ in range(layers)]
+        self.cache = Cache(layers=self.layers)  # what the model's forward pass receives
+        self.t = 0  # the column the next decode step writes
+
+    def shift(self, rows: int, lo: int, hi: int, by: int) -> None:
+        """Move columns [lo, hi) of the first `rows` rows by `by` columns (either way)."""
+        if by == 0 or rows == 0 or hi <= lo:
+            return
+        for layer in self.layers:
+            for block in (layer.keys, layer.values):
+                block[:rows, :, lo + by:hi + by] = block[:rows, :, lo:hi].clone()
+
+    def move_row(self, source: int, target: int, lo: int, hi: int) -> None:
+        """Copy a row's cached columns [lo, hi) into another slot (to keep rows contiguous)."""
+        for layer in self.layers:
+            layer.keys[target, :, lo:hi] = layer.keys[source, :, lo:hi]
+            layer.values[target, :, lo:hi] = layer.values[source, :, lo:hi]

@@ -1,0 +1,84 @@
+"""Each row's adapter as data: both adapters' LoRA matrices stacked per layer, one row mask per forward pass.
+
+PEFT applies one active adapter to the whole batch (or, with `adapter_names`, loops over adapters and rows: about
+a thousand extra kernel launches per step on a 3B model). Here every LoRA layer computes
+
+    base(x) + ((x @ A_all.T) * row_mask) @ B_all.T
+
+where A_all stacks every adapter's A (rank blocks side by side), B_all every adapter's B with its scaling folded
+in, and row_mask keeps, for each row, only its own adapter's rank block. That is the same few kernels per layer
+whatever the mix, and the mask is an ordinary tensor, so the step stays capturable as a CUDA graph. Rank blocks
+are padded with zeros where an adapter does not touch a layer or has a smaller rank there
+(docs/architecture.md §14).
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+
+NO_ADAPTER = -1  # a row index that selects no adapter (the bare base model)
+
+
+class RowLoRA:
+    """Installed on a PeftModel: its own LoRA path is switched off and replaced by the row-selected one until
+    `remove()`. One instance per model; the decoder calls `select` before every forward pass."""
+
+    def __init__(self, model: PeftModel, adapters: list[str]):
+        self.adapters = list(adapters)
+        self.layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        if not self.layers:
+            raise ValueError("the model has no LoRA layers")
+        for layer in self.layers:
+            unsupported = [n for n in adapters if n in getattr(layer, "lora_variant", {})]
+            if unsupported:  # DoRA and the like change the base output, not just add to it
+                raise ValueError(f"adapters {unsupported} use a LoRA variant this engine does not apply per row")
+        # Widest rank block of each adapter over all layers, so one mask fits every layer.
+        self.ranks = [max((layer.r.get(n, 0) for layer in self.layers), default=0) for n in adapters]
+        self.offsets = [sum(self.ranks[:i]) for i in range(len(adapters))]
+        self.width = sum(self.ranks)
+        self._stacked = {layer: self._stack(layer) for layer in self.layers}
+        first = next(iter(self._stacked.values()))[0]
+        self.mask = torch.zeros(1, 1, self.width, dtype=first.dtype, device=first.device)
+        self._hooks = [layer.register_forward_hook(self._add_delta) for layer in self.layers]
+        for layer in self.layers:
+            layer.enable_adapters(False)  # the layer now computes base(x) only; the hook adds the rows' LoRA
+
+    def _stack(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        base = layer.get_base_layer()
+        a_blocks, b_blocks = [], []
+        for name, rank in zip(self.adapters, self.ranks):
+            if name in layer.lora_A:
+                a, b = layer.lora_A[name].weight, layer.lora_B[name].weight * layer.scaling[name]
+                pad = rank - a.shape[0]
+                a = torch.cat([a, a.new_zeros(pad, a.shape[1])]) if pad else a
+                b = torch.cat([b, b.new_zeros(b.shape[0], pad)], dim=1) if pad else b
+            else:
+                reference = next(iter(layer.lora_A.values())).weight
+                a = reference.new_zeros(rank, base.in_features)
+                b = reference.new_zeros(base.out_features, rank)
+            a_blocks.append(a)
+            b_blocks.append(b)
+        return torch.cat(a_blocks).detach().contiguous(), torch.cat(b_blocks, dim=1).detach().contiguous()
+
+    def select(self, adapter_of_row: list[int]) -> None:
+        """Set each row's adapter (an index into `adapters`, or NO_ADAPTER) for the next forward passes."""
+        mask = torch.zeros(len(adapter_of_row), 1, self.width)
+        for row, index in enumerate(adapter_of_row):
+            if index != NO_ADAPTER:
+                mask[row, 0, self.offsets[index]:self.offsets[index] + self.ranks[index]] = 1
+        self.mask = mask.to(device=self.mask.device, dtype=self.mask.dtype)
+
+    def _add_delta(self, layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        a, b = self._stacked[layer]
+        x = args[0].to(a.dtype)
+        delta = ((x @ a.T) * self.mask) @ b.T
+        return output + delta.to(output.dtype)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for layer in self.layers:
+            layer.enable_adapters(True)

@@ -1,0 +1,81 @@
+"""Choosing each row's next token with that row's own settings, in one step shared by rows of any settings.
+
+The arithmetic is the one `generate` uses (logits in float32, divided by the temperature, the top-k filter that
+`generate` applies by default, the nucleus filter on the ascending sort, softmax, one multinomial draw), so a seeded job draws the same tokens as it would alone: each
+seeded row has its own generator, and its batch-mates never consume its random numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RowSampling:
+    temperature: float  # 0 = greedy
+    top_p: float
+    seed: int | None
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, temperature: float, top_p: float, seed: int | None, device: torch.device) -> RowSampling:
+        generator = None
+        if temperature > 0 and seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed)
+        return cls(temperature, top_p, seed, generator)
+
+
+@dataclass
+class Choice:
+    tokens: list[int]
+    logprobs: list[float]  # log p(chosen token) under the model's raw distribution (before temperature/top-p)
+    broken: list[bool]  # the row's logits were NaN / +inf / all -inf: its sequence must stop
+
+
+def broken_rows(logits: torch.Tensor) -> torch.Tensor:
+    """-inf alone is legitimate (a masked token); NaN, +inf or nothing left to pick is not."""
+    return torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+
+
+def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the `k` highest scores (ties at the k-th included), as `generate` does."""
+    if k <= 0 or k >= scores.shape[-1]:
+        return scores
+    kth = torch.topk(scores, k)[0][..., -1, None]
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches `top_p` (at least one)."""
+    if top_p >= 1.0:
+        return scores
+    sorted_scores, order = torch.sort(scores, descending=False)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1:] = False
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return scores.masked_fill(remove, float("-inf"))
+
+
+def choose(logits: torch.Tensor, rows: list[RowSampling], *, k: int = 0, banned: list[int] | None = None) -> Choice:
+    """One token per row of `logits` (rows × vocabulary); sampled rows keep only their `k` best tokens (0: all).
+    `banned` tokens are never chosen (benchmarks use it
+    to keep rows from ending early) but keep their probability in the reported log-probabilities."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    broken = broken_rows(logits)
+    # A broken row still gets a token (discarded by the caller): sanitise it so sampling cannot fail on NaN.
+    logits = torch.where(broken[:, None], torch.zeros_like(logits), logits)
+    if banned:
+        logits[:, banned] = float("-inf")
+    tokens = logits.argmax(dim=-1)
+    for row, sampling in enumerate(rows):
+        if sampling.temperature > 0:
+            scores = nucleus(top_k(logits[row:row + 1] / sampling.temperature, k), sampling.top_p)
+            probs = scores.softmax(dim=-1)
+            tokens[row] = torch.multinomial(probs, num_samples=1, generator=sampling.generator)[0, 0]
+    chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return Choice(tokens.tolist(), chosen.tolist(), broken.tolist())

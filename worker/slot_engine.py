@@ -1,0 +1,319 @@
+"""The continuous engine: glue between the job ledger and the SlotDecoder (docs/architecture.md §14).
+
+Between decode steps it claims queued jobs into free slots (the same claim, lease and exactly-once rules as
+the batch engine: a job is claimed when it takes a slot); a finished row's result is stored by a writer thread
+at once, so the decode loop never waits on the database. Jobs claimed together form one `batches` row.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from shared import lifecycle
+from shared.db import session_scope
+from shared.models import Batch, Job, JobStatus
+from shared.settings import Settings
+from worker.claims import JobOutcome, claim_batch, queue_snapshot, renew_leases
+from worker.engine import announce_escalations, generation_request, settle_job, worker_name
+from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
+from worker.metrics import METRICS
+from worker.scheduler import BatchPlan, SchedulingPolicy, plan_slots
+
+if TYPE_CHECKING:  # torch is imported only in the worker child
+    from worker.continuous import SlotDecoder
+    from worker.runtime import AdapterRuntime
+
+log = logging.getLogger("kevlaya.worker")
+
+
+@dataclass
+class Wave:
+    """Jobs claimed together (one `batches` row); closed when the last of them is stored."""
+
+    batch: Batch
+    jobs: dict[uuid.UUID, Job]
+    results: list[GenerationResult] = field(default_factory=list)
+    escalated: int = 0
+    lost: int = 0
+    released: int = 0
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) + self.released == len(self.jobs)
+
+
+def build_decoder(runtime: AdapterRuntime, settings: Settings) -> SlotDecoder:
+    """A decoder with as many slots as the memory budget holds (CUDA), or `max_batch` (CPU)."""
+    import torch
+
+    from worker.admission import SlotBudget, kv_bytes_per_token
+    from worker.continuous import SlotDecoder
+    from worker.kv_slots import kv_shape
+
+    context = getattr(runtime.model.config, "max_position_embeddings", None) or settings.engine_window_tokens
+    window = min(settings.engine_window_tokens, context)
+    slots = settings.max_batch
+    if runtime.device == "cuda":
+        budget = SlotBudget(
+            budget_bytes=int(settings.vram_budget_gb * 2**30), resident_bytes=torch.cuda.memory_allocated(),
+            workspace_bytes=int(settings.engine_workspace_gb * 2**30),
+            kv_per_token=kv_bytes_per_token(*kv_shape(runtime.model.config), dtype_bytes=2), window=window)
+        slots = budget.slots(settings.max_batch)
+        log.info("continuous engine: %s", budget.explain(settings.max_batch))
+        if slots == 0:
+            raise RuntimeError(f"the VRAM budget holds no slot: {budget.explain(settings.max_batch)}; lower "
+                               "KEVLAYA_ENGINE_WINDOW_TOKENS or raise KEVLAYA_VRAM_BUDGET_GB")
+    return SlotDecoder(runtime.model, runtime.tokenizer, sorted(runtime.adapters), slots=slots, window=window,
+                       eos_ids=runtime.eos_ids, ignore_eos=settings.ignore_eos)
+
+
+class SlotEngine:
+    """Owns the loaded runtime (through its decoder) and the slots of one worker process."""
+
+    def __init__(self, runtime: AdapterRuntime, settings: Settings):
+        self.runtime, self.settings = runtime, settings
+        self.decoder = build_decoder(runtime, settings)
+        self.policy = SchedulingPolicy(max_batch=self.decoder.limit, max_wait_ms=settings.max_wait_ms,
+                                       max_consecutive_batches=settings.max_consecutive_batches)
+        self.expected_tokens = {a: settings.adapter_profile(a).max_new_tokens for a in runtime.adapters}
+        self.worker = worker_name()
+        self.draining = threading.Event()
+        self.waves: dict[uuid.UUID, Wave] = {}  # by batch id
+        self.wave_of: dict[uuid.UUID, Wave] = {}  # by job id, while the job is in a slot
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
+        self.pending: list[Future] = []
+        self._lock = threading.Lock()  # waves are read by the lease thread and written by the writer
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def drain(self, budget_s: float) -> int:
+        """Admit and decode until nothing is queued or in flight; stop admitting after `budget_s`."""
+        deadline = time.monotonic() + budget_s
+        processed = 0
+        self.draining.set()
+        stop_renewing = self._renew_leases()
+        try:
+            while True:
+                if time.monotonic() < deadline and self.decoder.free:
+                    processed += self._admit()
+                if not self.decoder.rows:
+                    if not self._queued():
+                        break
+                    continue
+                self._step()
+        finally:
+            stop_renewing()
+            for future in self.pending:
+                future.result()
+            self.pending.clear()
+            self.draining.clear()
+        return processed
+
+    def _queued(self) -> bool:
+        with session_scope() as session:
+            return bool(queue_snapshot(session).waiting())
+
+    def _admit(self) -> int:
+        """Claim jobs for the free slots and prefill them; returns how many were claimed."""
+        with session_scope() as session:
+            plan = plan_slots(queue_snapshot(session), self.decoder.free, self.policy, self.expected_tokens)
+        claimed = 0
+        for adapter, count in plan:
+            with session_scope() as session:
+                batch, jobs = claim_batch(session, BatchPlan((adapter,), count, switch=False), self.worker,
+                                          self.settings.lease_seconds)
+            if jobs:
+                claimed += len(jobs)
+                self._start(batch, jobs)
+        return claimed
+
+    def _start(self, batch: Batch, jobs: list[Job]) -> None:
+        wave = Wave(batch=batch, jobs={job.id: job for job in jobs})
+        with self._lock:
+            self.waves[batch.id] = wave
+        METRICS.rows_in_flight.set(len(self.decoder.rows) + len(jobs))
+        log.info("batch %s: %d job(s) on %s take free slots", batch.id, len(jobs), batch.adapters)
+        admitted_at = time.perf_counter()
+        runnable: list[GenerationRequest] = []
+        for job in jobs:
+            try:
+                request = generation_request(job, self.settings)
+            except Exception as exc:
+                self._store(wave, job, JobOutcome(status=JobStatus.FAILED, error_code="invalid_input",
+                                                  error_message=f"the stored job cannot be read: "
+                                                                f"{exc.__class__.__name__}: {exc}"))
+                continue
+            if problem := self._problem(request):
+                code, message = problem
+                self._store(wave, job, JobOutcome(status=JobStatus.FAILED, error_code=code, error_message=message))
+                continue
+            runnable.append(request)
+            self.wave_of[job.id] = wave
+        try:
+            finished = self.decoder.admit(runnable, admitted_at)
+        except Exception as exc:
+            if not runnable:
+                raise
+            finished = self._admit_one_by_one(runnable, admitted_at, exc)
+        self._finished(finished)
+
+    def _problem(self, request: GenerationRequest) -> tuple[str, str] | None:
+        """Why a job cannot take a slot (it fails alone, with a code), or None."""
+        if reason := self.runtime._refusal(request.adapter):
+            return "adapter_unavailable", reason
+        if problem := self.runtime._input_problem(request):
+            return "invalid_input", problem
+        return None
+
+    def _admit_one_by_one(self, requests: list[GenerationRequest], admitted_at: float,
+                          error: Exception) -> list[GenerationResult]:
+        """The group's prefill raised: out of memory puts them back in the queue; anything else is retried
+        row by row, so a job that breaks it fails alone (`internal`) and the others still run."""
+        from worker.runtime import is_out_of_memory
+
+        if is_out_of_memory(error):
+            self.decoder.limit = max(1, len(self.decoder.rows))
+            log.warning("out of memory admitting %d job(s); they go back to the queue, at most %d row(s) from now",
+                        len(requests), self.decoder.limit)
+            self._release([r.job_id for r in requests])
+            return []
+        log.exception("admitting %d job(s) failed; admitting them one by one to isolate the cause", len(requests),
+                      exc_info=error)
+        finished = []
+        for request in requests:
+            try:
+                finished += self.decoder.admit([request], admitted_at)
+            except Exception as exc:
+                log.exception("job %s fails the decoder even alone", request.job_id)
+                wave = self.wave_of.pop(request.job_id)
+                self._store(wave, wave.jobs[request.job_id], JobOutcome(
+                    status=JobStatus.FAILED, error_code="internal", error_message=f"{exc.__class__.__name__}: {exc}"))
+        return finished
+
+    def _step(self) -> None:
+        from worker.runtime import is_out_of_memory
+
+        try:
+            finished = self.decoder.step()
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                given_back = self.decoder.give_back_newest(max(1, len(self.decoder.rows) // 2))
+                log.warning("out of memory in a step; %d newest job(s) go back to the queue, at most %d row(s) "
+                            "from now", len(given_back), self.decoder.limit)
+                self._release([r.job_id for r in given_back])
+                return
+            log.exception("a decode step failed; the %d job(s) in flight fail", len(self.decoder.rows))
+            failure = JobOutcome(status=JobStatus.FAILED, error_code="internal",
+                                 error_message=f"{exc.__class__.__name__}: {exc}")
+            for row in self.decoder.give_back_newest(len(self.decoder.rows)):
+                wave = self.wave_of.pop(row.job_id)
+                self._store(wave, wave.jobs[row.job_id], failure)
+            self.decoder.limit = self.decoder.kv.slots
+            return
+        self._finished(finished)
+
+    # -- results, off the decode loop --------------------------------------------------------------------------
+
+    def _finished(self, results: list[GenerationResult]) -> None:
+        for result in results:
+            wave = self.wave_of.pop(result.job_id)
+            self._store(wave, wave.jobs[result.job_id], result)
+        METRICS.rows_in_flight.set(len(self.decoder.rows))
+
+    def _store(self, wave: Wave, job: Job, result: GenerationResult | JobOutcome) -> None:
+        self.pending.append(self.writer.submit(self._write, wave, job, result))
+        self.pending = [f for f in self.pending if not f.done() or f.exception() is not None]
+
+    def _write(self, wave: Wave, job: Job, result: GenerationResult | JobOutcome) -> None:
+        with session_scope() as session:
+            stored, child = settle_job(session, job, wave.batch.id, result, 0.0, self.settings)
+        if isinstance(result, GenerationResult):
+            METRICS.job_finished(job, result, 0.0)
+        else:
+            METRICS._job(job, result.status, result.error_code, None, None, None, None, datetime.now(timezone.utc))
+        if not stored:
+            log.warning("job %s had lost its lease; its result was discarded", job.id)
+        announce_escalations([child] if child is not None else [])
+        with self._lock:
+            wave.lost += not stored
+            wave.escalated += child is not None
+            wave.results.append(result if isinstance(result, GenerationResult) else GenerationResult(
+                job_id=job.id, text=None, prompt_tokens=0, completion_tokens=0, prefill_ms=0.0, decode_ms=0.0,
+                error_code=result.error_code, error_message=result.error_message))
+            if wave.done:
+                self._close(wave)
+
+    def _close(self, wave: Wave) -> None:
+        """Store the batch row's figures once its last job is stored."""
+        self.waves.pop(wave.batch.id, None)
+        results = wave.results
+        outcome = BatchOutcome(
+            results=results, switch_ms=0.0, prefill_ms=max((r.prefill_ms for r in results), default=0.0),
+            decode_ms=max((r.decode_ms for r in results), default=0.0),
+            tokens=sum(r.completion_tokens for r in results), peak_vram_bytes=self._peak())
+        with session_scope() as session:
+            session.query(Batch).filter(Batch.id == wave.batch.id).update({
+                Batch.switch_ms: 0.0, Batch.prefill_ms: outcome.prefill_ms, Batch.decode_ms: outcome.decode_ms,
+                Batch.tokens: outcome.tokens, Batch.peak_vram_bytes: outcome.peak_vram_bytes, Batch.oom_splits: 0,
+                Batch.finished_at: datetime.now(timezone.utc),
+            })
+        METRICS.batch_closed(wave.batch, len(wave.jobs), outcome, mixed=False, switch=False,
+                             escalated=wave.escalated, lost=wave.lost)
+
+    def _peak(self) -> int | None:
+        if self.runtime.device != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.max_memory_allocated()
+
+    def _release(self, job_ids: list[uuid.UUID]) -> None:
+        """Give jobs back to the queue unrun (not an attempt); their wave closes without them."""
+        by_batch: dict[uuid.UUID, list[uuid.UUID]] = {}
+        for job_id in job_ids:
+            by_batch.setdefault(self.wave_of.pop(job_id).batch.id, []).append(job_id)
+        for batch_id, ids in by_batch.items():
+            with session_scope() as session:
+                released = lifecycle.release(session, ids, batch_id)
+            wave = self.waves[batch_id]
+            with self._lock:
+                wave.released += len(released)
+                if wave.done:
+                    self.pending.append(self.writer.submit(self._close_locked, wave))
+
+    def _close_locked(self, wave: Wave) -> None:
+        with self._lock:
+            self._close(wave)
+
+    def _renew_leases(self):  # noqa: ANN202
+        """Renew the leases of every batch with jobs in flight while the loop runs; returns the stopper."""
+        stop = threading.Event()
+        interval = self.settings.lease_seconds / 3
+
+        def renew() -> None:
+            while not stop.wait(interval):
+                with self._lock:
+                    batch_ids = list(self.waves)
+                for batch_id in batch_ids:
+                    try:
+                        with session_scope() as session:
+                            renew_leases(session, batch_id, self.settings.lease_seconds)
+                    except Exception:  # the next renewal may succeed; expiry is the safety net
+                        log.exception("lease renewal failed for batch %s", batch_id)
+
+        thread = threading.Thread(target=renew, name="lease-renewal", daemon=True)
+        thread.start()
+
+        def stopper() -> None:
+            stop.set()
+            thread.join()
+
+        return stopper
+

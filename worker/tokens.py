@@ -1,0 +1,47 @@
+"""The tokenizer side of generation, shared by both engines: chats to token ids, whether a request can run at
+all, and token ids back to text with each token's character span."""
+
+from __future__ import annotations
+
+import torch
+from transformers import BatchEncoding, PreTrainedTokenizerBase
+
+from shared.schemas import MIN_TEMPERATURE
+from worker.generation import GenerationRequest
+
+
+def encode_chats(tokenizer: PreTrainedTokenizerBase, requests: list[GenerationRequest],
+                 device: torch.device) -> BatchEncoding:
+    """Left-padded prompts (the tokenizer is set up that way). Control tokens inside message content are encoded
+    as text, so a user cannot forge role markers."""
+    return tokenizer.apply_chat_template(
+        [r.messages for r in requests], add_generation_prompt=True, tokenize=True, return_dict=True,
+        padding=True, return_tensors="pt", sanitize_control_tokens=True,
+    ).to(device)
+
+
+def input_problem(tokenizer: PreTrainedTokenizerBase, context: int | None, request: GenerationRequest,
+                  device: torch.device) -> str | None:
+    """Why this one request cannot be encoded or cannot fit the context, or None. Checked per request, so a bad
+    job fails alone instead of failing the rows it would have run with."""
+    if 0 < request.temperature < MIN_TEMPERATURE:  # sampling would divide the logits into inf/NaN
+        return f"temperature {request.temperature} is below the minimum of {MIN_TEMPERATURE} (0 = greedy)"
+    try:
+        prompt_tokens = int(encode_chats(tokenizer, [request], device)["attention_mask"].sum())
+    except Exception as exc:
+        return f"the input cannot be tokenized: {exc.__class__.__name__}: {exc}"
+    if context is not None and prompt_tokens + request.max_new_tokens > context:
+        return (f"the prompt is {prompt_tokens} tokens; with max_new_tokens {request.max_new_tokens} that is "
+                f"over the model's context of {context} tokens")
+    return None
+
+
+def decode_with_spans(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """The text of `tokens` and the character span of each token in it (decoding prefixes, because a byte-level
+    token can end inside a multi-byte character)."""
+    spans, previous = [], 0
+    for end in range(1, len(tokens) + 1):
+        length = len(tokenizer.decode(tokens[:end], skip_special_tokens=True))
+        spans.append((previous, max(previous, length)))
+        previous = max(previous, length)
+    return tokenizer.decode(tokens, skip_special_tokens=True), spans
