@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     engine_window_tokens: int = Field(
         default=1024, ge=16, description="continuous engine: the most tokens (prompt + new) one job may hold; each "
         "slot reserves this much key/value cache")
+    engine_prefill_tokens: int = Field(
+        default=2048, ge=1, description="continuous engine: prompt tokens prefilled between two decode steps at "
+        "most (one job always goes), so a burst of new jobs does not freeze the rows already decoding")
     engine_workspace_gb: float = Field(
         default=0.5, ge=0, description="continuous engine on CUDA: memory kept free for activations beside the "
         "weights and the key/value cache when sizing the slots")

@@ -51,9 +51,14 @@ def continuous_env(env):  # noqa: ANN001, ANN201
 
 @pytest.mark.integration
 def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, start_process):
+    """30 jobs queued before the worker starts: 4 slots, at most ~2 prompts prefilled between two steps."""
     job_ids = [submit(api, ("kev", "laya")[i % 2], f"Option A costs {i}, option B costs {30 - i}. Pick.",
                       max_new_tokens=4 + i % 7) for i in range(30)]
-    start_worker(start_process, continuous_env, api)
+    too_long = submit(api, "kev", "Within the model's context, over the worker's window.", max_new_tokens=600)
+    start_worker(start_process, {**continuous_env, "KEVLAYA_ENGINE_PREFILL_TOKENS": "64"}, api)
+    refused = wait_finished(api, [too_long])[0]
+    assert refused["status"] == "failed" and refused["error"]["code"] == "invalid_input"
+    assert "KEVLAYA_ENGINE_WINDOW_TOKENS" in refused["error"]["message"]
     jobs = wait_finished(api, job_ids)
     assert [j["status"] for j in jobs] == ["succeeded"] * 30, [j["error"] for j in jobs]
     for job in jobs:
@@ -62,7 +67,7 @@ def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, st
         assert all(job["timings"][k] is not None for k in ("queue_ms", "prefill_ms", "decode_ms", "total_ms"))
     with session_scope() as session:
         finished = session.scalar(select(func.sum(Batch.size)).where(Batch.finished_at.is_not(None)))
-        assert finished == 30  # every claim group closed with all its jobs stored
+        assert finished == 31  # every claim group closed with all its jobs stored
 
 
 @pytest.mark.integration

@@ -320,6 +320,9 @@ class AdapterRuntime:
             return self.unavailable[adapter]
         return f"unknown adapter {adapter!r}; this worker serves {', '.join(sorted(self.adapters)) or 'none'}"
 
+    def prompt_tokens(self, request: GenerationRequest) -> int:
+        return int(self._encode([request])["attention_mask"].sum())
+
     def _input_problem(self, request: GenerationRequest) -> str | None:
         context = getattr(self.model.config, "max_position_embeddings", None)
         return input_problem(self.tokenizer, context, request, self._input_device)

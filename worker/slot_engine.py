@@ -86,7 +86,8 @@ class SlotEngine:
         self.worker = worker_name()
         self.draining = threading.Event()
         self.waves: dict[uuid.UUID, Wave] = {}  # by batch id
-        self.wave_of: dict[uuid.UUID, Wave] = {}  # by job id, while the job is in a slot
+        self.wave_of: dict[uuid.UUID, Wave] = {}  # by job id, while the job is claimed by this engine
+        self.to_prefill: list[tuple[GenerationRequest, int]] = []  # claimed, not yet prefilled (prompt tokens)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
         self.pending: list[Future] = []
         self._lock = threading.Lock()  # waves are read by the lease thread and written by the writer
@@ -101,10 +102,11 @@ class SlotEngine:
         stop_renewing = self._renew_leases()
         try:
             while True:
-                if time.monotonic() < deadline and self.decoder.free:
-                    processed += self._admit()
+                if time.monotonic() < deadline and self.decoder.free > len(self.to_prefill):
+                    processed += self._claim()
+                self._prefill_some()
                 if not self.decoder.rows:
-                    if not self._queued():
+                    if not self.to_prefill and not self._queued():
                         break
                     continue
                 self._step()
@@ -120,10 +122,11 @@ class SlotEngine:
         with session_scope() as session:
             return bool(queue_snapshot(session).waiting())
 
-    def _admit(self) -> int:
-        """Claim jobs for the free slots and prefill them; returns how many were claimed."""
+    def _claim(self) -> int:
+        """Claim jobs for the free slots; returns how many were claimed."""
+        free = self.decoder.free - len(self.to_prefill)
         with session_scope() as session:
-            plan = plan_slots(queue_snapshot(session), self.decoder.free, self.policy, self.expected_tokens)
+            plan = plan_slots(queue_snapshot(session), free, self.policy, self.expected_tokens)
         claimed = 0
         for adapter, count in plan:
             with session_scope() as session:
@@ -140,8 +143,6 @@ class SlotEngine:
             self.waves[batch.id] = wave
         METRICS.rows_in_flight.set(len(self.decoder.rows) + len(jobs))
         log.info("batch %s: %d job(s) on %s take free slots", batch.id, len(jobs), batch.adapters)
-        admitted_at = time.perf_counter()
-        runnable: list[GenerationRequest] = []
         for job in jobs:
             try:
                 request = generation_request(job, self.settings)
@@ -150,27 +151,46 @@ class SlotEngine:
                                                   error_message=f"the stored job cannot be read: "
                                                                 f"{exc.__class__.__name__}: {exc}"))
                 continue
-            if problem := self._problem(request):
+            tokens, problem = self._check(request)
+            if problem is not None:
                 code, message = problem
                 self._store(wave, job, JobOutcome(status=JobStatus.FAILED, error_code=code, error_message=message))
                 continue
-            runnable.append(request)
             self.wave_of[job.id] = wave
-        try:
-            finished = self.decoder.admit(runnable, admitted_at)
-        except Exception as exc:
-            if not runnable:
-                raise
-            finished = self._admit_one_by_one(runnable, admitted_at, exc)
-        self._finished(finished)
+            self.to_prefill.append((request, tokens))
 
-    def _problem(self, request: GenerationRequest) -> tuple[str, str] | None:
-        """Why a job cannot take a slot (it fails alone, with a code), or None."""
+    def _check(self, request: GenerationRequest) -> tuple[int, tuple[str, str] | None]:
+        """The job's prompt tokens, and why it cannot take a slot (it fails alone, with a code) or None."""
         if reason := self.runtime._refusal(request.adapter):
-            return "adapter_unavailable", reason
+            return 0, ("adapter_unavailable", reason)
         if problem := self.runtime._input_problem(request):
-            return "invalid_input", problem
-        return None
+            return 0, ("invalid_input", problem)
+        tokens = self.runtime.prompt_tokens(request)
+        if tokens + request.max_new_tokens > self.decoder.window:
+            return tokens, ("invalid_input", f"the prompt is {tokens} tokens; with max_new_tokens "
+                            f"{request.max_new_tokens} that is over this worker's window of {self.decoder.window} "
+                            "tokens (KEVLAYA_ENGINE_WINDOW_TOKENS)")
+        return tokens, None
+
+    def _prefill_some(self) -> None:
+        """Prefill claimed jobs up to KEVLAYA_ENGINE_PREFILL_TOKENS prompt tokens (at least one job), so rows
+        already decoding wait one bounded prefill per step, not a whole burst's."""
+        chosen, tokens = [], 0
+        while self.to_prefill and len(chosen) < self.decoder.free:
+            request, count = self.to_prefill[0]
+            if chosen and tokens + count > self.settings.engine_prefill_tokens:
+                break
+            chosen.append(request)
+            tokens += count
+            self.to_prefill.pop(0)
+        if not chosen:
+            return
+        admitted_at = time.perf_counter()
+        try:
+            finished = self.decoder.admit(chosen, admitted_at)
+        except Exception as exc:
+            finished = self._admit_one_by_one(chosen, admitted_at, exc)
+        self._finished(finished)
 
     def _admit_one_by_one(self, requests: list[GenerationRequest], admitted_at: float,
                           error: Exception) -> list[GenerationResult]:
