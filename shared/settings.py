@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     engine_prefill_tokens: int = Field(
         default=2048, ge=1, description="continuous engine: prompt tokens prefilled between two decode steps at "
         "most (one job always goes), so a burst of new jobs does not freeze the rows already decoding")
+    engine_cuda_graphs: bool = Field(
+        default=False, description="continuous engine on CUDA: capture the decode step as CUDA graphs (one per "
+        "batch-size bucket) and replay them; ignored on the CPU")
     engine_workspace_gb: float = Field(
         default=0.5, ge=0, description="continuous engine on CUDA: memory kept free for activations beside the "
         "weights and the key/value cache when sizing the slots")

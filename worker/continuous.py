@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from worker.generation import GenerationRequest, GenerationResult
 from worker.kv_slots import SlotCache
-from worker.row_lora import RowLoRA
+from worker.row_lora import NO_ADAPTER, RowLoRA
 from worker.sampling import RowSampling, choose
 from worker.tokens import decode_with_spans, encode_chats
 
@@ -49,7 +49,8 @@ class SlotDecoder:
     per row (RowLoRA), not through PEFT's active adapter."""
 
     def __init__(self, model: PeftModel, tokenizer: PreTrainedTokenizerBase, adapters: list[str], *, slots: int,
-                 window: int, eos_ids: list[int], ignore_eos: bool = False):
+                 window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
+                 graphs: bool = False):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         self.eos_ids, self.ignore_eos = list(eos_ids), ignore_eos
         # `generate` keeps the model's top-k (transformers' default: 50) when sampling; so does this decoder.
@@ -67,6 +68,9 @@ class SlotDecoder:
         self._attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
         if self._attention not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {self._attention!r}: the decoder builds sdpa/eager masks")
+        self.static = static_steps or graphs
+        if self.static:
+            self._static = StaticStep(self, capture=graphs)
 
     @property
     def window(self) -> int:
@@ -144,6 +148,10 @@ class SlotDecoder:
             return []
         if self.kv.t == self.window:
             self._compact()
+        if self.static:
+            logits = self._static.run()
+            self.kv.t += 1
+            return self._advance(list(self.rows), logits, first_row=0)
         n, t = len(self.rows), self.kv.t
         lo = min(row.start for row in self.rows)
         ids = torch.tensor([[row.tokens[-1]] for row in self.rows], device=self.device)
@@ -249,3 +257,82 @@ class SlotDecoder:
                 finished = self.step()
             done.update({r.job_id: r for r in finished})
         return [done[r.job_id] for r in requests]
+
+
+class StaticStep:
+    """The decode step with fixed shapes: inputs in preallocated buffers, the whole window read, rows padded to
+    a bucket (1, 2, 4, ... slots) with idle rows that attend only to their own new column. On CUDA each bucket
+    can be captured once as a CUDA graph and replayed, so a step costs one launch instead of thousands
+    (docs/architecture.md §14); elsewhere the same step runs eagerly (the CPU tests use it)."""
+
+    def __init__(self, decoder: SlotDecoder, capture: bool):
+        if decoder._attention != "sdpa":
+            raise ValueError("static decode steps need sdpa attention")
+        self.decoder = decoder
+        slots, window, device = decoder.kv.slots, decoder.window, decoder.device
+        self.buckets = sorted({min(2**i, slots) for i in range(slots.bit_length() + 1)})
+        self.ids = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.mask = torch.zeros(slots, 1, 1, window, dtype=torch.bool, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.adapters = decoder.lora.new_buffer(slots)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if capture:
+            self._capture()
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        decoder = self.decoder
+        view = decoder.kv.view
+        view.rows, view.column = slice(0, bucket), self.column
+        decoder.lora.mask = self.adapters[:bucket]
+        try:
+            with torch.inference_mode():
+                output = decoder.model(input_ids=self.ids[:bucket], attention_mask=self.mask[:bucket],
+                                       position_ids=self.positions[:bucket], cache=decoder.kv.cache, use_cache=True,
+                                       logits_to_keep=1)
+        finally:
+            view.column = None
+        return output.logits[:, -1]
+
+    def _capture(self) -> None:
+        """One graph per bucket, sharing one memory pool; captured on idle rows (nothing is in flight yet)."""
+        if self.decoder.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.mask[:, 0, 0, 0] = True
+        pool = None
+        for bucket in self.buckets:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(bucket)
+            pool = graph.pool()
+            self.graphs[bucket] = (graph, logits)
+        log.info("captured the decode step for %s rows", ", ".join(map(str, self.buckets)))
+
+    def run(self) -> torch.Tensor:
+        """The logits of every row in flight, from one step over the smallest bucket that holds them."""
+        decoder = self.decoder
+        rows, t = decoder.rows, decoder.kv.t
+        n = len(rows)
+        bucket = next(b for b in self.buckets if b >= n)
+        ids = [row.tokens[-1] for row in rows] + [0] * (bucket - n)
+        positions = [row.prompt_tokens + len(row.tokens) - 1 for row in rows] + [0] * (bucket - n)
+        self.ids[:bucket, 0].copy_(torch.tensor(ids))
+        self.positions[:bucket, 0].copy_(torch.tensor(positions))
+        starts = torch.tensor([row.start for row in rows] + [t] * (bucket - n))
+        columns = torch.arange(decoder.window)
+        self.mask[:bucket, 0, 0].copy_((columns[None, :] >= starts[:, None]) & (columns[None, :] <= t))
+        self.column.fill_(t)
+        decoder.lora.select_in_place([row.adapter for row in rows] + [NO_ADAPTER] * (bucket - n),
+                                     self.adapters[:bucket])
+        if bucket in self.graphs:
+            graph, logits = self.graphs[bucket]
+            graph.replay()
+        else:
+            logits = self._forward(bucket)
+        return logits[:n]

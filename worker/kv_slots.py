@@ -18,12 +18,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 @dataclass
 class View:
     """What the next forward pass reads and writes: rows `rows`, writes columns [write_lo, write_hi), reads
-    columns [read_lo, write_hi)."""
+    columns [read_lo, write_hi). A static step (`column` set) writes the one column that tensor holds and reads
+    the whole window: no shape or Python number changes between steps, so the step can be a CUDA graph."""
 
     rows: slice = field(default_factory=lambda: slice(0, 0))
     read_lo: int = 0
     write_lo: int = 0
     write_hi: int = 0
+    column: torch.Tensor | None = None
 
 
 class SlotLayer(CacheLayerMixin):
@@ -43,11 +45,18 @@ class SlotLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         v = self.view
+        if v.column is not None:
+            keys, values = self.keys[v.rows], self.values[v.rows]
+            keys.index_copy_(2, v.column, key_states)
+            values.index_copy_(2, v.column, value_states)
+            return keys, values
         self.keys[v.rows, :, v.write_lo:v.write_hi] = key_states
         self.values[v.rows, :, v.write_lo:v.write_hi] = value_states
         return self.keys[v.rows, :, v.read_lo:v.write_hi], self.values[v.rows, :, v.read_lo:v.write_hi]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.view.column is not None:
+            return self.keys.shape[2], 0
         return self.view.write_hi - self.view.read_lo, self.view.read_lo
 
     def get_seq_length(self) -> int:

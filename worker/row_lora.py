@@ -62,13 +62,24 @@ class RowLoRA:
             b_blocks.append(b)
         return torch.cat(a_blocks).detach().contiguous(), torch.cat(b_blocks, dim=1).detach().contiguous()
 
+    def _rows(self, adapter_of_row: list[int]) -> torch.Tensor:
+        """The row mask, built on the CPU from a per-adapter table (one copy to the device, not one per row)."""
+        table = torch.zeros(len(self.adapters) + 1, self.width)  # the last row: NO_ADAPTER
+        for index, (offset, rank) in enumerate(zip(self.offsets, self.ranks)):
+            table[index, offset:offset + rank] = 1
+        return table[torch.tensor(adapter_of_row, dtype=torch.long)][:, None, :]
+
     def select(self, adapter_of_row: list[int]) -> None:
         """Set each row's adapter (an index into `adapters`, or NO_ADAPTER) for the next forward passes."""
-        mask = torch.zeros(len(adapter_of_row), 1, self.width)
-        for row, index in enumerate(adapter_of_row):
-            if index != NO_ADAPTER:
-                mask[row, 0, self.offsets[index]:self.offsets[index] + self.ranks[index]] = 1
-        self.mask = mask.to(device=self.mask.device, dtype=self.mask.dtype)
+        self.mask = self._rows(adapter_of_row).to(device=self.mask.device, dtype=self.mask.dtype)
+
+    def select_in_place(self, adapter_of_row: list[int], buffer: torch.Tensor) -> None:
+        """`select` into a preallocated buffer (rows × 1 × width), so a captured graph sees the new rows."""
+        buffer.copy_(self._rows(adapter_of_row))
+        self.mask = buffer
+
+    def new_buffer(self, rows: int) -> torch.Tensor:
+        return torch.zeros(rows, 1, self.width, dtype=self.mask.dtype, device=self.mask.device)
 
     def _add_delta(self, layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor:
         a, b = self._stacked[layer]

@@ -70,8 +70,9 @@ def build_decoder(runtime: AdapterRuntime, settings: Settings) -> SlotDecoder:
         if slots == 0:
             raise RuntimeError(f"the VRAM budget holds no slot: {budget.explain(settings.max_batch)}; lower "
                                "KEVLAYA_ENGINE_WINDOW_TOKENS or raise KEVLAYA_VRAM_BUDGET_GB")
+    graphs = settings.engine_cuda_graphs and runtime.device == "cuda"
     return SlotDecoder(runtime.model, runtime.tokenizer, sorted(runtime.adapters), slots=slots, window=window,
-                       eos_ids=runtime.eos_ids, ignore_eos=settings.ignore_eos)
+                       eos_ids=runtime.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs)
 
 
 class SlotEngine:

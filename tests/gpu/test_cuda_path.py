@@ -166,3 +166,22 @@ def test_the_worker_recovers_after_its_child_is_killed(env, api, start_process) 
     new_children = _children(worker.process.pid)
     assert new_children and child not in new_children
     assert api.get("/readyz", headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager-steps", "cuda-graphs"])
+def test_continuous_decoder_on_nf4_answers_as_generate_does(demo: AdapterRuntime, graphs: bool) -> None:
+    """The continuous decoder on the NF4 base: Kev and Laya rows in the same steps, captured or not, give the
+    per-adapter `generate` answers (greedy; fp16 on the GPU, so logprobs to 1e-2)."""
+    from worker.continuous import SlotDecoder
+
+    requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4)
+    expected = [demo.run_batch([r]).results[0] for r in requests]
+    decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
+                          graphs=graphs)
+    try:
+        got = decoder.run(requests)
+    finally:
+        decoder.close()
+    agree = sum(g.token_ids == e.token_ids for g, e in zip(got, expected))
+    assert agree >= len(requests) - 1, [(e.text, g.text) for g, e in zip(got, expected) if g.token_ids != e.token_ids]
+    assert all(g.error_code is None for g in got)
