@@ -44,7 +44,13 @@ def context_length(config: dict) -> int | None:
 
 class PromptBudget:
     def __init__(self, tokenizer, context_tokens: int, settings: Settings):  # noqa: ANN001
-        self.tokenizer, self.context_tokens, self.settings = tokenizer, context_tokens, settings
+        self.tokenizer, self.settings = tokenizer, settings
+        # The continuous engine gives each job a slot of KEVLAYA_ENGINE_WINDOW_TOKENS: a job over it never runs.
+        window = settings.engine_window_tokens if settings.engine == "continuous" else None
+        if window is not None and window < context_tokens:
+            self.context_tokens, self.limit_name = window, "the worker's window (KEVLAYA_ENGINE_WINDOW_TOKENS) of"
+        else:
+            self.context_tokens, self.limit_name = context_tokens, "the model's context of"
         # The Rust tokenizer's settings are toggled per call; concurrent calls from the thread pool must not
         # interleave ("Already borrowed").
         self._lock = threading.Lock()
@@ -97,7 +103,7 @@ class PromptBudget:
             raise ApiError(
                 422, "invalid_request",
                 f"{field_prefix}{names.input}: the prompt is {prompt} tokens with {adapter.capitalize()}'s system "
-                f"prompt; with {where} that is {prompt + new_tokens}, over the model's context of "
+                f"prompt; with {where} that is {prompt + new_tokens}, over {self.limit_name} "
                 f"{self.context_tokens} tokens"
                 + (f" (at most {room} new tokens would fit)" if room > 0 else ""),
             )

@@ -164,6 +164,28 @@ def test_max_new_tokens_counts_against_the_context(client):
     assert "Kev's default max_new_tokens" in auto.json()["error"]["message"]
 
 
+def test_with_the_continuous_engine_the_limit_is_its_window(service_env, monkeypatch):
+    """A continuous worker gives each job a window of KEVLAYA_ENGINE_WINDOW_TOKENS; a job that fits the model's
+    context but not the window is refused at submit, naming the setting, instead of failing on the worker."""
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+
+    monkeypatch.setenv("KEVLAYA_ENGINE", "continuous")
+    monkeypatch.setenv("KEVLAYA_ENGINE_WINDOW_TOKENS", "256")
+    get_settings.cache_clear()
+    with TestClient(create_app()) as client:
+        prompt = "Pick A or B."
+        fits = client.post("/v1/jobs", headers=AUTH,
+                           json={"adapter": "laya", "input": prompt, "params": {"max_new_tokens": 100}})
+        assert fits.status_code == 202, fits.text
+        over = client.post("/v1/jobs", headers=AUTH,
+                           json={"adapter": "laya", "input": prompt, "params": {"max_new_tokens": 300}})
+        assert_refused(over, "input")
+        assert "KEVLAYA_ENGINE_WINDOW_TOKENS) of 256 tokens" in over.json()["error"]["message"]
+    get_settings.cache_clear()
+
+
 def test_the_api_process_never_imports_torch(service_env):
     """The prompt budget loads the tokenizer without torch (docs/architecture.md §2): build the app, submit, check."""
     code = (
