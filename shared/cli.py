@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from bench.cli import bench, load
+from modellab.bench.cli import bench, load
 from shared.settings import get_settings
 
 app = typer.Typer(help="Kev & Laya decision-job service.", no_args_is_help=True, add_completion=False)
@@ -160,7 +160,7 @@ def models_random(
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Build a random-weight base model of a real shape plus Kev/Laya LoRA adapters (tests, benchmarks)."""
-    from worker.model_factory import SHAPES, build_random_model
+    from modellab.model_factory import SHAPES, build_random_model
 
     if shape not in SHAPES:
         _fail(f"--shape must be one of {', '.join(SHAPES)}")
@@ -183,7 +183,7 @@ def models_build_demo(
     import logging
     import shlex
 
-    from worker.demo_model import build_demo
+    from modellab.demo_model import build_demo
 
     if device not in ("auto", "cpu", "cuda"):
         _fail("--device must be auto, cpu or cuda")
@@ -242,7 +242,7 @@ def train(
     """Train a Kev or Laya LoRA adapter on a base model (QLoRA on CUDA, full-precision base on the CPU)."""
     import logging
 
-    from worker.training import DataError, TrainConfig, TrainingDiverged, preset, train_adapter
+    from modellab.training import DataError, TrainConfig, TrainingDiverged, preset, train_adapter
 
     if adapter not in ("kev", "laya"):
         _fail("--adapter must be kev or laya")
@@ -299,7 +299,7 @@ def evaluate(
     import logging
     import shlex
 
-    from worker.evaluation import MODES, agreement, load_scenarios, plot, run_evaluation, table
+    from modellab.evaluation import MODES, agreement, load_scenarios, plot, run_evaluation, table
     from worker.runtime import AdapterRuntime, uses_nf4
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
@@ -356,7 +356,7 @@ def dev_seed_jobs(
     from fastapi.testclient import TestClient
 
     from api.main import create_app
-    from bench.seed import seed_jobs
+    from modellab.bench.seed import seed_jobs
     from shared.db import get_engine, session_scope
     from shared.keys import create_key
     from shared.models import ApiKey

@@ -145,7 +145,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from worker.model_factory import build_random_model
+    from modellab.model_factory import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("models"), "tiny", seed=0)
 

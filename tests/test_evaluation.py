@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.decision_data import write_dataset
-from worker.evaluation import Answer, calibration, summarize
+from modellab.decision_data import write_dataset
+from modellab.evaluation import Answer, calibration, summarize
 
 
 def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):

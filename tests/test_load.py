@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import require_loopback
+from modellab.bench.load import require_loopback
 
 pytestmark = pytest.mark.integration
 

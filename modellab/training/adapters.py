@@ -15,23 +15,23 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from shared.manifest import write_manifest
-from worker.runtime import resolve_device
-from worker.training.config import (
+from modellab.training.config import (
     ADAPTER_FILES,
     OUTPUT_FILES,
     TrainConfig,
     TrainingDiverged,
     TrainReport,
 )
-from worker.training.data import (
+from modellab.training.data import (
     balance_by_label,
     encode_samples,
     example_batches,
     read_samples,
 )
-from worker.training.loop import LoopSettings, make_report, run_loop, seed_everything
-from worker.training.scoring import score_decisions
+from modellab.training.loop import LoopSettings, make_report, run_loop, seed_everything
+from modellab.training.scoring import score_decisions
+from shared.manifest import write_manifest
+from worker.runtime import resolve_device
 
 log = logging.getLogger("kevlaya.training")
 

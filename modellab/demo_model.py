@@ -25,11 +25,9 @@ from peft import PeftModel
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
-from shared.manifest import MANIFEST_NAME, write_manifest
-from worker import decision_data as dd
-from worker.model_factory import SPECIAL_TOKENS, chat_tokenizer
-from worker.runtime import resolve_device
-from worker.training import (
+from modellab import decision_data as dd
+from modellab.model_factory import SPECIAL_TOKENS, chat_tokenizer
+from modellab.training import (
     PretrainConfig,
     TrainConfig,
     preset,
@@ -38,6 +36,8 @@ from worker.training import (
     score_decisions,
     train_adapter,
 )
+from shared.manifest import MANIFEST_NAME, write_manifest
+from worker.runtime import resolve_device
 
 log = logging.getLogger("kevlaya.training")
 
