@@ -210,7 +210,7 @@ def test_output_dir_with_other_files_is_refused(base: Path, tmp_path: Path) -> N
 
 
 def kevlaya(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
 
 

@@ -275,7 +275,7 @@ def run(
     flower: Annotated[bool, typer.Option(help="also serve Flower")] = True,
 ) -> None:
     """Run everything locally: migrate, find or start Redis, then the API, one worker and Flower."""
-    from shared.local_run import run_local
+    from cli.local_run import run_local
 
     sys.exit(run_local(with_flower=flower))
 
