@@ -9,9 +9,17 @@ from typing import Annotated, Optional
 import typer
 
 from cli.common import fail
-from shared.settings import get_settings
+from modellab.presets import LORA_PRESETS
+from shared.settings import ADAPTERS, get_settings
 
 app = typer.Typer(help="Model directories.", no_args_is_help=True)
+
+
+def _presets(field: str) -> str:
+    """`kev 16, laya 8`: one preset field per role, for the help of `train`."""
+    values = {name: getattr(p, field) for name, p in LORA_PRESETS.items()}
+    return ", ".join(f"{name} {value:.0e}".replace("e-0", "e-") if isinstance(value, float) else f"{name} {value}"
+                     for name, value in values.items())
 
 
 @app.command("random")
@@ -85,9 +93,9 @@ def train(
     adapter: Annotated[str, typer.Option(help="kev or laya: picks the preset (r, alpha, lr, system prompt)")],
     base: Annotated[Path, typer.Option(help="base model directory (Hugging Face format, with its tokenizer)")],
     out: Annotated[Path, typer.Option(help="directory to write the adapter, training.json and the manifest into")],
-    r: Annotated[Optional[int], typer.Option(help="LoRA rank (preset: kev 16, laya 8)")] = None,
-    alpha: Annotated[Optional[int], typer.Option(help="LoRA alpha (preset: kev 32, laya 16)")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="peak learning rate (preset: kev 1e-4, laya 2e-4)")] = None,
+    r: Annotated[Optional[int], typer.Option(help=f"LoRA rank (preset: {_presets('r')})")] = None,
+    alpha: Annotated[Optional[int], typer.Option(help=f"LoRA alpha (preset: {_presets('alpha')})")] = None,
+    lr: Annotated[Optional[float], typer.Option(help=f"peak learning rate (preset: {_presets('lr')})")] = None,
     targets: Annotated[str, typer.Option(help="comma-separated module names to adapt")] = "q_proj,v_proj",
     epochs: Annotated[float, typer.Option(help="passes over the (resampled) data")] = 1.0,
     max_steps: Annotated[Optional[int], typer.Option(help="optimizer steps; overrides --epochs")] = None,
@@ -102,9 +110,10 @@ def train(
     """Train a Kev or Laya LoRA adapter on a base model (QLoRA on CUDA, full-precision base on the CPU)."""
     import logging
 
-    from modellab.training import DataError, TrainConfig, TrainingDiverged, preset, train_adapter
+    from modellab.presets import preset
+    from modellab.training import DataError, TrainConfig, TrainingDiverged, train_adapter
 
-    if adapter not in ("kev", "laya"):
+    if adapter not in ADAPTERS:
         fail("--adapter must be kev or laya")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     defaults = preset(adapter)

@@ -16,7 +16,6 @@ from modellab.training.config import (
     TrainConfig,
     TrainingDiverged,
     TrainReport,
-    preset,
 )
 from modellab.training.data import (
     Encoded,
@@ -32,5 +31,5 @@ from modellab.training.scoring import score_decisions
 __all__ = [
     "ADAPTER_FILES", "IGNORE_INDEX", "OUTPUT_FILES", "DataError", "Encoded", "PretrainConfig", "Sample",
     "TrainConfig", "TrainReport", "TrainingDiverged", "balance_by_label", "chat_messages", "encode_samples",
-    "pack_texts", "preset", "pretrain_base", "read_samples", "score_decisions", "train_adapter",
+    "pack_texts", "pretrain_base", "read_samples", "score_decisions", "train_adapter",
 ]
