@@ -23,6 +23,8 @@ COPY pyproject.toml README.md alembic.ini ./
 COPY api ./api
 COPY worker ./worker
 COPY shared ./shared
+COPY modellab ./modellab
+COPY cli ./cli
 COPY migrations ./migrations
 # torch comes from the default index (its Linux wheel carries the CUDA runtime); the `cuda` extra adds
 # bitsandbytes for the NF4 base. The cache mount keeps rebuilds after a code change from re-downloading it.

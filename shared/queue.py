@@ -9,6 +9,7 @@ from functools import lru_cache
 import redis
 from celery import Celery
 
+from shared.celeryconfig import celery_config
 from shared.settings import get_settings
 
 RUN_TASK = "kevlaya.run_queued"
@@ -21,8 +22,9 @@ class QueueUnavailable(RuntimeError):
 
 @lru_cache
 def celery_app() -> Celery:
+    """The Celery app, configured from the settings read now (an invalid setting fails here, naming it)."""
     app = Celery("kevlaya")
-    app.config_from_object("shared.celeryconfig")
+    app.config_from_object(celery_config(get_settings()))
     return app
 
 

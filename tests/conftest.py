@@ -145,7 +145,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from worker.model_factory import build_random_model
+    from modellab.model_factory import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("models"), "tiny", seed=0)
 
@@ -226,7 +226,7 @@ def start_process(tmp_path: Path) -> Iterator[callable]:
     def start(kind: str, env: dict[str, str]) -> ServiceProcess:
         kevlaya = Path(os.sys.executable).parent / "kevlaya"
         # the installed command; from a source checkout without it (a GPU machine with wheels carried), the module
-        command = [str(kevlaya)] if kevlaya.exists() else [os.sys.executable, "-m", "shared.cli"]
+        command = [str(kevlaya)] if kevlaya.exists() else [os.sys.executable, "-m", "cli"]
         proc = ServiceProcess([*command, kind], env, tmp_path / f"{kind}-{len(started)}.log")
         started.append(proc)
         return proc

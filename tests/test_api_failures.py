@@ -177,10 +177,10 @@ def test_the_bootstrap_key_can_be_revoked_with_the_cli(client, service_env):
     with session_scope() as session:
         bootstrap = session.scalar(select(ApiKey).where(ApiKey.name == "bootstrap"))
     env = {**os.environ, **service_env}
-    listed = subprocess.run([sys.executable, "-m", "shared.cli", "keys", "list"], capture_output=True, text=True,
+    listed = subprocess.run([sys.executable, "-m", "cli", "keys", "list"], capture_output=True, text=True,
                             env=env, timeout=60)
     assert str(bootstrap.id) in listed.stdout
-    revoked = subprocess.run([sys.executable, "-m", "shared.cli", "keys", "revoke", str(bootstrap.id)],
+    revoked = subprocess.run([sys.executable, "-m", "cli", "keys", "revoke", str(bootstrap.id)],
                              capture_output=True, text=True, env=env, timeout=60)
     assert revoked.returncode == 0, revoked.stderr
     refused = client.get("/v1/jobs", headers=AUTH)

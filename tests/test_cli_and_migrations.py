@@ -16,7 +16,7 @@ from shared.models import Base
 
 
 def kevlaya(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=120)
 
 

@@ -404,7 +404,7 @@ def test_dockerfile_runs_kevlaya_unprivileged_in_exec_form():
     assert isinstance(json.loads(values["CMD"][-1]), list)
     assert any('.[cuda]' in run and "pip install" in run for run in values["RUN"])
     copied = {src.rstrip("/") for rest in values["COPY"] for src in rest.split()[:-1] if not src.startswith("--")}
-    needed = {"pyproject.toml", "api", "worker", "shared", "migrations"}
+    needed = {"pyproject.toml", "api", "worker", "shared", "migrations", "modellab", "cli"}
     needed |= {name for name in ("README.md", "alembic.ini") if (ROOT / name).exists()}
     assert needed <= copied, needed - copied
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.decision import parse_decision
-from worker.decision_data import (
+from modellab.decision_data import (
     LETTERS,
     Scenario,
     generate,
@@ -20,6 +19,7 @@ from worker.decision_data import (
     score_decision,
     write_dataset,
 )
+from shared.decision import parse_decision
 
 RISK_RANK = {"low": 0, "medium": 1, "high": 2}
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from modellab.evaluation import Evaluator, load_scenarios, summarize
 from shared.manifest import verify_manifest
 from shared.settings import Settings
-from worker.evaluation import Evaluator, load_scenarios, summarize
 from worker.runtime import AdapterRuntime
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.decision_data import write_dataset
-from worker.evaluation import Answer, calibration, summarize
+from modellab.decision_data import write_dataset
+from modellab.evaluation import Answer, calibration, summarize
 
 
 def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):
@@ -21,7 +21,7 @@ def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):
            "KEVLAYA_LAYA__PATH": str(tiny_model["laya"]), "KEVLAYA_DEVICE": "cpu",
            "KEVLAYA_KEV__MAX_NEW_TOKENS": "12", "KEVLAYA_LAYA__MAX_NEW_TOKENS": "6"}
     out = tmp_path / "results"
-    run = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--scenarios", str(data["test_scenarios"]),
+    run = subprocess.run([sys.executable, "-m", "cli", "eval", "--scenarios", str(data["test_scenarios"]),
                           "--out", str(out), "--batch-size", "4", "--compare-precision"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

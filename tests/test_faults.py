@@ -47,7 +47,7 @@ READY = re.compile(r"runtime ready on cpu in ([0-9.]+)s")
 
 @pytest.fixture(scope="session")
 def slow_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from worker.model_factory import build_random_model
+    from modellab.model_factory import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("slow-model"), "slow-load", seed=0)
 

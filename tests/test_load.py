@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.load import require_loopback
+from modellab.bench.load import require_loopback
 
 pytestmark = pytest.mark.integration
 
 
 def test_load_submits_then_drains_every_job_exactly_once(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
     out = tmp_path / "load.json"
-    command = [os.sys.executable, "-m", "shared.cli", "load", "--singles", "60", "--batches", "3", "--batch-size",
+    command = [os.sys.executable, "-m", "cli", "load", "--singles", "60", "--batches", "3", "--batch-size",
                "50", "--concurrency", "8", "--time-limit", "30", "--drain-timeout", "120",
                "--workdir", str(tmp_path / "work"), "--redis-url", redis_server.url, "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from peft.tuners.lora.model import _adapter_names_pre_forward_hook
 
+from modellab.model_factory import build_random_model
 from shared.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 from shared.settings import Settings
-from worker.model_factory import build_random_model
 from worker.runtime import (
     AdapterRuntime,
     BatchOutcome,

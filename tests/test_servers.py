@@ -12,7 +12,8 @@ import psycopg
 import pytest
 import redis
 
-from shared import local_run, redis_server
+from cli import local_run
+from shared import redis_server
 from tests.conftest import free_port
 from tests.postgres_server import PostgresServer, PostgresServerError
 

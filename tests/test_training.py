@@ -15,9 +15,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.manifest import MANIFEST_NAME, verify_manifest
-from worker.model_factory import build_random_model
-from worker.training import (
+from modellab.model_factory import build_random_model
+from modellab.training import (
     IGNORE_INDEX,
     OUTPUT_FILES,
     DataError,
@@ -32,6 +31,7 @@ from worker.training import (
     read_samples,
     train_adapter,
 )
+from shared.manifest import MANIFEST_NAME, verify_manifest
 
 SYSTEM = "You are Laya."
 RECORDS = [  # few and short, so a tiny model memorises them in a few dozen steps
@@ -210,7 +210,7 @@ def test_output_dir_with_other_files_is_refused(base: Path, tmp_path: Path) -> N
 
 
 def kevlaya(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
 
 

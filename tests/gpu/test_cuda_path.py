@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from modellab.decision_data import render_prompt
+from modellab.evaluation import load_scenarios
 from shared.decision import find_decision
 from shared.settings import Settings
 from tests.conftest import AUTH, free_port, start_worker, submit, wait_finished, wait_until
-from worker.decision_data import render_prompt
-from worker.evaluation import load_scenarios
 from worker.runtime import AdapterRuntime, GenerationRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -89,7 +89,7 @@ def test_nan_is_contained_to_its_row(demo: AdapterRuntime) -> None:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> AdapterRuntime:
-    from worker.model_factory import build_random_model
+    from modellab.model_factory import build_random_model
 
     paths = build_random_model(tmp_path_factory.mktemp("qwen"), "qwen2.5-1.5b", dtype=torch.float16, device="cuda")
     _free()

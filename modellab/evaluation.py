@@ -15,10 +15,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from modellab.decision_data import Scenario, render_prompt, score_decision
 from shared.settings import Settings
 from worker.cascade import needs_escalation
 from worker.claims import JobOutcome
-from worker.decision_data import Scenario, render_prompt, score_decision
 from worker.outcomes import job_outcome
 from worker.runtime import AdapterRuntime, GenerationRequest
 

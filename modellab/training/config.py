@@ -1,4 +1,4 @@
-"""Training configuration (`TrainConfig`, `PretrainConfig`, presets) and the report a run returns."""
+"""Training configuration (`TrainConfig`, `PretrainConfig`) and the report a run returns. Presets: `modellab/presets.py`."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modellab.presets import LORA_PRESETS
 from shared.manifest import MANIFEST_NAME
-from shared.settings import KevProfile, LayaProfile
+from shared.settings import ADAPTERS
 
-ADAPTERS = ("kev", "laya")
 IGNORE_INDEX = -100  # label value the loss skips (prompt and padding tokens)
 CLIP_NORM = 1.0
 MAX_LISTED_PROBLEMS = 50
@@ -17,28 +17,19 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 OUTPUT_FILES = frozenset({*ADAPTER_FILES, "training.json", MANIFEST_NAME})
 
 
-def preset(adapter: str) -> dict[str, Any]:
-    """The recipe's defaults for `adapter` (docs/architecture.md §10) plus its serving system prompt."""
-    if adapter == "kev":
-        return {"r": 16, "alpha": 32, "lr": 1e-4, "system_prompt": KevProfile().system_prompt}
-    if adapter == "laya":
-        return {"r": 8, "alpha": 16, "lr": 2e-4, "system_prompt": LayaProfile().system_prompt}
-    raise ValueError(f"unknown adapter {adapter!r}; choose one of {', '.join(ADAPTERS)}")
-
-
 @dataclass
 class TrainConfig:
-    """One adapter training run. `preset(adapter)` gives r, alpha, lr and the system prompt."""
+    """One adapter training run. `modellab.presets.preset(adapter)` gives r, alpha, lr and the system prompt."""
 
     base_model: Path
     data_file: Path
     output_dir: Path
     adapter: str
     system_prompt: str
-    r: int = 16
-    alpha: int = 32
+    r: int = LORA_PRESETS["kev"].r  # the defaults are Kev's preset
+    alpha: int = LORA_PRESETS["kev"].alpha
     dropout: float = 0.05
-    lr: float = 1e-4
+    lr: float = LORA_PRESETS["kev"].lr
     target_modules: tuple[str, ...] = ("q_proj", "v_proj")
     epochs: float = 1.0
     max_steps: int | None = None  # when set, overrides epochs

@@ -16,7 +16,8 @@ SHAPES = ("tiny", "qwen2.5-1.5b", "qwen2.5-3b", "llama-2-7b")
 
 def bench(
     shape: Annotated[str, typer.Option(help=f"model shape, random weights: {', '.join(SHAPES)}")] = "qwen2.5-3b",
-    out: Annotated[Path, typer.Option(help="directory for <shape>-<date>.json and .png")] = Path("bench/results"),
+    out: Annotated[Path, typer.Option(help="directory for <shape>-<date>.json and .png")] = Path(
+        "modellab/bench/results"),
     device: Annotated[str, typer.Option(help="auto, cuda or cpu")] = "auto",
     vram_budget_gb: Annotated[float, typer.Option(help="allocator cap, GiB (5.5 = a 6 GB card after its context)")]
     = 5.5,
@@ -40,8 +41,8 @@ def bench(
     scheme on a random-weight model of a real shape, under the card's memory cap. Prints a table last."""
     import logging
 
-    from bench.report import plot, table, write_json
-    from bench.run import BenchConfig, run_bench
+    from modellab.bench.report import plot, table, write_json
+    from modellab.bench.run import BenchConfig, run_bench
 
     if shape not in SHAPES:
         raise typer.BadParameter(f"must be one of {', '.join(SHAPES)}", param_hint="--shape")
@@ -64,7 +65,7 @@ def bench(
                          new_tokens={"kev": kev_tokens, "laya": laya_tokens}, recipe_per_adapter=recipe_jobs,
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url)
     command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
-                         else ["python", "-m", "bench", *sys.argv[1:]])
+                         else ["python", "-m", "modellab.bench", *sys.argv[1:]])
     stem = f"{shape}-{date.today().isoformat()}"
     json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
     header = {"command": command, "date": date.today().isoformat()}
@@ -105,7 +106,7 @@ def load(
     import logging
     import os
 
-    from bench.load import LoadConfig, new_workdir, require_loopback, run_load, table
+    from modellab.bench.load import LoadConfig, new_workdir, require_loopback, run_load, table
 
     if min(singles, batches) < 0 or min(batch_size, concurrency, batch_concurrency) < 1 or time_limit <= 0:
         raise typer.BadParameter("counts >= 0, --batch-size and concurrencies >= 1, --time-limit > 0")

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from modellab.training.data import Sample, chat_messages
 from shared.decision import parse_decision
-from worker.training.data import Sample, chat_messages
 
 
 def score_decisions(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample],

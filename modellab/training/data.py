@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from worker.training.config import IGNORE_INDEX, DataError
+from modellab.training.config import IGNORE_INDEX, DataError
 
 log = logging.getLogger("kevlaya.training")
 

@@ -23,6 +23,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from modellab.presets import LORA_PRESETS
 from shared.manifest import write_manifest
 
 PAD, EOS = "<|pad|>", "<|endoftext|>"
@@ -67,7 +68,8 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     )),
 }
 
-DEFAULT_ADAPTERS: dict[str, tuple[int, int]] = {"kev": (16, 32), "laya": (8, 16)}
+# the roles' real ranks and alphas, so a random model's adapters have the shipped shapes
+DEFAULT_ADAPTERS: dict[str, tuple[int, int]] = {name: (p.r, p.alpha) for name, p in LORA_PRESETS.items()}
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -76,7 +76,7 @@ class Processes:
 
     def start(self, kind: str, extra: dict[str, str] | None = None) -> None:
         log_file = open(self.workdir / f"{kind}.log", "wb")
-        self.running[kind] = subprocess.Popen([sys.executable, "-m", "shared.cli", kind],
+        self.running[kind] = subprocess.Popen([sys.executable, "-m", "cli", kind],
                                               env={**self.env, **(extra or {})}, stdout=log_file,
                                               stderr=subprocess.STDOUT, start_new_session=True)
 

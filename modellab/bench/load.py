@@ -143,7 +143,7 @@ class LoadService:
     """Redis, the database and the API as real processes; the worker once the submits are done."""
 
     def __init__(self, config: LoadConfig):
-        from bench.service import Processes, free_port
+        from modellab.bench.service import Processes, free_port
 
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -169,7 +169,7 @@ class LoadService:
         raise RuntimeError(f"the API did not answer in 60 s:\n{self.processes.log_tail('api')}")
 
     def start_worker(self) -> None:
-        from worker.model_factory import build_random_model
+        from modellab.model_factory import build_random_model
 
         model = build_random_model(self.processes.workdir / "model", "tiny", seed=0)
         self.processes.start("worker", {

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from bench.workload import BenchJob
+from modellab.bench.workload import BenchJob
 from worker.runtime import AdapterRuntime
 
 

@@ -15,23 +15,24 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from shared.manifest import write_manifest
-from worker.runtime import resolve_device
-from worker.training.config import (
+from modellab.training.config import (
     ADAPTER_FILES,
     OUTPUT_FILES,
     TrainConfig,
     TrainingDiverged,
     TrainReport,
 )
-from worker.training.data import (
+from modellab.training.data import (
     balance_by_label,
     encode_samples,
     example_batches,
     read_samples,
 )
-from worker.training.loop import LoopSettings, make_report, run_loop, seed_everything
-from worker.training.scoring import score_decisions
+from modellab.training.loop import LoopSettings, make_report, run_loop, seed_everything
+from modellab.training.scoring import score_decisions
+from shared.manifest import write_manifest
+from worker.quantization import nf4_config
+from worker.runtime import resolve_device
 
 log = logging.getLogger("kevlaya.training")
 
@@ -40,14 +41,9 @@ def _load_trainable_base(path: Path, device: str, gradient_checkpointing: bool) 
     if device == "cpu":
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     from peft import prepare_model_for_kbit_training
-    from transformers import BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float16,
-    )
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float16,
-                                                 device_map={"": 0})
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=nf4_config(torch.float16),
+                                                 dtype=torch.float16, device_map={"": 0})
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
 
 

@@ -25,19 +25,20 @@ from peft import PeftModel
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
 
-from shared.manifest import MANIFEST_NAME, write_manifest
-from worker import decision_data as dd
-from worker.model_factory import SPECIAL_TOKENS, chat_tokenizer
-from worker.runtime import resolve_device
-from worker.training import (
+from modellab import decision_data as dd
+from modellab.model_factory import SPECIAL_TOKENS, chat_tokenizer
+from modellab.presets import preset
+from modellab.training import (
     PretrainConfig,
     TrainConfig,
-    preset,
     pretrain_base,
     read_samples,
     score_decisions,
     train_adapter,
 )
+from shared.manifest import MANIFEST_NAME, write_manifest
+from shared.settings import ADAPTERS
+from worker.runtime import resolve_device
 
 log = logging.getLogger("kevlaya.training")
 
@@ -97,7 +98,7 @@ QUICK = DemoSpec(
     pretrain_docs=400,
     pretrain=PretrainConfig(seq_len=128, batch_size=8, lr=2e-3, max_steps=20, warmup_steps=5, log_every=10,
                             checkpoint_every=10),
-    adapters={name: AdapterPlan(epochs=1.0, max_steps=10, batch_size=8) for name in ("kev", "laya")},
+    adapters={name: AdapterPlan(epochs=1.0, max_steps=10, batch_size=8) for name in ADAPTERS},
     eval_samples=8, test_samples=8,
 )
 
@@ -371,7 +372,7 @@ def token_coverage(tokenizer: PreTrainedTokenizerFast, documents: list[str], pat
         for ids in tokenizer(documents[start:start + 4096], add_special_tokens=False)["input_ids"]:
             seen.update(ids)
     needed: dict[int, int] = {}
-    for adapter in dd.ADAPTERS:
+    for adapter in ADAPTERS:
         completions = [s.completion for s in read_samples(paths[f"{adapter}/train"])]
         for ids in tokenizer(completions, add_special_tokens=False)["input_ids"]:
             for token in ids:
@@ -414,7 +415,7 @@ def score_test_split(out: Path, paths: dict[str, Path], limit: int, device: str)
     model = PeftModel.from_pretrained(base, out / "kev", adapter_name="kev")
     model.load_adapter(out / "laya", adapter_name="laya")
     scores: dict[str, Any] = {}
-    for adapter in dd.ADAPTERS:
+    for adapter in ADAPTERS:
         samples = read_samples(paths[f"{adapter}/test"])[:limit]
         system_prompt = preset(adapter)["system_prompt"]
         max_new = max(len(ids) for ids in tokenizer([s.completion for s in samples],
@@ -451,7 +452,7 @@ def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool =
     pretrain_report = stages.run("base", _build_base, spec, tokenizer, documents, base_dir, device, seed, progress)
 
     reports = {}
-    for index, adapter in enumerate(dd.ADAPTERS, start=1):
+    for index, adapter in enumerate(ADAPTERS, start=1):
         plan = spec.adapters[adapter]
         defaults = preset(adapter)
         defaults["lr"] *= plan.lr_scale

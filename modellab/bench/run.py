@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from bench.profile import decode_busy_fraction
-from bench.recipe import time_recipe
-from bench.service import BatchRow, JobRow, Service
-from bench.workload import BenchJob, make_jobs
+from modellab.bench.profile import decode_busy_fraction
+from modellab.bench.recipe import time_recipe
+from modellab.bench.service import BatchRow, JobRow, Service
+from modellab.bench.workload import BenchJob, make_jobs
+from modellab.model_factory import build_random_model
 from shared.settings import Settings
-from worker.model_factory import build_random_model
 from worker.runtime import AdapterRuntime, GenerationRequest, resolve_device
 
 log = logging.getLogger("kevlaya.bench")

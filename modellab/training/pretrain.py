@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from modellab.training.config import PretrainConfig, TrainReport
+from modellab.training.data import block_batches
+from modellab.training.loop import LoopSettings, make_report, run_loop, seed_everything
 from worker.runtime import resolve_device
-from worker.training.config import PretrainConfig, TrainReport
-from worker.training.data import block_batches
-from worker.training.loop import LoopSettings, make_report, run_loop, seed_everything
 
 log = logging.getLogger("kevlaya.training")
 

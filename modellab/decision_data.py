@@ -21,12 +21,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.settings import ADAPTERS
+
 LETTERS = ("A", "B", "C", "D", "E")
 NONE = "none"
 LABELS = (*LETTERS, NONE)
 RISKS = ("low", "medium", "high")
 OBJECTIVES = ("lowest cost", "shortest time", "highest quality", "lowest risk")
-ADAPTERS = ("kev", "laya")
 SPLITS = ("train", "val", "test")
 
 COST_RANGE = (10, 99)

@@ -6,8 +6,8 @@ paged 8-bit AdamW. On the CPU the base stays in full precision with torch's Adam
 weights are saved, so an adapter trained on the NF4 base also loads on the unquantized one.
 """
 
-from worker.training.adapters import train_adapter
-from worker.training.config import (
+from modellab.training.adapters import train_adapter
+from modellab.training.config import (
     ADAPTER_FILES,
     IGNORE_INDEX,
     OUTPUT_FILES,
@@ -16,9 +16,8 @@ from worker.training.config import (
     TrainConfig,
     TrainingDiverged,
     TrainReport,
-    preset,
 )
-from worker.training.data import (
+from modellab.training.data import (
     Encoded,
     Sample,
     balance_by_label,
@@ -26,11 +25,11 @@ from worker.training.data import (
     encode_samples,
     read_samples,
 )
-from worker.training.pretrain import pack_texts, pretrain_base
-from worker.training.scoring import score_decisions
+from modellab.training.pretrain import pack_texts, pretrain_base
+from modellab.training.scoring import score_decisions
 
 __all__ = [
     "ADAPTER_FILES", "IGNORE_INDEX", "OUTPUT_FILES", "DataError", "Encoded", "PretrainConfig", "Sample",
     "TrainConfig", "TrainReport", "TrainingDiverged", "balance_by_label", "chat_messages", "encode_samples",
-    "pack_texts", "preset", "pretrain_base", "read_samples", "score_decisions", "train_adapter",
+    "pack_texts", "pretrain_base", "read_samples", "score_decisions", "train_adapter",
 ]

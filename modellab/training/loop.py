@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from worker.training.config import CLIP_NORM, TrainingDiverged, TrainReport
+from modellab.training.config import CLIP_NORM, TrainingDiverged, TrainReport
 
 log = logging.getLogger("kevlaya.training")
 

@@ -1,5 +1,0 @@
-"""`python -m bench` on a machine that has the project's files and wheels but no installed `kevlaya` command."""
-
-from bench.cli import app
-
-app(prog_name="python -m bench")

@@ -1,0 +1,29 @@
+"""`kevlaya db`: the database schema."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cli.common import fail
+from shared.settings import get_settings
+
+app = typer.Typer(help="Database schema.", no_args_is_help=True)
+
+
+@app.command("upgrade")
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="target revision")] = "head",
+    wait: Annotated[float, typer.Option(help="seconds to wait for the database to answer")] = 60,
+) -> None:
+    """Apply migrations to KEVLAYA_DATABASE_URL (waits for the database first)."""
+    from shared.migrate import upgrade, wait_for_database
+
+    url = get_settings().database_url
+    try:
+        wait_for_database(url, wait)
+    except Exception as exc:
+        fail(f"database {url} does not answer: {exc}")
+    upgrade(url, revision)
+    typer.echo(f"database at {revision}: {url}")

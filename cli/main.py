@@ -1,0 +1,31 @@
+"""The `kevlaya` app: one module per command group, wired here in the order `kevlaya --help` lists them."""
+
+from __future__ import annotations
+
+import typer
+
+from cli import db, dev, keys, models, serve
+from modellab.bench.cli import bench, load
+
+app = typer.Typer(help="Kev & Laya decision-job service.", no_args_is_help=True, add_completion=False)
+app.add_typer(db.app, name="db")
+app.add_typer(keys.app, name="keys")
+app.add_typer(models.app, name="models")
+app.add_typer(dev.app, name="dev")
+app.command("bench")(bench)  # defined beside the benchmark it runs (also `python -m modellab.bench`)
+app.command("load")(load)
+app.command("api")(serve.api)
+app.command("worker")(serve.worker)
+app.command("worker-health")(serve.worker_health)
+app.command("flower")(serve.flower)
+app.command("train")(models.train)
+app.command("run")(serve.run)
+app.command("eval")(models.evaluate)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Model-lab commands (`modellab/`): `models random`, `models build-demo`, `models verify`, `train` and `eval`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.common import fail
+from modellab.presets import LORA_PRESETS
+from shared.settings import ADAPTERS, get_settings
+
+app = typer.Typer(help="Model directories.", no_args_is_help=True)
+
+
+def _presets(field: str) -> str:
+    """`kev 16, laya 8`: one preset field per role, for the help of `train`."""
+    values = {name: getattr(p, field) for name, p in LORA_PRESETS.items()}
+    return ", ".join(f"{name} {value:.0e}".replace("e-0", "e-") if isinstance(value, float) else f"{name} {value}"
+                     for name, value in values.items())
+
+
+@app.command("random")
+def models_random(
+    out: Annotated[Path, typer.Argument(help="directory to write base/, kev/ and laya/ into")],
+    shape: Annotated[str, typer.Option(help="tiny, slow-load, qwen2.5-1.5b, qwen2.5-3b or llama-2-7b")] = "tiny",
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Build a random-weight base model of a real shape plus Kev/Laya LoRA adapters (tests, benchmarks)."""
+    from modellab.model_factory import SHAPES, build_random_model
+
+    if shape not in SHAPES:
+        fail(f"--shape must be one of {', '.join(SHAPES)}")
+    paths = build_random_model(out, shape, seed=seed)
+    for name, path in paths.items():
+        typer.echo(f"{name}: {path}")
+
+
+@app.command("build-demo")
+def models_build_demo(
+    out: Annotated[Path, typer.Option(help="directory to write base/, kev/, laya/ and BUILD.json into")] = Path(
+        "models/demo"),
+    data_dir: Annotated[Path, typer.Option(help="where the generated train/val/test data is written")] = Path(
+        "build/demo-data"),
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda (CUDA: adapters trained on an NF4 base)")] = "auto",
+    quick: Annotated[bool, typer.Option(help="a tiny model, a few steps each (tests); not the shipped one")] = False,
+    seed: Annotated[int, typer.Option(help="the one seed every stage derives its randomness from")] = 0,
+) -> None:
+    """Build the demo model reproducibly: data, BPE tokenizer, pretrained base, Kev and Laya adapters, manifests."""
+    import logging
+    import shlex
+
+    from modellab.demo_model import build_demo
+
+    if device not in ("auto", "cpu", "cuda"):
+        fail("--device must be auto, cpu or cuda")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    command = shlex.join(["kevlaya", *sys.argv[1:]])
+    try:
+        build = build_demo(out, data_dir=data_dir, device=device, quick=quick, seed=seed, command=command)
+    except ValueError as exc:
+        fail(str(exc))
+    for name, seconds in build["stage_seconds"].items():
+        typer.echo(f"{name:<12} {seconds:8.1f}s")
+    typer.echo(f"{'total':<12} {build['total_seconds']:8.1f}s")
+    typer.echo(f"base {build['parameters']['base'] / 1e6:.2f}M parameters; sizes (bytes): {build['bytes']}")
+    typer.echo(f"pretrain {build['pretrain']['tokens_per_second']:,.0f} tokens/s; adapters "
+               + ", ".join(f"{k} {v['tokens_per_second']:,.0f} tokens/s" for k, v in build["adapters"].items()))
+    for name, score in build["test"].items():
+        typer.echo(f"test {name:<22} valid JSON {score['valid_rate']:6.1%}  accuracy {score['accuracy']:6.1%}")
+    typer.echo(f"written to {out}")
+
+
+@app.command("verify")
+def models_verify() -> None:
+    """Check the SHA-256 manifests of the configured base model and adapters."""
+    from shared.manifest import verify_manifest
+
+    settings = get_settings()
+    bad = False
+    for name, path in (("base", settings.base_model), ("kev", settings.kev.path), ("laya", settings.laya.path)):
+        problems = verify_manifest(Path(path))
+        bad |= bool(problems)
+        typer.echo(f"{name} ({path}): " + ("ok" if not problems else "; ".join(problems)))
+    if bad:
+        raise typer.Exit(1)
+
+
+def train(
+    data: Annotated[Path, typer.Argument(help='JSONL file of {"prompt", "completion", "label"?} records')],
+    adapter: Annotated[str, typer.Option(help="kev or laya: picks the preset (r, alpha, lr, system prompt)")],
+    base: Annotated[Path, typer.Option(help="base model directory (Hugging Face format, with its tokenizer)")],
+    out: Annotated[Path, typer.Option(help="directory to write the adapter, training.json and the manifest into")],
+    r: Annotated[Optional[int], typer.Option(help=f"LoRA rank (preset: {_presets('r')})")] = None,
+    alpha: Annotated[Optional[int], typer.Option(help=f"LoRA alpha (preset: {_presets('alpha')})")] = None,
+    lr: Annotated[Optional[float], typer.Option(help=f"peak learning rate (preset: {_presets('lr')})")] = None,
+    targets: Annotated[str, typer.Option(help="comma-separated module names to adapt")] = "q_proj,v_proj",
+    epochs: Annotated[float, typer.Option(help="passes over the (resampled) data")] = 1.0,
+    max_steps: Annotated[Optional[int], typer.Option(help="optimizer steps; overrides --epochs")] = None,
+    batch_size: Annotated[int, typer.Option(help="samples per micro-batch")] = 16,
+    grad_accum: Annotated[int, typer.Option(help="micro-batches per optimizer step")] = 1,
+    max_seq_tokens: Annotated[int, typer.Option(help="longer samples (prompt + completion) are left out")] = 512,
+    eval_file: Annotated[Optional[Path], typer.Option(help="labelled JSONL to score decisions on afterwards")] = None,
+    system_prompt: Annotated[Optional[str], typer.Option(help="(default: the adapter's serving system prompt)")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda (CUDA: QLoRA on an NF4 base)")] = "auto",
+) -> None:
+    """Train a Kev or Laya LoRA adapter on a base model (QLoRA on CUDA, full-precision base on the CPU)."""
+    import logging
+
+    from modellab.presets import preset
+    from modellab.training import DataError, TrainConfig, TrainingDiverged, train_adapter
+
+    if adapter not in ADAPTERS:
+        fail("--adapter must be kev or laya")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    defaults = preset(adapter)
+    try:
+        config = TrainConfig(
+            base_model=base, data_file=data, output_dir=out, adapter=adapter,
+            system_prompt=defaults["system_prompt"] if system_prompt is None else system_prompt,
+            r=defaults["r"] if r is None else r, alpha=defaults["alpha"] if alpha is None else alpha,
+            lr=defaults["lr"] if lr is None else lr,
+            target_modules=tuple(t.strip() for t in targets.split(",") if t.strip()), epochs=epochs,
+            max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, max_seq_tokens=max_seq_tokens,
+            eval_file=eval_file, seed=seed, device=device,
+        )
+        report = train_adapter(config)
+    except DataError as exc:  # every problem with its line number, no traceback: the file is at fault
+        typer.secho(f"error: {exc.path} cannot be used for training; nothing was trained", fg=typer.colors.RED,
+                    err=True)
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2)
+    except (ValueError, OSError, TrainingDiverged) as exc:
+        fail(str(exc))
+    typer.echo(report.summary())
+    typer.echo(f"adapter written to {out}")
+
+
+def evaluate(
+    scenarios: Annotated[Path, typer.Option(help="held-out test scenarios (JSONL from the demo build)")] = Path(
+        "models/demo/test_scenarios.jsonl"),
+    out: Annotated[Path, typer.Option(help="directory for results.json and results.png")] = Path("models/eval"),
+    modes: Annotated[str, typer.Option(help="comma-separated: base, laya, kev, auto")] = "base,laya,kev,auto",
+    limit: Annotated[Optional[int], typer.Option(help="evaluate only the first N scenarios")] = None,
+    batch_size: Annotated[int, typer.Option(help="jobs per forward pass; 1 = each job served alone")] = 1,
+    compare_precision: Annotated[bool, typer.Option(
+        help="also run Laya and Kev with the other base precision (NF4 vs fp16 on CUDA, fp32 vs NF4 on the CPU) "
+             "and report how often they reach the same decision")] = False,
+) -> None:
+    """Decision accuracy, valid-JSON rate and latency per mode on the held-out split, through the real runtime.
+
+    Uses the configured base model and adapters (KEVLAYA_BASE_MODEL, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
+    import json
+    import logging
+    import shlex
+
+    from modellab.evaluation import MODES, agreement, load_scenarios, plot, run_evaluation, table
+    from worker.runtime import AdapterRuntime, uses_nf4
+
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if not chosen or any(m not in MODES for m in chosen):
+        fail(f"--modes takes a comma-separated subset of {', '.join(MODES)}")
+    if batch_size < 1:
+        fail("--batch-size must be at least 1")
+    if not scenarios.exists():
+        fail(f"no scenarios at {scenarios}: build them with `kevlaya models build-demo` or pass --scenarios")
+    logging.basicConfig(level=logging.WARNING)
+    settings = get_settings()
+    items = load_scenarios(scenarios, limit)
+    runtime = AdapterRuntime.load(settings)
+    report = run_evaluation(runtime, settings, items, chosen, batch_size)
+    if compare_precision:
+        nf4 = uses_nf4(runtime.device, settings.quantization)
+        other = settings.model_copy(update={"quantization": "none" if nf4 else "nf4"})
+        del runtime
+        second = run_evaluation(AdapterRuntime.load(other), other, items, ("laya", "kev"), batch_size)
+        nf4_run, reference = (report, second) if nf4 else (second, report)
+        report["precision_comparison"] = {
+            "reference": "fp16" if second["device"] == "cuda" else "fp32",
+            "nf4_modes": nf4_run["modes"],
+            "reference_modes": {m: reference["modes"][m] for m in ("laya", "kev") if m in reference["modes"]},
+            "agreement": {m: agreement(nf4_run["answers"][m], reference["answers"][m])
+                          for m in ("laya", "kev") if m in report["answers"]},
+        }
+    report["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / "results.png")
+    typer.echo(table(report))
+    if comparison := report.get("precision_comparison"):
+        for mode, value in comparison["agreement"].items():
+            typer.echo(f"NF4 vs {comparison['reference']} on {report['device']}, {mode}: same decision {value:.1%}, "
+                       f"accuracy {comparison['nf4_modes'][mode]['accuracy']:.1%} vs "
+                       f"{comparison['reference_modes'][mode]['accuracy']:.1%}")
+    typer.echo(f"written {out / 'results.json'} and {out / 'results.png'}")

@@ -1,0 +1,74 @@
+"""Serving commands: `run` (everything locally), `api`, `worker`, `worker-health` and `flower`."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from typing import Annotated
+
+import typer
+
+from cli.common import fail
+from shared.settings import get_settings
+
+
+def _exec_celery(args: list[str]) -> None:
+    """Replace this process with Celery's, so signals (docker stop, Ctrl-C) reach it directly."""
+    os.execv(sys.executable, [sys.executable, "-m", "celery", *args])
+
+
+def api(reload: Annotated[bool, typer.Option(help="restart on code changes (development)")] = False) -> None:
+    """Serve the REST API on KEVLAYA_API_HOST:KEVLAYA_API_PORT."""
+    import uvicorn
+
+    settings = get_settings()
+    # h11 (not httptools) because it bounds the request line and headers; httptools takes any size.
+    uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
+                reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
+                log_level="info", http="h11",
+                h11_max_incomplete_event_size=settings.max_header_bytes)
+
+
+def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:
+    """Run the GPU worker: one Celery prefork child at concurrency 1 that loads the model."""
+    _exec_celery(["-A", "worker.tasks", "worker", "--pool", "prefork", "--concurrency", "1",
+                      "--prefetch-multiplier", "1", "-E", "-n", f"kevlaya-{os.getpid()}@{socket.gethostname()}",
+                      "--loglevel", loglevel])
+
+
+def worker_health() -> None:
+    """Exit 0 when a worker on this host has reported in with its model loaded (for health checks)."""
+    from shared.heartbeat import live_workers
+
+    host = socket.gethostname()
+    mine = {k: v for k, v in live_workers().items() if k.split(":")[0] == host}
+    typer.echo(json.dumps(mine, indent=2))
+    if not any(info.get("model_loaded") for info in mine.values()):
+        raise typer.Exit(1)
+
+
+def flower() -> None:
+    """Serve Flower (queue monitoring) on KEVLAYA_FLOWER_HOST:KEVLAYA_FLOWER_PORT."""
+    settings = get_settings()
+    args = ["flower", f"--address={settings.flower_host}", f"--port={settings.flower_port}"]
+    if settings.flower_db:  # task history survives a restart of Flower
+        args += ["--persistent=True", f"--db={settings.flower_db}"]
+    # Secrets travel in the environment, not on the command line, where `ps` shows them to every user.
+    os.environ["CELERY_BROKER_URL"] = settings.redis_url
+    os.environ.pop("FLOWER_BASIC_AUTH", None)
+    if settings.flower_basic_auth:
+        os.environ["FLOWER_BASIC_AUTH"] = settings.flower_basic_auth.get_secret_value()
+    elif settings.flower_host not in ("127.0.0.1", "localhost", "::1"):
+        fail("Flower listens beyond localhost: set KEVLAYA_FLOWER_BASIC_AUTH=user:password")
+    _exec_celery(args)
+
+
+def run(
+    flower: Annotated[bool, typer.Option(help="also serve Flower")] = True,
+) -> None:
+    """Run everything locally: migrate, find or start Redis, then the API, one worker and Flower."""
+    from cli.local_run import run_local
+
+    sys.exit(run_local(with_flower=flower))

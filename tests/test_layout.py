@@ -1,0 +1,116 @@
+"""The layout keeps the architecture readable (README: The code layout): imports go one way, and each constant
+and preset has one home. Read from the source with `ast`, so an import inside a function counts too."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("cli", "modellab", "api", "worker", "shared", "migrations")
+
+# What each package may import from the project (itself always). `shared/` is the leaf: `migrate.py` only finds
+# the `migrations` package's folder with it. `cli` is the top: nothing imports it.
+MAY_IMPORT = {
+    "cli": {"modellab", "api", "worker", "shared"},
+    "modellab": {"worker", "shared"},
+    "api": {"shared"},
+    "worker": {"shared"},
+    "shared": {"migrations"},
+    "migrations": {"shared"},
+}
+
+
+def source_files(package: str) -> Iterator[Path]:
+    yield from sorted((ROOT / package).rglob("*.py"))
+
+
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, dotted module name) of every import in the file, relative ones resolved."""
+    package_parts = list(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(parsed(path)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package_parts[: len(package_parts) - node.level + 1]
+                yield node.lineno, ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                yield node.lineno, node.module
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_the_package_rules_are_complete():
+    found = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()} - {"tests", "models"}
+    assert found == set(PACKAGES) == set(MAY_IMPORT), "a new top-level package needs its place in MAY_IMPORT"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_go_one_way(package: str):
+    """cli -> modellab -> worker -> shared; cli -> api -> shared. Nothing imports cli or tests."""
+    allowed = MAY_IMPORT[package] | {package}
+    wrong = [f"{rel(path)}:{line} imports {module}"
+             for path in source_files(package)
+             for line, module in imported_modules(path)
+             if module.split(".")[0] in {*PACKAGES, "tests"} and module.split(".")[0] not in allowed]
+    assert not wrong, f"{package}/ may import only {sorted(allowed)}:\n" + "\n".join(wrong)
+
+
+def assignments(name: str) -> list[str]:
+    """Every file (and line) in the packages that binds `name` at any level."""
+    found = []
+    for package in PACKAGES:
+        for path in source_files(package):
+            for node in ast.walk(parsed(path)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                    node, ast.AnnAssign) else []
+                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                    found.append(f"{rel(path)}:{node.lineno}")
+    return found
+
+
+def calls(name: str) -> set[str]:
+    """The files in the packages that call `name(...)` (plain or as an attribute)."""
+    found = set()
+    for package in PACKAGES:
+        for path in source_files(package):
+            for node in ast.walk(parsed(path)):
+                if isinstance(node, ast.Call) and name in (getattr(node.func, "id", None),
+                                                           getattr(node.func, "attr", None)):
+                    found.add(rel(path))
+    return found
+
+
+def test_adapters_are_defined_in_one_place():
+    assert [where.split(":")[0] for where in assignments("ADAPTERS")] == ["shared/settings.py"]
+    assert [where.split(":")[0] for where in assignments("Adapter")] == ["shared/settings.py"]
+
+
+def test_the_lora_presets_are_defined_in_one_place():
+    assert [where.split(":")[0] for where in assignments("LORA_PRESETS")] == ["modellab/presets.py"]
+    assert calls("LoraPreset") == {"modellab/presets.py"}
+
+
+# worker/runtime.py still builds its own NF4 config; it moves to nf4_config() with the engine work there.
+NOT_YET_SWITCHED = {"worker/runtime.py"}
+
+
+def test_the_nf4_config_is_built_only_by_nf4_config():
+    assert calls("BitsAndBytesConfig") - NOT_YET_SWITCHED == {"worker/quantization.py"}
+
+
+@pytest.mark.xfail(strict=True, reason="worker/runtime.py has yet to use worker.quantization.nf4_config; once it "
+                                       "does, this passes: remove this mark and NOT_YET_SWITCHED")
+def test_the_nf4_config_has_one_home():
+    assert calls("BitsAndBytesConfig") == {"worker/quantization.py"}
