@@ -102,15 +102,5 @@ def test_the_lora_presets_are_defined_in_one_place():
     assert calls("LoraPreset") == {"modellab/presets.py"}
 
 
-# worker/runtime.py still builds its own NF4 config; it moves to nf4_config() with the engine work there.
-NOT_YET_SWITCHED = {"worker/runtime.py"}
-
-
-def test_the_nf4_config_is_built_only_by_nf4_config():
-    assert calls("BitsAndBytesConfig") - NOT_YET_SWITCHED == {"worker/quantization.py"}
-
-
-@pytest.mark.xfail(strict=True, reason="worker/runtime.py has yet to use worker.quantization.nf4_config; once it "
-                                       "does, this passes: remove this mark and NOT_YET_SWITCHED")
 def test_the_nf4_config_has_one_home():
     assert calls("BitsAndBytesConfig") == {"worker/quantization.py"}

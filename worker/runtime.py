@@ -32,6 +32,7 @@ from shared.manifest import verify_manifest
 from shared.settings import ADAPTERS, Settings
 from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
 from worker.library_features import require_library_features
+from worker.quantization import nf4_config
 from worker.tokens import decode_with_spans, encode_chats, input_problem
 
 __all__ = ["AdapterRuntime", "BatchOutcome", "GenerationRequest", "GenerationResult"]
@@ -163,14 +164,8 @@ def _load_base(path: str, device: str, vram_budget_gb: float, quantization: str 
             torch.cuda.set_per_process_memory_fraction(budget / total, 0)
     if not nf4:
         return AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=placement)
-    from transformers import BitsAndBytesConfig
-
-    quantization_config = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute_dtype,
-    )
     return AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quantization_config, dtype=compute_dtype, device_map=placement,
+        path, quantization_config=nf4_config(compute_dtype), dtype=compute_dtype, device_map=placement,
     )
 
 

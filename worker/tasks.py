@@ -16,7 +16,7 @@ from shared.db import reset_engine, session_scope
 from shared.heartbeat import beat
 from shared.logs import configure_logging
 from shared.queue import RUN_TASK, celery_app, publish_wakeup
-from shared.settings import get_settings
+from shared.settings import ADAPTERS, get_settings
 from worker.claims import stale_queued_adapters
 from worker.engine import BatchEngine, worker_name
 from worker.metrics import METRICS, serve_metrics
@@ -97,7 +97,7 @@ def sweep() -> None:
     if repaired.requeued:
         log.warning("re-queued %d job(s) whose lease expired or that held none", len(repaired.requeued))
     if _engine is not None and not _engine.draining.is_set():
-        for adapter in set(stale) | {a for a in ("kev", "laya") if repaired.requeued}:
+        for adapter in set(stale) | {a for a in ADAPTERS if repaired.requeued}:
             publish_wakeup(None, adapter)
 
 
