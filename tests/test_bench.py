@@ -21,12 +21,16 @@ def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: 
     result = json.loads(json_path.read_text())
     assert result["complete"] is True and not list(out.glob("*.tmp"))  # saved after each phase, then whole
     assert result["command"].startswith("kevlaya bench --shape tiny")
-    service, seed = result["service"], result["seed_scheme"]
+    seed = result["seed_scheme"]
     assert seed["jobs_per_s"] > 0 and seed["timed_jobs"] == 2
-    assert service["jobs_per_s"] > 0 and result["speedup_vs_seed"] == service["jobs_per_s"] / seed["jobs_per_s"]
-    assert service["failed_jobs"] == 0 and service["oom_events"] == 0
-    assert service["mean_batch_size"] > 1  # the worker batched what was queued
-    assert len(service["laya_ms_idle"]) == len(service["laya_ms_under_kev_load"]) == 2
-    assert service["laya_p95_ms_under_kev_load"] >= service["laya_p50_ms_under_kev_load"] > 0
-    assert [f["load"] for f in service["fit"]] == [2] and service["fit"][0]["failed_jobs"] == 0
-    assert "speedup vs the recipe's scheme" in done.stdout  # the table, printed last
+    assert list(result["engines"]) == ["batch", "continuous"]  # both engines, one after the other, in one run
+    for name, service in result["engines"].items():
+        assert service["jobs_per_s"] > 0 and service["speedup_vs_seed"] == service["jobs_per_s"] / seed["jobs_per_s"]
+        assert service["failed_jobs"] == 0 and service["oom_events"] == 0, name
+        assert service["mean_batch_size"] > 1, name  # the worker took what was queued together
+        assert len(service["laya_ms_idle"]) == len(service["laya_ms_under_kev_load"]) == 2
+        assert service["laya_p95_ms_under_kev_load"] >= service["laya_p50_ms_under_kev_load"] > 0
+        assert [f["load"] for f in service["fit"]] == [2] and service["fit"][0]["failed_jobs"] == 0
+    assert result["engines"]["continuous"]["switches"] == 0  # rows carry their adapter
+    table = done.stdout[done.stdout.index("speedup vs the recipe's scheme") - 400:]  # the table, printed last
+    assert "batch" in table and "continuous" in table

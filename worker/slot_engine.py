@@ -31,6 +31,9 @@ if TYPE_CHECKING:  # torch is imported only in the worker child
     from worker.runtime import AdapterRuntime
 
 log = logging.getLogger("kevlaya.worker")
+# After a look at the queue found nothing to claim, the next look waits this long: a step is milliseconds, and a
+# database query per step would cost the decode loop more than the few milliseconds a new job may wait.
+IDLE_POLL_S = 0.02
 
 
 @dataclass
@@ -101,14 +104,19 @@ class SlotEngine:
         processed = 0
         self.draining.set()
         stop_renewing = self._renew_leases()
+        next_look = 0.0
         try:
             while True:
-                if time.monotonic() < deadline and self.decoder.free > len(self.to_prefill):
-                    processed += self._claim()
+                now = time.monotonic()
+                if now < deadline and now >= next_look and self.decoder.free > len(self.to_prefill):
+                    claimed = self._claim()
+                    processed += claimed
+                    next_look = 0.0 if claimed else now + IDLE_POLL_S
                 self._prefill_some()
                 if not self.decoder.rows:
-                    if not self.to_prefill and not self._queued():
+                    if not self.to_prefill and (now >= deadline or not self._queued()):
                         break
+                    next_look = 0.0  # nothing in flight: look again at once
                     continue
                 self._step()
         finally:

@@ -7,18 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from worker.runtime import AdapterRuntime, GenerationRequest
+from worker.generation import GenerationRequest
+
+Run = Callable[[list[GenerationRequest]], object]  # runs requests to the end: run_batch, or a decoder's run
 
 
-def _kernels_and_wall(runtime: AdapterRuntime, requests: list[GenerationRequest]) -> tuple[float, float]:
+def _kernels_and_wall(run: Run, requests: list[GenerationRequest]) -> tuple[float, float]:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         started = time.perf_counter()
-        runtime.run_batch(requests)
+        run(requests)
         torch.cuda.synchronize()
         wall = time.perf_counter() - started
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -27,19 +30,19 @@ def _kernels_and_wall(runtime: AdapterRuntime, requests: list[GenerationRequest]
     return sum(e.time_range.elapsed_us() for e in kernels) / 1e6, wall
 
 
-def decode_busy_fraction(runtime: AdapterRuntime, requests: list[GenerationRequest],
+def decode_busy_fraction(run: Run, device: str, requests: list[GenerationRequest],
                          steps: int = 16) -> dict[str, float] | None:
-    """GPU busy fraction of `steps` decode steps of `requests` run as one `run_batch`; None off CUDA.
+    """GPU busy fraction of `steps` decode steps of `requests` run together by `run`; None off CUDA.
 
     Every decode step of a batch does the same work, so a few steps stand for all of them (the profiler's
     bookkeeping would otherwise cost more than the run)."""
-    if runtime.device != "cuda":
+    if device != "cuda":
         return None
     requests = [dataclasses.replace(r, max_new_tokens=steps + 1) for r in requests]
-    runtime.run_batch(requests)  # warm-up
+    run(requests)  # warm-up
     prefill_only = [dataclasses.replace(r, max_new_tokens=1) for r in requests]
-    kernels_one, wall_one = _kernels_and_wall(runtime, prefill_only)
-    kernels_all, wall_all = _kernels_and_wall(runtime, requests)
+    kernels_one, wall_one = _kernels_and_wall(run, prefill_only)
+    kernels_all, wall_all = _kernels_and_wall(run, requests)
     decode_wall, decode_kernels = wall_all - wall_one, kernels_all - kernels_one
     return {
         "rows": len(requests),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,28 +13,39 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    seed, service = result["seed_scheme"], result["service"]
+    seed, engines = result["seed_scheme"], result["engines"]
+    names = list(engines)
+
+    def row(label: str, recipe: str, cell: Callable[[dict[str, Any]], str]) -> tuple[str, ...]:
+        return (label, recipe, *(cell(engines[name]) if "jobs_per_s" in engines[name] else "—" for name in names))
+
     rows = [
-        (f"jobs/s ({result['workload']['jobs']}-job interleaved workload)", _fmt(seed["jobs_per_s"], ".3f"), _fmt(service["jobs_per_s"], ".3f")),
-        ("speedup vs the recipe's scheme", "1.0×", f"{result['speedup_vs_seed']:.1f}×"),
-        ("Laya p50 / p95 ms, idle worker", "", f"{_fmt(service['laya_p50_ms_idle'], '.0f')} / "
-                                               f"{_fmt(service['laya_p95_ms_idle'], '.0f')}"),
-        ("Laya p50 / p95 ms, under Kev load", "", f"{_fmt(service['laya_p50_ms_under_kev_load'], '.0f')} / "
-                                                  f"{_fmt(service['laya_p95_ms_under_kev_load'], '.0f')}"),
-        ("GPU busy during decode", _fmt((seed.get("profile") or {}).get("busy_fraction"), ".1%"),
-         _fmt(service["gpu_busy_fraction"], ".1%")),
-        ("peak allocated GiB", "", _fmt(service["peak_allocated_gib"])),
-        ("OOM events / failed jobs", "", f"{service['oom_events']} / {service['failed_jobs']}"),
-        ("batches / mean size / switches", "", f"{service['batches']} / {service['mean_batch_size']:.1f} / "
-                                               f"{service['switches']}"),
+        row(f"jobs/s ({result['workload']['jobs']}-job interleaved workload)", _fmt(seed["jobs_per_s"], ".3f"),
+            lambda e: _fmt(e["jobs_per_s"], ".3f")),
+        row("speedup vs the recipe's scheme", "1.0×", lambda e: f"{e['speedup_vs_seed']:.1f}×"),
+        row("Laya p50 / p95 ms, idle worker", "",
+            lambda e: f"{_fmt(e.get('laya_p50_ms_idle'), '.0f')} / {_fmt(e.get('laya_p95_ms_idle'), '.0f')}"),
+        row("Laya p50 / p95 ms, under Kev load", "",
+            lambda e: f"{_fmt(e.get('laya_p50_ms_under_kev_load'), '.0f')} / "
+                      f"{_fmt(e.get('laya_p95_ms_under_kev_load'), '.0f')}"),
+        row("GPU busy during decode", _fmt((seed.get("profile") or {}).get("busy_fraction"), ".1%"),
+            lambda e: _fmt(e["gpu_busy_fraction"], ".1%")),
+        row("peak allocated GiB", "", lambda e: _fmt(e["peak_allocated_gib"])),
+        row("OOM events / failed jobs", "", lambda e: f"{e['oom_events']} / {e['failed_jobs']}"),
+        row("batches / mean size / switches", "",
+            lambda e: f"{e['batches']} / {e['mean_batch_size']:.1f} / {e['switches']}"),
     ]
-    rows += [(f"fit, load {f['load']}: jobs/s, peak GiB, OOM, failed", "",
-              f"{f['jobs_per_s']:.3f}, {_fmt(f['peak_allocated_gib'])}, {f['oom_events']}, {f['failed_jobs']}")
-             for f in service.get("fit", [])]
+    loads = [f["load"] for f in next(iter(engines.values())).get("fit", [])]
+    for index, load in enumerate(loads):
+        def fit(e: dict[str, Any], index: int = index) -> str:
+            f = e.get("fit", [])[index] if len(e.get("fit", [])) > index else None
+            return "—" if f is None else (f"{f['jobs_per_s']:.3f}, {_fmt(f['peak_allocated_gib'])}, "
+                                          f"{f['oom_events']}, {f['failed_jobs']}")
+        rows.append(row(f"fit, load {load}: jobs/s, peak GiB, OOM, failed", "", fit))
     width = max(len(r[0]) for r in rows)
     lines = [f"{result['shape']} on {result['gpu']}, cap {result['vram_budget_gb']} GiB",
-             f"{'':<{width}}  {'recipe':>10}  {'service':>22}"]
-    lines += [f"{name:<{width}}  {a:>10}  {b:>22}" for name, a, b in rows]
+             f"{'':<{width}}  {'recipe':>10}" + "".join(f"  {name:>22}" for name in names)]
+    lines += [f"{r[0]:<{width}}  {r[1]:>10}" + "".join(f"  {cell:>22}" for cell in r[2:]) for r in rows]
     return "\n".join(lines)
 
 
@@ -43,19 +55,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    service = result["service"]
+    engines = {name: e for name, e in result["engines"].items() if "jobs_per_s" in e}
     fig, (throughput, latency, memory) = plt.subplots(1, 3, figsize=(15, 4.2))
     fig.suptitle(f"kevlaya bench: {result['shape']} on {result['gpu']}, cap {result['vram_budget_gb']} GiB")
-    throughput.bar(["recipe (one at a time)", "service"], [result["seed_scheme"]["jobs_per_s"], service["jobs_per_s"]],
-                   color=["#999999", "#3366cc"])
+    throughput.bar(["recipe (one at a time)", *(f"{name} engine" for name in engines)],
+                   [result["seed_scheme"]["jobs_per_s"], *(e["jobs_per_s"] for e in engines.values())],
+                   color=["#999999", "#3366cc", "#cc6633"][:len(engines) + 1])
     throughput.set_ylabel("jobs/s")
-    throughput.set_title(f"throughput ({result['speedup_vs_seed']:.1f}×)")
-    latency.boxplot([service["laya_ms_idle"], service["laya_ms_under_kev_load"]])
-    latency.set_xticks([1, 2], ["idle worker", "under Kev load"])
+    throughput.set_title("throughput (" + ", ".join(f"{n} {e['speedup_vs_seed']:.1f}×" for n, e in engines.items())
+                         + ")")
+    boxes, labels = [], []
+    for name, e in engines.items():
+        boxes += [e.get("laya_ms_idle", []), e.get("laya_ms_under_kev_load", [])]
+        labels += [f"{name}\nidle", f"{name}\nKev load"]
+    latency.boxplot(boxes)
+    latency.set_xticks(range(1, len(labels) + 1), labels)
     latency.set_ylabel("Laya end-to-end ms")
     latency.set_title("Laya latency")
-    points = service["memory_over_time"]
-    memory.plot([p["t_s"] for p in points], [p["peak_allocated_gib"] for p in points], marker=".")
+    for name, e in engines.items():
+        points = e.get("memory_over_time", [])
+        memory.plot([p["t_s"] for p in points], [p["peak_allocated_gib"] for p in points], marker=".", label=name)
     memory.axhline(result["vram_budget_gb"], color="red", linestyle="--", label="cap")
     memory.set_ylim(0, result["vram_budget_gb"] * 1.1)
     memory.set_xlabel("seconds into the service run")

@@ -1,5 +1,6 @@
 """The benchmark's phases, in order: build the model, time the recipe's scheme and profile the runtime in this
-process, then drive the whole service (throughput, Laya latency idle and under Kev load, growing-load fit)."""
+process, then drive the whole service once per engine (throughput, Laya latency idle and under Kev load,
+growing-load fit), so the engines are compared within one run."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ class BenchConfig:
     fit_loads: tuple[int, ...] = ()
     max_batch: int = 16
     redis_url: str | None = None
+    engines: tuple[str, ...] = ("batch", "continuous")
+    cuda_graphs: bool = True  # for the continuous engine on CUDA
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -57,15 +60,16 @@ def _seconds(rows: list[JobRow]) -> float:
     return (max(r.finished_at for r in rows) - min(r.created_at for r in rows)).total_seconds()
 
 
-def batch_figures(batches: list[BatchRow], rows: list[JobRow]) -> dict[str, Any]:
-    """What the worker did for `rows`: batches, switches, memory, out-of-memory events."""
+def batch_figures(batches: list[BatchRow], rows: list[JobRow], engine: str = "batch") -> dict[str, Any]:
+    """What the worker did for `rows`: batches (continuous engine: jobs claimed together), adapter switches (none
+    there: a row carries its adapter), memory, out-of-memory events."""
     sequence = [b.adapters for b in batches]
     oom_alone = sum(r.error_code == "out_of_memory" for r in rows)
     peaks = [b.peak_vram_bytes for b in batches if b.peak_vram_bytes is not None]
     return {
         "batches": len(batches),
         "mean_batch_size": statistics.fmean(b.size for b in batches) if batches else 0.0,
-        "switches": sum(a != b for a, b in zip(sequence, sequence[1:])),
+        "switches": sum(a != b for a, b in zip(sequence, sequence[1:])) if engine == "batch" else 0,
         "peak_allocated_gib": max(peaks) / 2**30 if peaks else None,
         "oom_events": sum(b.oom_splits or 0 for b in batches) + oom_alone,
         "failed_jobs": sum(r.status != "succeeded" for r in rows),
@@ -80,22 +84,35 @@ def _requests(jobs: list[BenchJob]) -> list[GenerationRequest]:
 
 
 def runtime_phase(config: BenchConfig, settings: Settings, jobs: list[BenchJob]) -> dict[str, Any]:
-    """The recipe's scheme and the profiler, in this process, on the runtime the worker also loads."""
+    """The recipe's scheme and the profiler, in this process, on the runtime the worker also loads: batch 1 for
+    the recipe, a full Kev batch for each engine (the continuous one through its decoder, as the worker
+    builds it)."""
     runtime = AdapterRuntime.load(settings)
+    profiles: dict[str, Any] = {}
     try:
         recipe = time_recipe(runtime, jobs, config.recipe_per_adapter)
         log.info("recipe's scheme: %.3f jobs/s (%s)", recipe["jobs_per_s"], recipe["method"])
-        kev = [j for j in jobs if j.adapter == "kev"]
-        recipe["profile"] = decode_busy_fraction(runtime, _requests(kev[:1]))
-        service_profile = decode_busy_fraction(runtime, _requests(kev[:config.max_batch]))
-        log.info("GPU busy during decode: batch 1 %s; batch %d %s", recipe["profile"], config.max_batch,
-                 service_profile)
+        kev = _requests([j for j in jobs if j.adapter == "kev"][:config.max_batch])
+        recipe["profile"] = decode_busy_fraction(runtime.run_batch, runtime.device, kev[:1])
+        if "batch" in config.engines:
+            profiles["batch"] = decode_busy_fraction(runtime.run_batch, runtime.device, kev)
+        if "continuous" in config.engines:
+            from worker.slot_engine import build_decoder
+
+            decoder = build_decoder(runtime, settings.model_copy(update={
+                "engine": "continuous", "engine_cuda_graphs": config.cuda_graphs}))
+            try:
+                profiles["continuous"] = decode_busy_fraction(decoder.run, runtime.device, kev)
+            finally:
+                decoder.close()
+                del decoder
+        log.info("GPU busy during decode: batch 1 %s; %d Kev rows %s", recipe["profile"], len(kev), profiles)
     finally:
         del runtime
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return {"recipe": recipe, "service_profile": service_profile}
+    return {"recipe": recipe, "profiles": profiles}
 
 
 class KevLoad:
@@ -145,17 +162,19 @@ def _memory(service: Service, since: datetime) -> list[dict[str, Any]]:
 
 
 def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob], laya_jobs: list[BenchJob],
-                  fit_jobs: dict[int, list[BenchJob]], figures: dict[str, Any], save: Callable[[], None]) -> None:
+                  fit_jobs: dict[int, list[BenchJob]], figures: dict[str, Any], save: Callable[[], None],
+                  engine: str) -> None:
     """Fills `figures` phase by phase and calls `save` after each, so a run cut short keeps what it measured."""
     rng = random.Random(config.seed)
-    with Service(config.workdir / "service", env, config.redis_url) as service:
+    env = {**env, "KEVLAYA_ENGINE": engine, "KEVLAYA_ENGINE_CUDA_GRAPHS": str(config.cuda_graphs).lower()}
+    with Service(config.workdir / f"service-{engine}", env, config.redis_url) as service:
         service.wait(service.submit([jobs[0].body(), jobs[1].body()]))  # warm-up, as the recipe had
         started = service.batches()[-1].started_at
         rows = service.wait(service.submit([j.body() for j in jobs]))
         batches = [b for b in service.batches(since=started) if b.id in {r.batch_id for r in rows}]
-        figures.update(jobs_per_s=len(rows) / _seconds(rows), **batch_figures(batches, rows),
+        figures.update(jobs_per_s=len(rows) / _seconds(rows), **batch_figures(batches, rows, engine),
                        memory_over_time=_memory(service, started))
-        log.info("service: %.3f jobs/s, %d batches", figures["jobs_per_s"], len(batches))
+        log.info("service, %s engine: %.3f jobs/s, %d batches", engine, figures["jobs_per_s"], len(batches))
         save()
 
         idle = laya_latencies(service, laya_jobs, rng)
@@ -176,7 +195,7 @@ def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob]
             fit_rows = service.wait(service.submit([j.body() for j in load_jobs]))
             fit_batches = [b for b in service.batches(since=since) if b.id in {r.batch_id for r in fit_rows}]
             figures["fit"].append({"load": load, "jobs_per_s": len(fit_rows) / _seconds(fit_rows),
-                                   **batch_figures(fit_batches, fit_rows)})
+                                   **batch_figures(fit_batches, fit_rows, engine)})
             log.info("fit at load %d: %s", load, figures["fit"][-1])
             save()
         figures["memory_over_time"] = _memory(service, started)
@@ -226,23 +245,28 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                      "latency_samples": config.latency_samples, "fit_loads": list(config.fit_loads),
                      "max_batch": config.max_batch,
                      "prompt_tokens_seen": [min(j.prompt_tokens for j in jobs), max(j.prompt_tokens for j in jobs)]},
-        "gpu_busy_method": "PyTorch profiler: CUDA kernel time over wall time of 16 decode steps of one run_batch "
-                           "(prefill removed by a one-token run), in the bench process on the same runtime code "
-                           "and cap; service = a full Kev batch as the scheduler forms it, seed = batch 1",
+        "gpu_busy_method": "PyTorch profiler: CUDA kernel time over wall time of 16 decode steps (prefill removed "
+                           "by a one-token run), in the bench process on the same runtime code and cap; an engine "
+                           "= a full Kev batch (max_batch rows) through run_batch or the continuous decoder, "
+                           "seed = batch 1 through run_batch",
+        "cuda_graphs": config.cuda_graphs,
     }
     measured = runtime_phase(config, settings, jobs)
     result["seed_scheme"] = measured["recipe"]
-    result["service"] = service = {"gpu_busy_fraction": (measured["service_profile"] or {}).get("busy_fraction"),
-                                   "profile": measured["service_profile"]}
+    result["engines"] = engines = {
+        engine: {"gpu_busy_fraction": (measured["profiles"].get(engine) or {}).get("busy_fraction"),
+                 "profile": measured["profiles"].get(engine)} for engine in config.engines}
 
     def checkpoint() -> None:
-        if "jobs_per_s" in service:
-            result["speedup_vs_seed"] = service["jobs_per_s"] / result["seed_scheme"]["jobs_per_s"]
+        for figures in engines.values():
+            if "jobs_per_s" in figures:
+                figures["speedup_vs_seed"] = figures["jobs_per_s"] / result["seed_scheme"]["jobs_per_s"]
         result["bench_seconds"] = time.perf_counter() - started
         save(result)
 
     checkpoint()
-    service_phase(config, env, jobs, laya_jobs, fit_jobs, service, checkpoint)
+    for engine, figures in engines.items():
+        service_phase(config, env, jobs, laya_jobs, fit_jobs, figures, checkpoint, engine)
     result["complete"] = True
     checkpoint()
     return result
