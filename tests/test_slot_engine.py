@@ -72,8 +72,10 @@ def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, st
 
 @pytest.mark.integration
 def test_a_laya_job_does_not_wait_for_the_kev_jobs_in_flight(continuous_env, api, start_process):
-    start_worker(start_process, continuous_env, api)
-    kev = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=300) for i in range(3)]
+    # Exact lengths (end-of-sequence ignored): the random tiny model must not end the Kev jobs early.
+    start_worker(start_process, {**continuous_env, "KEVLAYA_IGNORE_EOS": "true",
+                                 "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}, api)
+    kev = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=600) for i in range(3)]
 
     def decoding() -> bool:
         with session_scope() as session:
@@ -81,17 +83,21 @@ def test_a_laya_job_does_not_wait_for_the_kev_jobs_in_flight(continuous_env, api
 
     wait_until(decoding, 60, interval=0.05, what="the Kev jobs to take their slots")
     laya = submit(api, "laya", "Pick A or B.", max_new_tokens=4)
-    done = wait_finished(api, [laya])[0]
-    assert done["status"] == "succeeded"
-    still_running = [api.get(f"/v1/jobs/{job_id}").json()["status"] for job_id in kev]
-    assert still_running == ["running"] * 3  # it took a free slot beside them, not a turn after them
-    assert [j["status"] for j in wait_finished(api, kev)] == ["succeeded"] * 3
+    jobs = wait_finished(api, [laya, *kev])
+    assert [j["status"] for j in jobs] == ["succeeded"] * 4, [j["error"] for j in jobs]
+    with session_scope() as session:
+        rows = {str(j.id): j for j in session.scalars(select(Job)).all()}
+    laya_row, kev_rows = rows[laya], [rows[k] for k in kev]
+    assert all(k.started_at < laya_row.started_at for k in kev_rows)  # they were decoding when it came
+    # it took the free slot beside them, not a turn after them
+    assert laya_row.finished_at < min(k.finished_at for k in kev_rows)
 
 
 @pytest.mark.integration
 def test_a_worker_killed_mid_decode_loses_nothing_and_runs_nothing_twice(continuous_env, api, start_process):
-    worker = start_worker(start_process, continuous_env, api)
-    job_ids = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=300) for i in range(6)]
+    long_jobs = {**continuous_env, "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}
+    worker = start_worker(start_process, long_jobs, api)
+    job_ids = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=600) for i in range(6)]
 
     def running():
         with session_scope() as session:
@@ -101,7 +107,7 @@ def test_a_worker_killed_mid_decode_loses_nothing_and_runs_nothing_twice(continu
     worker.kill(signal.SIGKILL)
     killed = {str(job_id) for job_id, _ in running()}
     assert killed
-    start_worker(start_process, {**continuous_env, "KEVLAYA_LEASE_SECONDS": "3"}, api)
+    start_worker(start_process, {**long_jobs, "KEVLAYA_LEASE_SECONDS": "3"}, api)
     jobs = wait_finished(api, job_ids)
     assert [j["status"] for j in jobs] == ["succeeded"] * 6, [j["error"] for j in jobs]
     assert all(j["attempts"] == (2 if j["id"] in killed else 1) for j in jobs)
