@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -73,6 +73,30 @@ def announce_escalations(children: list[Job]) -> None:
             pass  # a drain or the sweeper picks it up from the database anyway
 
 
+@contextmanager
+def leases_kept(batch_ids: Callable[[], Iterable[uuid.UUID]], lease_s: float) -> Iterator[None]:
+    """Renew the leases of the batches `batch_ids()` names while the block runs, so only a dead worker's jobs
+    ever expire."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(lease_s / 3):
+            for batch_id in batch_ids():
+                try:
+                    with session_scope() as session:
+                        renew_leases(session, batch_id, lease_s)
+                except Exception:  # the next renewal may succeed; expiry is the safety net
+                    log.exception("lease renewal failed for batch %s", batch_id)
+
+    thread = threading.Thread(target=renew, name="lease-renewal", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 class BatchEngine:
     """Owns the loaded runtime and the scheduler state of one worker process."""
 
@@ -124,7 +148,7 @@ class BatchEngine:
         METRICS.batch_started(len(jobs))
         requests, unreadable = self._requests(jobs)
         try:
-            with self._lease_kept(batch.id):
+            with leases_kept(lambda: [batch.id], self.settings.lease_seconds):
                 outcome = self._run_isolating(requests, plan.mixed)
         except Exception as exc:  # a bug must fail the batch visibly, not re-run it forever
             log.exception("batch %s failed", batch.id)
@@ -200,24 +224,3 @@ class BatchEngine:
             tokens=sum(o.tokens for o in outcomes), peak_vram_bytes=max(peaks) if peaks else None,
             oom_splits=sum(o.oom_splits for o in outcomes))
 
-    @contextmanager
-    def _lease_kept(self, batch_id) -> Iterator[None]:  # noqa: ANN001
-        """Renew the batch's leases while it runs, so only a dead worker's jobs ever expire."""
-        stop = threading.Event()
-        interval = self.settings.lease_seconds / 3
-
-        def renew() -> None:
-            while not stop.wait(interval):
-                try:
-                    with session_scope() as session:
-                        renew_leases(session, batch_id, self.settings.lease_seconds)
-                except Exception:  # the next renewal may succeed; expiry is the safety net
-                    log.exception("lease renewal failed for batch %s", batch_id)
-
-        thread = threading.Thread(target=renew, name="lease-renewal", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()

@@ -20,8 +20,8 @@ from shared import lifecycle
 from shared.db import session_scope
 from shared.models import Batch, Job, JobStatus
 from shared.settings import Settings
-from worker.claims import JobOutcome, claim_batch, queue_snapshot, renew_leases
-from worker.engine import announce_escalations, generation_request, settle_job, worker_name
+from worker.claims import JobOutcome, claim_batch, queue_snapshot
+from worker.engine import announce_escalations, generation_request, leases_kept, settle_job, worker_name
 from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
 from worker.metrics import METRICS
 from worker.scheduler import BatchPlan, SchedulingPolicy, plan_slots
@@ -100,32 +100,32 @@ class SlotEngine:
 
     def drain(self, budget_s: float) -> int:
         """Admit and decode until nothing is queued or in flight; stop admitting after `budget_s`."""
-        deadline = time.monotonic() + budget_s
-        processed = 0
         self.draining.set()
-        stop_renewing = self._renew_leases()
-        next_look = 0.0
         try:
-            while True:
-                now = time.monotonic()
-                if now < deadline and now >= next_look and self.decoder.free > len(self.to_prefill):
-                    claimed = self._claim()
-                    processed += claimed
-                    next_look = 0.0 if claimed else now + IDLE_POLL_S
-                self._prefill_some()
-                if not self.decoder.rows:
-                    if not self.to_prefill and (now >= deadline or not self._queued()):
-                        break
-                    next_look = 0.0  # nothing in flight: look again at once
-                    continue
-                self._step()
+            with leases_kept(self._live_batches, self.settings.lease_seconds):
+                processed = self._loop(time.monotonic() + budget_s)
+                for future in self.pending:  # every result stored before the task ends
+                    future.result()
         finally:
-            stop_renewing()
-            for future in self.pending:
-                future.result()
             self.pending.clear()
             self.draining.clear()
         return processed
+
+    def _loop(self, deadline: float) -> int:
+        processed, next_look = 0, 0.0
+        while True:
+            now = time.monotonic()
+            if now < deadline and now >= next_look and self.decoder.free > len(self.to_prefill):
+                claimed = self._claim()
+                processed += claimed
+                next_look = 0.0 if claimed else now + IDLE_POLL_S
+            self._prefill_some()
+            if not self.decoder.rows:
+                if not self.to_prefill and (now >= deadline or not self._queued()):
+                    return processed
+                next_look = 0.0  # nothing in flight: look again at once
+                continue
+            self._step()
 
     def _queued(self) -> bool:
         with session_scope() as session:
@@ -321,28 +321,6 @@ class SlotEngine:
         with self._lock:
             self._close(wave)
 
-    def _renew_leases(self):  # noqa: ANN202
-        """Renew the leases of every batch with jobs in flight while the loop runs; returns the stopper."""
-        stop = threading.Event()
-        interval = self.settings.lease_seconds / 3
-
-        def renew() -> None:
-            while not stop.wait(interval):
-                with self._lock:
-                    batch_ids = list(self.waves)
-                for batch_id in batch_ids:
-                    try:
-                        with session_scope() as session:
-                            renew_leases(session, batch_id, self.settings.lease_seconds)
-                    except Exception:  # the next renewal may succeed; expiry is the safety net
-                        log.exception("lease renewal failed for batch %s", batch_id)
-
-        thread = threading.Thread(target=renew, name="lease-renewal", daemon=True)
-        thread.start()
-
-        def stopper() -> None:
-            stop.set()
-            thread.join()
-
-        return stopper
-
+    def _live_batches(self) -> list[uuid.UUID]:
+        with self._lock:
+            return list(self.waves)
