@@ -158,7 +158,8 @@ def evaluate(
     import shlex
 
     from modellab.evaluation import MODES, agreement, load_scenarios, plot, run_evaluation, table
-    from worker.runtime import AdapterRuntime, uses_nf4
+    from worker.model_loading import uses_nf4
+    from worker.runtime import AdapterRuntime
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not chosen or any(m not in MODES for m in chosen):

@@ -24,7 +24,8 @@ from modellab.bench.service import BatchRow, JobRow, Service
 from modellab.bench.workload import BenchJob, make_jobs
 from modellab.model_factory import build_random_model
 from shared.settings import Settings
-from worker.runtime import AdapterRuntime, GenerationRequest, resolve_device
+from worker.model_loading import resolve_device
+from worker.runtime import AdapterRuntime, GenerationRequest
 
 log = logging.getLogger("kevlaya.bench")
 

@@ -1,0 +1,115 @@
+"""Loading the model: the base (NF4 on CUDA, under the VRAM budget) with every adapter that verifies and loads,
+and its tokenizer. What is loaded is then served by the batch runtime or the continuous decoder."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from shared.manifest import verify_manifest
+from shared.settings import ADAPTERS, Settings
+from worker.library_features import require_library_features
+from worker.quantization import nf4_config
+
+log = logging.getLogger("kevlaya.runtime")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # a PeftModel holding the adapters that loaded, or the bare base when none did
+    tokenizer: PreTrainedTokenizerBase  # left padding, a pad token
+    device: str
+    unavailable: dict[str, str]  # adapter -> why it is not served
+
+
+def resolve_device(setting: str) -> str:
+    """`auto` → cuda when torch sees a GPU, else cpu; asking for cuda without one is an error."""
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device is 'cuda' but torch sees no CUDA device")
+    return setting
+
+
+def uses_nf4(device: str, quantization: str) -> bool:
+    """`auto` is NF4 on CUDA and full precision on the CPU; `nf4` / `none` force one or the other."""
+    return quantization == "nf4" or (quantization == "auto" and device == "cuda")
+
+
+def load_base(path: str, device: str, vram_budget_gb: float, quantization: str = "auto") -> PreTrainedModel:
+    nf4 = uses_nf4(device, quantization)
+    compute_dtype = torch.float16 if device == "cuda" else torch.float32
+    placement = {"": 0} if device == "cuda" else {"": "cpu"}
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        budget = vram_budget_gb * 2**30
+        if budget < total:
+            # Emulate the target card on a bigger one, so over-budget code fails here too (docs/architecture.md §5).
+            torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+    if not nf4:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=placement)
+    return AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=nf4_config(compute_dtype), dtype=compute_dtype, device_map=placement,
+    )
+
+
+def load_model(settings: Settings) -> LoadedModel:
+    """The base and every adapter of `settings`; an adapter that fails verification or loading is refused (and
+    said why), never replaced by the bare base model."""
+    started = time.perf_counter()
+    device = resolve_device(settings.device)
+    base = settings.base_model
+    if settings.verify_manifests and (problems := verify_manifest(Path(base))):
+        raise RuntimeError(f"base model {base} failed verification: {'; '.join(problems)}")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.padding_side = "left"  # decoder-only generation: prompts end where the new tokens start
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    require_library_features(tokenizer)
+    model: torch.nn.Module = load_base(base, device, settings.vram_budget_gb, settings.quantization)
+    log.info("loaded base model %s on %s in %.1fs", base, device, time.perf_counter() - started)
+
+    unavailable: dict[str, str] = {}
+    for name in ADAPTERS:
+        path = settings.adapter_profile(name).path
+        if settings.verify_manifests and (problems := verify_manifest(Path(path))):
+            unavailable[name] = f"adapter {name} ({path}) failed verification: {'; '.join(problems)}"
+            log.error("%s; it will not be served", unavailable[name])
+            continue
+        adapter_started = time.perf_counter()
+        try:
+            if isinstance(model, PeftModel):
+                model.load_adapter(path, adapter_name=name)
+            else:
+                model = PeftModel.from_pretrained(model, path, adapter_name=name)
+        except Exception as exc:  # e.g. trained for another base: refuse the adapter, keep the worker
+            unavailable[name] = f"adapter {name} ({path}) failed to load: {exc.__class__.__name__}: {exc}"
+            log.exception("%s; it will not be served", unavailable[name])
+            # PEFT injects the LoRA layers before loading their weights, so a failed load leaves a
+            # half-initialised adapter in the model: remove it, or start again from a clean base.
+            if isinstance(model, PeftModel):
+                if name in model.peft_config:
+                    model.delete_adapter(name)
+            else:
+                model = None
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                model = load_base(base, device, settings.vram_budget_gb, settings.quantization)
+            continue
+        log.info("loaded adapter %s from %s in %.2fs", name, path, time.perf_counter() - adapter_started)
+    model.eval()
+    if device == "cuda":
+        torch.cuda.empty_cache()  # once after loading, never per job
+        log.info("resident after load: %.2f GiB", torch.cuda.memory_allocated() / 2**30)
+    log.info("runtime ready on %s in %.1fs; unavailable adapters: %s",
+             device, time.perf_counter() - started, ", ".join(unavailable) or "none")
+    return LoadedModel(model, tokenizer, device, unavailable)
+
