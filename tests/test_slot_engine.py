@@ -129,3 +129,43 @@ def test_a_released_job_is_queued_again_without_counting_an_attempt(service_env)
     with session_scope() as session:
         stored = session.get(Job, job.id)
         assert (stored.status, stored.attempts, stored.lease_owner) == ("queued", 0, None)
+
+
+def test_out_of_memory_in_a_step_puts_the_newest_jobs_back_and_every_job_still_runs_once(service_env, tiny_model):
+    """The engine in this process on the tiny model: the first full step raises CUDA's out-of-memory error. The
+    newest half of the rows go back to the queue (not failed, no attempt counted), the decoder holds fewer rows
+    from then on, and every job ends succeeded, once."""
+    import torch
+
+    from shared.settings import Settings
+    from worker.runtime import AdapterRuntime
+    from worker.slot_engine import SlotEngine
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        ignore_eos=True)
+    with session_scope() as session:
+        jobs = [Job(adapter=a, requested_adapter=a, input=f"Question {i}?", params={**TEXT, "max_new_tokens": 12})
+                for i, a in enumerate(["kev", "laya", "kev", "laya"])]
+        session.add_all(jobs)
+    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    fired = []
+
+    def out_of_memory_once(module, args):  # noqa: ANN001, ANN202
+        if args[0].shape == (4, 1) and not fired:  # a decode step over all four rows
+            fired.append(True)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    embed = engine.runtime.model.get_input_embeddings()
+    handle = embed.register_forward_pre_hook(out_of_memory_once)
+    try:
+        assert engine.drain(60) == 6  # four claims, then the two given back are claimed again
+    finally:
+        handle.remove()
+        engine.decoder.close()
+    assert fired and engine.decoder.limit == 3
+    with session_scope() as session:
+        stored = session.scalars(select(Job)).all()
+        batches = session.scalars(select(Batch)).all()
+    assert [(j.status, j.attempts, j.completion_tokens) for j in stored] == [("succeeded", 1, 12)] * 4
+    assert sum(b.size for b in batches) == 6 and all(b.finished_at is not None for b in batches)
