@@ -4,6 +4,7 @@ jobs take slots as they free up, a Laya job does not wait for the Kev jobs ahead
 from __future__ import annotations
 
 import signal
+import uuid
 
 import pytest
 from sqlalchemy import func, select
@@ -114,7 +115,6 @@ def test_a_worker_killed_mid_decode_loses_nothing_and_runs_nothing_twice(continu
 
 
 def test_a_released_job_is_queued_again_without_counting_an_attempt(service_env):
-    import uuid
     from datetime import datetime, timezone
 
     with session_scope() as session:
@@ -169,3 +169,31 @@ def test_out_of_memory_in_a_step_puts_the_newest_jobs_back_and_every_job_still_r
         batches = session.scalars(select(Batch)).all()
     assert [(j.status, j.attempts, j.completion_tokens) for j in stored] == [("succeeded", 1, 12)] * 4
     assert sum(b.size for b in batches) == 6 and all(b.finished_at is not None for b in batches)
+
+
+def test_a_job_the_engine_cannot_run_fails_alone_and_its_batch_mates_finish(service_env, tiny_model):
+    """Stored params no version of the API would write (a temperature that is text) break the request on its
+    way to the decoder: that job fails `invalid_input`, alone; the others claimed with it finish (the drain
+    raised and stopped before)."""
+    from shared.settings import Settings
+    from worker.runtime import AdapterRuntime
+    from worker.slot_engine import SlotEngine
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4)
+    with session_scope() as session:
+        jobs = [Job(id=uuid.uuid4(), adapter="kev", requested_adapter="kev", input=f"Question {i}?",
+                    params={**TEXT, "max_new_tokens": 6, **({"temperature": "warm"} if i == 1 else {})})
+                for i in range(3)]
+        poisoned = jobs[1].id
+        session.add_all(jobs)
+    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    try:
+        assert engine.drain(60) == 3
+    finally:
+        engine.decoder.close()
+    with session_scope() as session:
+        stored = {j.id: j for j in session.scalars(select(Job)).all()}
+    bad = stored.pop(poisoned)
+    assert (bad.status, bad.error_code) == ("failed", "invalid_input") and "TypeError" in bad.error_message
+    assert [j.status for j in stored.values()] == ["succeeded", "succeeded"]

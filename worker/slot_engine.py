@@ -153,14 +153,14 @@ class SlotEngine:
         METRICS.rows_in_flight.set(len(self.decoder.rows) + len(jobs))
         log.info("batch %s: %d job(s) on %s take free slots", batch.id, len(jobs), batch.adapters)
         for job in jobs:
-            try:
+            try:  # a row this worker cannot read or check fails alone, never the loop or its batch-mates
                 request = generation_request(job, self.settings)
+                tokens, problem = self._check(request)
             except Exception as exc:
                 self._store(wave, job, JobOutcome(status=JobStatus.FAILED, error_code="invalid_input",
                                                   error_message=f"the stored job cannot be read: "
                                                                 f"{exc.__class__.__name__}: {exc}"))
                 continue
-            tokens, problem = self._check(request)
             if problem is not None:
                 code, message = problem
                 self._store(wave, job, JobOutcome(status=JobStatus.FAILED, error_code=code, error_message=message))
