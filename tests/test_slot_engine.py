@@ -47,7 +47,7 @@ def test_slots_come_from_the_budget_arithmetic():
 
 @pytest.fixture
 def continuous_env(env):  # noqa: ANN001, ANN201
-    return {**env, "KEVLAYA_ENGINE": "continuous", "KEVLAYA_MAX_BATCH": "4", "KEVLAYA_ENGINE_WINDOW_TOKENS": "512"}
+    return {**env, "KEVLAYA_ENGINE": "continuous", "KEVLAYA_MAX_BATCH": "4", "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}
 
 
 @pytest.mark.integration
@@ -55,20 +55,27 @@ def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, st
     """30 jobs queued before the worker starts: 4 slots, at most ~2 prompts prefilled between two steps."""
     job_ids = [submit(api, ("kev", "laya")[i % 2], f"Option A costs {i}, option B costs {30 - i}. Pick.",
                       max_new_tokens=4 + i % 7) for i in range(30)]
-    too_long = submit(api, "kev", "Within the model's context, over the worker's window.", max_new_tokens=600)
+    too_long = submit(api, "kev", "Within the model's context, over the worker's window.", max_new_tokens=1000)
+    # random weights never give Laya a confident decision: both escalate, and their Kev stages take slots too
+    cascades = [submit(api, "auto", f"Pick A or B, case {i}.", max_new_tokens=4) for i in range(2)]
     start_worker(start_process, {**continuous_env, "KEVLAYA_ENGINE_PREFILL_TOKENS": "64"}, api)
     refused = wait_finished(api, [too_long])[0]
     assert refused["status"] == "failed" and refused["error"]["code"] == "invalid_input"
     assert "KEVLAYA_ENGINE_WINDOW_TOKENS" in refused["error"]["message"]
     jobs = wait_finished(api, job_ids)
     assert [j["status"] for j in jobs] == ["succeeded"] * 30, [j["error"] for j in jobs]
+    settled = wait_finished(api, cascades)
+    assert [j["status"] for j in settled] == ["succeeded"] * 2, [j["error"] for j in settled]
+    with session_scope() as session:
+        stages = session.scalars(select(Job).where(Job.parent_job_id.in_([uuid.UUID(c) for c in cascades]))).all()
+    assert sorted((s.adapter, s.status) for s in stages) == [("kev", "succeeded")] * 2 + [("laya", "succeeded")] * 2
     for job in jobs:
         assert job["attempts"] == 1 and job["batch_id"] is not None
         assert job["tokens"]["prompt"] > 0 and 1 <= job["tokens"]["completion"] <= job["params"]["max_new_tokens"]
         assert all(job["timings"][k] is not None for k in ("queue_ms", "prefill_ms", "decode_ms", "total_ms"))
     with session_scope() as session:
         finished = session.scalar(select(func.sum(Batch.size)).where(Batch.finished_at.is_not(None)))
-        assert finished == 31  # every claim group closed with all its jobs stored
+        assert finished == 35  # every claim group closed with all its jobs stored (2 Laya + 2 Kev stages)
 
 
 @pytest.mark.integration
