@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 
 from shared import lifecycle
 from shared.db import session_scope
+from shared.heartbeat import live_workers
 from shared.models import Batch, Job
 from tests.conftest import TEXT, start_worker, submit, wait_finished, wait_until
 from worker.admission import SlotBudget, kv_bytes_per_token
@@ -59,6 +60,8 @@ def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, st
     # random weights never give Laya a confident decision: both escalate, and their Kev stages take slots too
     cascades = [submit(api, "auto", f"Pick A or B, case {i}.", max_new_tokens=4) for i in range(2)]
     start_worker(start_process, {**continuous_env, "KEVLAYA_ENGINE_PREFILL_TOKENS": "64"}, api)
+    [worker] = live_workers().values()  # its heartbeat says how it serves (the status page shows it)
+    assert (worker["engine"], worker["slots"], worker["window_tokens"]) == ("continuous", 4, 1024)
     refused = wait_finished(api, [too_long])[0]
     assert refused["status"] == "failed" and refused["error"]["code"] == "invalid_input"
     assert "KEVLAYA_ENGINE_WINDOW_TOKENS" in refused["error"]["message"]

@@ -121,14 +121,18 @@ def _status() -> dict[str, object]:
     if _engine is None:
         return {"model_loaded": False, "error": _load_error, "memory": memory}
     runtime = _engine.runtime
-    return {
+    status: dict[str, object] = {
         "model_loaded": True,
         "memory": memory,
         "device": runtime.device,
-        "active_adapter": runtime.active_adapter,
         "unavailable_adapters": runtime.unavailable,
         "draining": _engine.draining.is_set(),
     }
+    if isinstance(_engine, SlotEngine):  # every adapter is active at once; what counts is the slots
+        status.update(engine="continuous", slots=_engine.decoder.limit, window_tokens=_engine.decoder.window)
+    else:
+        status.update(engine="batch", active_adapter=runtime.active_adapter)
+    return status
 
 
 @app.task(name=RUN_TASK, acks_late=True)
