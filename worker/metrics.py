@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from shared.lifecycle import JobOutcome
 from shared.logs import FIELDS
 from shared.models import JobStatus
 from shared.settings import ADAPTERS, Settings
@@ -113,14 +114,19 @@ class WorkerMetrics:
             if job.id in by_id:
                 self.job_finished(job, by_id[job.id], outcome.switch_ms)
             else:  # a stored job the worker could not read: failed before it reached the model
-                self._job(job, JobStatus.FAILED, "invalid_input", None, None, None, None, datetime.now(timezone.utc))
+                self.job_finished(job, JobOutcome(status=JobStatus.FAILED, error_code="invalid_input"), 0.0)
         self.batch_closed(batch, len(jobs), outcome, mixed=plan.mixed, switch=plan.switch, escalated=escalated,
                           lost=lost)
 
-    def job_finished(self, job: Job, result: GenerationResult, switch_ms: float) -> None:
+    def job_finished(self, job: Job, result: GenerationResult | JobOutcome, switch_ms: float) -> None:
+        """A job stored with its generation's result, or with an outcome decided before it reached the model."""
+        now = datetime.now(timezone.utc)
+        if isinstance(result, JobOutcome):
+            self._job(job, result.status, result.error_code, None, None, None, None, now)
+            return
         final = job_outcome(result, job.params.get("output", "decision"), switch_ms)
         self._job(job, final.status, final.error_code, result.first_token_ms, result.decode_ms,
-                  result.prompt_tokens, result.completion_tokens, datetime.now(timezone.utc))
+                  result.prompt_tokens, result.completion_tokens, now)
 
     def batch_closed(self, batch: Batch, size: int, outcome: BatchOutcome, *, mixed: bool, switch: bool,
                      escalated: int, lost: int) -> None:

@@ -263,10 +263,7 @@ class SlotEngine:
     def _write(self, wave: Wave, job: Job, result: GenerationResult | JobOutcome) -> None:
         with session_scope() as session:
             stored, child = settle_job(session, job, wave.batch.id, result, 0.0, self.settings)
-        if isinstance(result, GenerationResult):
-            METRICS.job_finished(job, result, 0.0)
-        else:
-            METRICS._job(job, result.status, result.error_code, None, None, None, None, datetime.now(timezone.utc))
+        METRICS.job_finished(job, result, 0.0)
         if not stored:
             log.warning("job %s had lost its lease; its result was discarded", job.id)
         announce_escalations([child] if child is not None else [])
