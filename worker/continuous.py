@@ -223,10 +223,16 @@ class SlotDecoder:
         """Drop the `count` most recently admitted rows (their work is lost, they are not failed) and admit one
         row fewer from now on than were in flight; returns their requests, to go back in the queue."""
         self.limit = max(1, len(self.rows) - 1)
-        newest = sorted(self.rows, key=lambda r: r.order, reverse=True)[:count]
-        for row in sorted(newest, key=lambda r: self.rows.index(r), reverse=True):
+        return self._drop(sorted(self.rows, key=lambda r: r.order, reverse=True)[:count])
+
+    def clear(self) -> list[GenerationRequest]:
+        """Drop every row in flight (after a failed step); returns their requests."""
+        return self._drop(list(self.rows))
+
+    def _drop(self, rows: list[Row]) -> list[GenerationRequest]:
+        for row in sorted(rows, key=lambda r: self.rows.index(r), reverse=True):
             self._retire(self.rows.index(row))
-        return [row.request for row in newest]
+        return [row.request for row in rows]
 
     # -- results -----------------------------------------------------------------------------------------------
 
@@ -275,6 +281,7 @@ class StaticStep:
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.mask = torch.zeros(slots, 1, 1, window, dtype=torch.bool, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.columns = torch.arange(window)  # host side, for building the mask
         self.adapters = decoder.lora.new_buffer(slots)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
@@ -325,8 +332,8 @@ class StaticStep:
         self.ids[:bucket, 0].copy_(torch.tensor(ids))
         self.positions[:bucket, 0].copy_(torch.tensor(positions))
         starts = torch.tensor([row.start for row in rows] + [t] * (bucket - n))
-        columns = torch.arange(decoder.window)
-        self.mask[:bucket, 0, 0].copy_((columns[None, :] >= starts[:, None]) & (columns[None, :] <= t))
+        columns = self.columns[None, :]
+        self.mask[:bucket, 0, 0].copy_((columns >= starts[:, None]) & (columns <= t))
         self.column.fill_(t)
         decoder.lora.select_in_place([row.adapter for row in rows] + [NO_ADAPTER] * (bucket - n),
                                      self.adapters[:bucket])

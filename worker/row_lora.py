@@ -39,6 +39,10 @@ class RowLoRA:
         self.offsets = [sum(self.ranks[:i]) for i in range(len(adapters))]
         self.width = sum(self.ranks)
         self._stacked = {layer: self._stack(layer) for layer in self.layers}
+        # One mask row per adapter, its rank block set; the last row (NO_ADAPTER) selects nothing.
+        self._table = torch.zeros(len(adapters) + 1, self.width)
+        for index, (offset, rank) in enumerate(zip(self.offsets, self.ranks)):
+            self._table[index, offset:offset + rank] = 1
         first = next(iter(self._stacked.values()))[0]
         self.mask = torch.zeros(1, 1, self.width, dtype=first.dtype, device=first.device)
         self._hooks = [layer.register_forward_hook(self._add_delta) for layer in self.layers]
@@ -63,11 +67,8 @@ class RowLoRA:
         return torch.cat(a_blocks).detach().contiguous(), torch.cat(b_blocks, dim=1).detach().contiguous()
 
     def _rows(self, adapter_of_row: list[int]) -> torch.Tensor:
-        """The row mask, built on the CPU from a per-adapter table (one copy to the device, not one per row)."""
-        table = torch.zeros(len(self.adapters) + 1, self.width)  # the last row: NO_ADAPTER
-        for index, (offset, rank) in enumerate(zip(self.offsets, self.ranks)):
-            table[index, offset:offset + rank] = 1
-        return table[torch.tensor(adapter_of_row, dtype=torch.long)][:, None, :]
+        """The row mask, gathered on the CPU from the per-adapter table (one copy to the device, not one per row)."""
+        return self._table[torch.tensor(adapter_of_row, dtype=torch.long)][:, None, :]
 
     def select(self, adapter_of_row: list[int]) -> None:
         """Set each row's adapter (an index into `adapters`, or NO_ADAPTER) for the next forward passes."""

@@ -28,7 +28,7 @@ from transformers import (
 from shared.settings import Settings
 from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
 from worker.model_loading import load_model
-from worker.tokens import decode_with_spans, encode_chats, input_problem
+from worker.tokens import check_request, decode_with_spans, encode_chats
 
 __all__ = ["AdapterRuntime", "BatchOutcome", "GenerationRequest", "GenerationResult"]
 
@@ -172,9 +172,9 @@ class AdapterRuntime:
         results: list[GenerationResult | None] = [None] * len(requests)
         groups: dict[tuple[str | None, SamplingKey], list[int]] = {}
         for index, request in enumerate(requests):
-            if reason := self._refusal(request.adapter):
+            if reason := self.refusal(request.adapter):
                 results[index] = _failure(request, "adapter_unavailable", reason)
-            elif problem := self._input_problem(request):
+            elif problem := self.check(request)[1]:
                 results[index] = _failure(request, "invalid_input", problem)
             else:
                 groups.setdefault((None if mixed else request.adapter, _sampling_key(request)), []).append(index)
@@ -224,7 +224,7 @@ class AdapterRuntime:
             oom_splits=oom_splits,
         )
 
-    def _refusal(self, adapter: str) -> str | None:
+    def refusal(self, adapter: str) -> str | None:
         """Why `adapter` cannot be served, or None; never fall back to the bare base model."""
         if adapter in self.adapters:
             return None
@@ -232,12 +232,10 @@ class AdapterRuntime:
             return self.unavailable[adapter]
         return f"unknown adapter {adapter!r}; this worker serves {', '.join(sorted(self.adapters)) or 'none'}"
 
-    def prompt_tokens(self, request: GenerationRequest) -> int:
-        return int(self._encode([request])["attention_mask"].sum())
-
-    def _input_problem(self, request: GenerationRequest) -> str | None:
+    def check(self, request: GenerationRequest) -> tuple[int, str | None]:
+        """The request's prompt tokens, and why it cannot run on this model (or None)."""
         context = getattr(self.model.config, "max_position_embeddings", None)
-        return input_problem(self.tokenizer, context, request, self._input_device)
+        return check_request(self.tokenizer, context, request, self._input_device)
 
     def _activate(self, adapter: str) -> float:
         if adapter == self.active_adapter:

@@ -42,14 +42,15 @@ class Wave:
 
     batch: Batch
     jobs: dict[uuid.UUID, Job]
-    results: list[GenerationResult] = field(default_factory=list)
+    results: list[GenerationResult] = field(default_factory=list)  # of the jobs that reached the model
+    stored: int = 0
     escalated: int = 0
     lost: int = 0
     released: int = 0
 
     @property
     def done(self) -> bool:
-        return len(self.results) + self.released == len(self.jobs)
+        return self.stored + self.released == len(self.jobs)
 
 
 def build_decoder(runtime: AdapterRuntime, settings: Settings) -> SlotDecoder:
@@ -170,11 +171,11 @@ class SlotEngine:
 
     def _check(self, request: GenerationRequest) -> tuple[int, tuple[str, str] | None]:
         """The job's prompt tokens, and why it cannot take a slot (it fails alone, with a code) or None."""
-        if reason := self.runtime._refusal(request.adapter):
+        if reason := self.runtime.refusal(request.adapter):
             return 0, ("adapter_unavailable", reason)
-        if problem := self.runtime._input_problem(request):
-            return 0, ("invalid_input", problem)
-        tokens = self.runtime.prompt_tokens(request)
+        tokens, problem = self.runtime.check(request)
+        if problem is not None:
+            return tokens, ("invalid_input", problem)
         if tokens + request.max_new_tokens > self.decoder.window:
             return tokens, ("invalid_input", f"the prompt is {tokens} tokens; with max_new_tokens "
                             f"{request.max_new_tokens} that is over this worker's window of {self.decoder.window} "
@@ -241,10 +242,9 @@ class SlotEngine:
             log.exception("a decode step failed; the %d job(s) in flight fail", len(self.decoder.rows))
             failure = JobOutcome(status=JobStatus.FAILED, error_code="internal",
                                  error_message=f"{exc.__class__.__name__}: {exc}")
-            for row in self.decoder.give_back_newest(len(self.decoder.rows)):
-                wave = self.wave_of.pop(row.job_id)
-                self._store(wave, wave.jobs[row.job_id], failure)
-            self.decoder.limit = self.decoder.kv.slots
+            for request in self.decoder.clear():
+                wave = self.wave_of.pop(request.job_id)
+                self._store(wave, wave.jobs[request.job_id], failure)
             return
         self._finished(finished)
 
@@ -270,9 +270,9 @@ class SlotEngine:
         with self._lock:
             wave.lost += not stored
             wave.escalated += child is not None
-            wave.results.append(result if isinstance(result, GenerationResult) else GenerationResult(
-                job_id=job.id, text=None, prompt_tokens=0, completion_tokens=0, prefill_ms=0.0, decode_ms=0.0,
-                error_code=result.error_code, error_message=result.error_message))
+            wave.stored += 1
+            if isinstance(result, GenerationResult):
+                wave.results.append(result)
             if wave.done:
                 self._close(wave)
 

@@ -20,20 +20,20 @@ def encode_chats(tokenizer: PreTrainedTokenizerBase, requests: list[GenerationRe
     ).to(device)
 
 
-def input_problem(tokenizer: PreTrainedTokenizerBase, context: int | None, request: GenerationRequest,
-                  device: torch.device) -> str | None:
-    """Why this one request cannot be encoded or cannot fit the context, or None. Checked per request, so a bad
-    job fails alone instead of failing the rows it would have run with."""
+def check_request(tokenizer: PreTrainedTokenizerBase, context: int | None, request: GenerationRequest,
+                  device: torch.device) -> tuple[int, str | None]:
+    """The request's prompt tokens (0 when it cannot be encoded), and why it cannot run or fit the context, or
+    None. Checked per request, so a bad job fails alone instead of failing the rows it would have run with."""
     if 0 < request.temperature < MIN_TEMPERATURE:  # sampling would divide the logits into inf/NaN
-        return f"temperature {request.temperature} is below the minimum of {MIN_TEMPERATURE} (0 = greedy)"
+        return 0, f"temperature {request.temperature} is below the minimum of {MIN_TEMPERATURE} (0 = greedy)"
     try:
         prompt_tokens = int(encode_chats(tokenizer, [request], device)["attention_mask"].sum())
     except Exception as exc:
-        return f"the input cannot be tokenized: {exc.__class__.__name__}: {exc}"
+        return 0, f"the input cannot be tokenized: {exc.__class__.__name__}: {exc}"
     if context is not None and prompt_tokens + request.max_new_tokens > context:
-        return (f"the prompt is {prompt_tokens} tokens; with max_new_tokens {request.max_new_tokens} that is "
-                f"over the model's context of {context} tokens")
-    return None
+        return prompt_tokens, (f"the prompt is {prompt_tokens} tokens; with max_new_tokens {request.max_new_tokens} "
+                               f"that is over the model's context of {context} tokens")
+    return prompt_tokens, None
 
 
 def decode_with_spans(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> tuple[str, list[tuple[int, int]]]:

@@ -134,7 +134,7 @@ class Service:
                 if self.client.get("/readyz").status_code == 200:
                     return
             except httpx.TransportError:
-                pass
+                pass  # not listening yet
             time.sleep(0.5)
         raise RuntimeError(f"the service was not ready after {timeout:.0f}s:\n{self.processes.log_tail('worker')}")
 
