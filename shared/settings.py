@@ -25,6 +25,9 @@ class AdapterProfile(BaseModel):
     temperature: float = Field(ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     system_prompt: str
+    reserved_slots: int = Field(
+        default=0, ge=0, description="continuous engine: slots kept free for this role's jobs (at most a quarter "
+        "of the slots), so another role's backlog never makes it wait for a row to finish")
 
     # A default temperature must be runnable too: (0, 0.01) makes sampling overflow.
     _runnable_temperature = field_validator("temperature")(check_temperature)
@@ -45,6 +48,7 @@ class LayaProfile(AdapterProfile):
     max_new_tokens: int = Field(default=64, ge=1)
     temperature: float = Field(default=0.1, ge=0)
     system_prompt: str = "You are Laya, a fast decider. Answer with one short JSON decision object only."
+    reserved_slots: int = Field(default=4, ge=0)  # a fast decider starts at the next step, even under Kev load
 
 
 class Settings(BaseSettings):

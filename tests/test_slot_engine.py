@@ -4,6 +4,7 @@ jobs take slots as they free up, a Laya job does not wait for the Kev jobs ahead
 from __future__ import annotations
 
 import signal
+import time
 import uuid
 
 import pytest
@@ -28,6 +29,37 @@ def test_free_slots_go_to_the_shortest_jobs_unless_someone_waited_too_long():
     starving = QueueSnapshot(queued={"kev": 10, "laya": 3}, oldest_wait_ms={"kev": 2500, "laya": 10})
     assert plan_slots(starving, 4, POLICY, EXPECTED) == [("kev", 4)]  # the fairness bound comes first
     assert plan_slots(QueueSnapshot({}, {}), 4, POLICY, EXPECTED) == []
+
+
+def test_reserved_slots_stay_free_for_their_adapter_while_another_backlog_starves():
+    starving_kev = QueueSnapshot(queued={"kev": 40}, oldest_wait_ms={"kev": 9000})
+    reserve = {"laya": 2}
+    # Laya holds nothing: two of the free slots stay free for it, the starving Kev backlog takes the rest
+    assert plan_slots(starving_kev, 5, POLICY, EXPECTED, reserve, {"kev": 27}) == [("kev", 3)]
+    assert plan_slots(starving_kev, 2, POLICY, EXPECTED, reserve, {"kev": 30}) == []
+    # Laya already holds one slot: only one more stays free for it
+    assert plan_slots(starving_kev, 2, POLICY, EXPECTED, reserve, {"kev": 29, "laya": 1}) == [("kev", 1)]
+    # A Laya job arriving then takes a kept slot at once, although Kev waited far longer
+    both = QueueSnapshot(queued={"kev": 40, "laya": 1}, oldest_wait_ms={"kev": 9000, "laya": 5})
+    assert plan_slots(both, 2, POLICY, EXPECTED, reserve, {"kev": 30}) == [("laya", 1)]
+    # More Laya than its reservation: beyond it, Laya competes like anyone (the starving backlog first)
+    many = QueueSnapshot(queued={"kev": 40, "laya": 9}, oldest_wait_ms={"kev": 9000, "laya": 5})
+    assert plan_slots(many, 4, POLICY, EXPECTED, reserve, {"kev": 28}) == [("kev", 2), ("laya", 2)]
+    # Nobody reserved: as before
+    assert plan_slots(both, 2, POLICY, EXPECTED, {}, {"kev": 30}) == [("kev", 2)]
+
+
+def test_a_reservation_is_at_most_a_quarter_of_the_slots():
+    from shared.settings import Settings
+    from worker.slot_engine import reserved_slots
+
+    settings = Settings(_env_file=None)
+    assert settings.laya.reserved_slots == 4 and settings.kev.reserved_slots == 0
+    assert reserved_slots(settings, ["kev", "laya"], 32) == {"laya": 4}
+    assert reserved_slots(settings, ["kev", "laya"], 8) == {"laya": 2}
+    assert reserved_slots(settings, ["kev", "laya"], 3) == {}
+    kev_too = Settings(_env_file=None, kev={"reserved_slots": 1})
+    assert reserved_slots(kev_too, ["kev", "laya"], 16) == {"kev": 1, "laya": 4}
 
 
 def test_slots_come_from_the_budget_arithmetic():
@@ -61,7 +93,8 @@ def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, st
     cascades = [submit(api, "auto", f"Pick A or B, case {i}.", max_new_tokens=4) for i in range(2)]
     start_worker(start_process, {**continuous_env, "KEVLAYA_ENGINE_PREFILL_TOKENS": "64"}, api)
     [worker] = live_workers().values()  # its heartbeat says how it serves (the status page shows it)
-    assert (worker["engine"], worker["slots"], worker["window_tokens"]) == ("continuous", 4, 1024)
+    # KEVLAYA_MAX_BATCH=4 rows for any role, plus one slot reserved for Laya (a quarter of 4)
+    assert (worker["engine"], worker["slots"], worker["window_tokens"]) == ("continuous", 5, 1024)
     refused = wait_finished(api, [too_long])[0]
     assert refused["status"] == "failed" and refused["error"]["code"] == "invalid_input"
     assert "KEVLAYA_ENGINE_WINDOW_TOKENS" in refused["error"]["message"]
@@ -102,6 +135,32 @@ def test_a_laya_job_does_not_wait_for_the_kev_jobs_in_flight(continuous_env, api
     assert all(k.started_at < laya_row.started_at for k in kev_rows)  # they were decoding when it came
     # it took the free slot beside them, not a turn after them
     assert laya_row.finished_at < min(k.finished_at for k in kev_rows)
+
+
+@pytest.mark.integration
+def test_a_laya_job_takes_its_reserved_slot_while_a_starving_kev_backlog_waits(continuous_env, api, start_process):
+    """Every slot but Laya's reserved one holds a Kev job and more Kev jobs wait past the fairness bound: the
+    reserved slot stays free, and a Laya job arriving takes it at once instead of after a Kev row finishes."""
+    start_worker(start_process, {**continuous_env, "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_MAX_WAIT_MS": "0"}, api)
+    kev = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=600) for i in range(8)]
+
+    def statuses() -> dict[str, str]:
+        with session_scope() as session:
+            return {str(i): s for i, s in session.execute(select(Job.id, Job.status)).all()}
+
+    wait_until(lambda: list(statuses().values()).count("running") == 4, 60, interval=0.02,
+               what="four Kev jobs to take the unreserved slots")
+    time.sleep(0.3)  # several looks at the queue later, the starving backlog still has not taken the fifth slot
+    assert sorted(statuses().values()) == ["queued"] * 4 + ["running"] * 4
+    decoding = [k for k, status in statuses().items() if status == "running"]
+    laya = submit(api, "laya", "Pick A or B.", max_new_tokens=4)
+    jobs = wait_finished(api, [laya, *kev])
+    assert [j["status"] for j in jobs] == ["succeeded"] * 9, [j["error"] for j in jobs]
+    with session_scope() as session:
+        rows = {str(j.id): j for j in session.scalars(select(Job)).all()}
+    waiting = [rows[k] for k in kev if k not in decoding]
+    assert rows[laya].finished_at < min(rows[k].finished_at for k in decoding)
+    assert rows[laya].started_at < min(k.started_at for k in waiting)
 
 
 @pytest.mark.integration

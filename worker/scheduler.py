@@ -3,6 +3,7 @@ the model or the database, so it can be tested exhaustively."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -84,21 +85,31 @@ def plan_next_batch(snapshot: QueueSnapshot, state: SchedulerState, policy: Sche
     return BatchPlan(adapters=(chosen,), limit=limit, switch=chosen != active)
 
 
-def plan_slots(snapshot: QueueSnapshot, free: int, policy: SchedulingPolicy,
-               expected_tokens: dict[str, int]) -> list[tuple[str, int]]:
+def plan_slots(snapshot: QueueSnapshot, free: int, policy: SchedulingPolicy, expected_tokens: dict[str, int],
+               reserved: Mapping[str, int] | None = None,
+               in_flight: Mapping[str, int] | None = None) -> list[tuple[str, int]]:
     """Who takes the continuous engine's `free` slots, as (adapter, count) in claiming order.
 
     A slot costs nothing to switch, so affinity no longer pays; what matters is who waits. Adapters whose
     oldest job has waited past `max_wait_ms` come first (oldest first): the fairness bound. Then the adapter
     with the shortest expected jobs (fewest new tokens), so a fast decider never queues behind a deliberate
-    analyst's backlog (docs/architecture.md §4)."""
+    analyst's backlog (docs/architecture.md §4).
+
+    `reserved` slots belong to one adapter: while it holds fewer than that (`in_flight`), the difference stays
+    free for it even when another adapter's backlog is starving, so its next job starts at the next step
+    instead of waiting for a row of the backlog to finish."""
+    reserved, in_flight = reserved or {}, in_flight or {}
+    unused = {a: max(0, n - in_flight.get(a, 0)) for a, n in reserved.items()}
     waiting = snapshot.waiting()
     starving = [a for a in waiting if snapshot.oldest_wait_ms[a] > policy.max_wait_ms]
     rest = sorted((a for a in waiting if a not in starving), key=lambda a: (expected_tokens.get(a, 0), a))
     plan, left = [], free
     for adapter in starving + rest:
-        count = min(left, snapshot.queued[adapter])
+        kept_for_others = sum(n for a, n in unused.items() if a != adapter)
+        count = min(left - kept_for_others, snapshot.queued[adapter])
         if count > 0:
             plan.append((adapter, count))
             left -= count
+            if adapter in unused:
+                unused[adapter] = max(0, unused[adapter] - count)
     return plan

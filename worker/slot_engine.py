@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -53,8 +55,15 @@ class Wave:
         return self.stored + self.released == len(self.jobs)
 
 
+def reserved_slots(settings: Settings, adapters: Iterable[str], rows: int) -> dict[str, int]:
+    """Each adapter's `reserved_slots`, at most a quarter of `rows`, so a reservation never starves the rest."""
+    reserved = {a: min(settings.adapter_profile(a).reserved_slots, rows // 4) for a in sorted(adapters)}
+    return {a: n for a, n in reserved.items() if n > 0}
+
+
 def build_decoder(runtime: AdapterRuntime, settings: Settings) -> SlotDecoder:
-    """A decoder with as many slots as the memory budget holds (CUDA), or `max_batch` (CPU)."""
+    """A decoder with `max_batch` slots plus the reserved ones (docs/architecture.md §14), fewer where the memory
+    budget holds fewer (CUDA)."""
     import torch
 
     from worker.admission import SlotBudget, kv_bytes_per_token
@@ -63,16 +72,18 @@ def build_decoder(runtime: AdapterRuntime, settings: Settings) -> SlotDecoder:
 
     context = getattr(runtime.model.config, "max_position_embeddings", None) or settings.engine_window_tokens
     window = min(settings.engine_window_tokens, context)
-    slots = settings.max_batch
+    # Reserved slots come on top of max_batch, so a role's backlog keeps max_batch rows when memory allows.
+    wanted = settings.max_batch + sum(reserved_slots(settings, runtime.adapters, settings.max_batch).values())
+    slots = wanted
     if runtime.device == "cuda":
         budget = SlotBudget(
             budget_bytes=int(settings.vram_budget_gb * 2**30), resident_bytes=torch.cuda.memory_allocated(),
             workspace_bytes=int(settings.engine_workspace_gb * 2**30),
             kv_per_token=kv_bytes_per_token(*kv_shape(runtime.model.config), dtype_bytes=2), window=window)
-        slots = budget.slots(settings.max_batch)
-        log.info("continuous engine: %s", budget.explain(settings.max_batch))
+        slots = budget.slots(wanted)
+        log.info("continuous engine: %s", budget.explain(wanted))
         if slots == 0:
-            raise RuntimeError(f"the VRAM budget holds no slot: {budget.explain(settings.max_batch)}; lower "
+            raise RuntimeError(f"the VRAM budget holds no slot: {budget.explain(wanted)}; lower "
                                "KEVLAYA_ENGINE_WINDOW_TOKENS or raise KEVLAYA_VRAM_BUDGET_GB")
     graphs = settings.engine_cuda_graphs and runtime.device == "cuda"
     return SlotDecoder(runtime.model, runtime.tokenizer, sorted(runtime.adapters), slots=slots, window=window,
@@ -88,6 +99,9 @@ class SlotEngine:
         self.policy = SchedulingPolicy(max_batch=self.decoder.limit, max_wait_ms=settings.max_wait_ms,
                                        max_consecutive_batches=settings.max_consecutive_batches)
         self.expected_tokens = {a: settings.adapter_profile(a).max_new_tokens for a in runtime.adapters}
+        self.reserved = reserved_slots(settings, runtime.adapters, min(settings.max_batch, self.decoder.limit))
+        if self.reserved:
+            log.info("continuous engine: slots reserved per adapter %s of %d", self.reserved, self.decoder.limit)
         self.worker = worker_name()
         self.draining = threading.Event()
         self.waves: dict[uuid.UUID, Wave] = {}  # by batch id
@@ -136,7 +150,8 @@ class SlotEngine:
         """Claim jobs for the free slots; returns how many were claimed."""
         free = self.decoder.free - len(self.to_prefill)
         with session_scope() as session:
-            plan = plan_slots(queue_snapshot(session), free, self.policy, self.expected_tokens)
+            plan = plan_slots(queue_snapshot(session), free, self.policy, self.expected_tokens, self.reserved,
+                              self._in_flight())
         claimed = 0
         for adapter, count in plan:
             with session_scope() as session:
@@ -146,6 +161,11 @@ class SlotEngine:
                 claimed += len(jobs)
                 self._start(batch, jobs)
         return claimed
+
+    def _in_flight(self) -> Counter[str]:
+        """Slots each adapter holds or is about to hold (claimed, waiting for its prefill)."""
+        return Counter([self.decoder.adapters[row.adapter] for row in self.decoder.rows]
+                       + [request.adapter for request, _tokens in self.to_prefill])
 
     def _start(self, batch: Batch, jobs: list[Job]) -> None:
         wave = Wave(batch=batch, jobs={job.id: job for job in jobs})

@@ -58,7 +58,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     engines = {name: e for name, e in result["engines"].items() if "jobs_per_s" in e}
     fig, (throughput, latency, memory) = plt.subplots(1, 3, figsize=(15, 4.2))
     fig.suptitle(f"kevlaya bench: {result['shape']} on {result['gpu']}, cap {result['vram_budget_gb']} GiB")
-    throughput.bar(["recipe (one at a time)", *(f"{name} engine" for name in engines)],
+    throughput.bar(["recipe\n(one at a time)", *(f"{name}\nengine" for name in engines)],
                    [result["seed_scheme"]["jobs_per_s"], *(e["jobs_per_s"] for e in engines.values())],
                    color=["#999999", "#3366cc", "#cc6633"][:len(engines) + 1])
     throughput.set_ylabel("jobs/s")
