@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     max_consecutive_batches: int = Field(default=8, ge=1)
     mixed_batches: bool = False
     engine: Literal["batch", "continuous"] = Field(
-        default="batch", description="batch: static batches through generate; continuous: one decode step at a "
+        default="continuous", description="batch: static batches through generate; continuous: one decode step at a "
         "time over every job in flight, both adapters per step, slots refilled between steps (docs/architecture.md §14)")
     engine_window_tokens: int = Field(
         default=1024, ge=16, description="continuous engine: the most tokens (prompt + new) one job may hold; each "
@@ -102,7 +102,7 @@ class Settings(BaseSettings):
         default=2048, ge=1, description="continuous engine: prompt tokens prefilled between two decode steps at "
         "most (one job always goes), so a burst of new jobs does not freeze the rows already decoding")
     engine_cuda_graphs: bool = Field(
-        default=False, description="continuous engine on CUDA: capture the decode step as CUDA graphs (one per "
+        default=True, description="continuous engine on CUDA: capture the decode step as CUDA graphs (one per "
         "batch-size bucket) and replay them; ignored on the CPU")
     engine_workspace_gb: float = Field(
         default=0.5, ge=0, description="continuous engine on CUDA: memory kept free for activations beside the "

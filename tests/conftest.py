@@ -262,8 +262,9 @@ TEXT = {"output": "text"}  # random weights answer noise, so ask for the raw tex
 
 
 @pytest.fixture
-def env(worker_env: dict[str, str]) -> dict[str, str]:
-    return {**worker_env, "KEVLAYA_API_PORT": str(free_port())}
+def env(worker_env: dict[str, str], request: pytest.FixtureRequest) -> dict[str, str]:
+    # `@pytest.mark.parametrize("env", [{...}], indirect=True)` adds settings for the API and workers of one test
+    return {**worker_env, "KEVLAYA_API_PORT": str(free_port()), **getattr(request, "param", {})}
 
 
 def start_api(start_process, env) -> httpx.Client:  # noqa: ANN001
