@@ -139,7 +139,9 @@ class Settings(BaseSettings):
     chat_timeout_s: float = Field(default=120, gt=0, description="how long /v1/chat/completions waits for its job")
 
     # VRAM (the GPU runtime uses it; the CPU path ignores it)
-    vram_budget_gb: float = Field(default=6.0, gt=0)
+    vram_budget_gb: float = Field(
+        default=5.5, gt=0, description="GiB PyTorch may allocate: a 6 GB card's memory after its CUDA context; on a "
+        "bigger GPU the worker caps itself to it")
 
     # Observability (README: Monitoring)
     worker_metrics_host: str = Field(default="127.0.0.1", description="address of the worker's /metrics server")

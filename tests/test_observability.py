@@ -13,11 +13,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.settings import Settings
 from tests.conftest import API_KEY, start_worker, submit, wait_finished, wait_until
 from tests.test_compose import dashboard_metric_names
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_BUDGET_GIB = Settings.model_fields["vram_budget_gb"].default  # the tests' workers leave it unset
 LATENCY_HISTOGRAMS = ("kevlaya_job_queue_wait_seconds", "kevlaya_job_time_to_first_token_seconds",
                       "kevlaya_job_time_per_output_token_seconds", "kevlaya_job_end_to_end_seconds")
 
@@ -74,7 +76,7 @@ def test_metrics_and_logs_after_a_real_run_and_a_silent_worker(env, api, start_p
     # an escalated job's own tokens are the sum of its stages'
     assert value(work, "kevlaya_completion_tokens_total") == sum(j["tokens"]["completion"] for j in jobs)
     assert value(work, "kevlaya_worker_up") == 1 and value(work, "kevlaya_worker_model_loaded") == 1
-    assert value(work, "kevlaya_gpu_memory_budget_bytes") == 6 * 2**30
+    assert value(work, "kevlaya_gpu_memory_budget_bytes") == DEFAULT_BUDGET_GIB * 2**30
     assert value(work, "kevlaya_rows_in_flight") == 0
 
     served = scrape(f"{api.base_url}/metrics")
@@ -152,8 +154,8 @@ def test_status_page_shows_the_run_in_a_real_browser(env, api, start_process, tm
         assert drawn.count() == len(live["batches"]) >= 2
         assert {drawn.nth(i).get_attribute("data-adapters") for i in range(drawn.count())} == {"kev", "laya"}
         budget = page.locator("#memory #budget-line")
-        assert int(budget.get_attribute("data-bytes")) == 6 * 2**30
-        expect(page.locator("#memory-now")).to_contain_text("budget 6.00 GiB")
+        assert int(budget.get_attribute("data-bytes")) == DEFAULT_BUDGET_GIB * 2**30
+        expect(page.locator("#memory-now")).to_contain_text(f"budget {DEFAULT_BUDGET_GIB:.2f} GiB")
         expect(page.locator("#workers")).to_contain_text("model loaded")
 
         shot = tmp_path / "status-page.png"
