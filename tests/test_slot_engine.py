@@ -242,6 +242,28 @@ def test_out_of_memory_in_a_step_puts_the_newest_jobs_back_and_every_job_still_r
     assert sum(b.size for b in batches) == 6 and all(b.finished_at is not None for b in batches)
 
 
+def test_a_reservation_shrinks_with_the_slots_an_out_of_memory_left(service_env, tiny_model):
+    """After out-of-memory errors shrank the decoder to one slot, Laya's reservation must not keep that slot
+    from a Kev backlog: the Kev jobs still run."""
+    from shared.settings import Settings
+    from worker.runtime import AdapterRuntime
+    from worker.slot_engine import SlotEngine
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4)
+    with session_scope() as session:
+        session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Question {i}?",
+                             params={**TEXT, "max_new_tokens": 4}) for i in range(3)])
+    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    engine.decoder.limit = 1  # what repeated out-of-memory give-backs leave
+    try:
+        assert engine.drain(5) == 3
+    finally:
+        engine.decoder.close()
+    with session_scope() as session:
+        assert [j.status for j in session.scalars(select(Job)).all()] == ["succeeded"] * 3
+
+
 def test_a_job_the_engine_cannot_run_fails_alone_and_its_batch_mates_finish(service_env, tiny_model):
     """Stored params no version of the API would write (a temperature that is text) break the request on its
     way to the decoder: that job fails `invalid_input`, alone; the others claimed with it finish (the drain

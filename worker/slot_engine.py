@@ -99,9 +99,8 @@ class SlotEngine:
         self.policy = SchedulingPolicy(max_batch=self.decoder.limit, max_wait_ms=settings.max_wait_ms,
                                        max_consecutive_batches=settings.max_consecutive_batches)
         self.expected_tokens = {a: settings.adapter_profile(a).max_new_tokens for a in runtime.adapters}
-        self.reserved = reserved_slots(settings, runtime.adapters, min(settings.max_batch, self.decoder.limit))
-        if self.reserved:
-            log.info("continuous engine: slots reserved per adapter %s of %d", self.reserved, self.decoder.limit)
+        if reserved := self._reserved():
+            log.info("continuous engine: slots reserved per adapter %s of %d", reserved, self.decoder.limit)
         self.worker = worker_name()
         self.draining = threading.Event()
         self.waves: dict[uuid.UUID, Wave] = {}  # by batch id
@@ -150,7 +149,7 @@ class SlotEngine:
         """Claim jobs for the free slots; returns how many were claimed."""
         free = self.decoder.free - len(self.to_prefill)
         with session_scope() as session:
-            plan = plan_slots(queue_snapshot(session), free, self.policy, self.expected_tokens, self.reserved,
+            plan = plan_slots(queue_snapshot(session), free, self.policy, self.expected_tokens, self._reserved(),
                               self._in_flight())
         claimed = 0
         for adapter, count in plan:
@@ -161,6 +160,10 @@ class SlotEngine:
                 claimed += len(jobs)
                 self._start(batch, jobs)
         return claimed
+
+    def _reserved(self) -> dict[str, int]:
+        # From the current limit: after an out-of-memory shrank it, a reservation must not take the last slots.
+        return reserved_slots(self.settings, self.runtime.adapters, min(self.settings.max_batch, self.decoder.limit))
 
     def _in_flight(self) -> Counter[str]:
         """Slots each adapter holds or is about to hold (claimed, waiting for its prefill)."""
