@@ -199,7 +199,7 @@ class SlotEngine:
         tokens, problem = self.runtime.check(request)
         if problem is not None:
             return tokens, ("invalid_input", problem)
-        if tokens + request.max_new_tokens > self.decoder.window:
+        if not self.decoder.fits(tokens, request.max_new_tokens):
             return tokens, ("invalid_input", f"the prompt is {tokens} tokens; with max_new_tokens "
                             f"{request.max_new_tokens} that is over this worker's window of {self.decoder.window} "
                             "tokens (KEVLAYA_ENGINE_WINDOW_TOKENS)")
