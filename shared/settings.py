@@ -100,13 +100,15 @@ class Settings(BaseSettings):
         "slot reserves this much key/value cache")
     engine_prefill_tokens: int = Field(
         default=2048, ge=1, description="continuous engine: prompt tokens prefilled between two decode steps at "
-        "most (one job always goes), so a burst of new jobs does not freeze the rows already decoding")
+        "most, counted padded (jobs × longest prompt; one job always goes), so a burst of new jobs does not freeze "
+        "the rows already decoding; the worker measures a prefill of this size at start when it sizes the slots")
     engine_cuda_graphs: bool = Field(
         default=True, description="continuous engine on CUDA: capture the decode step as CUDA graphs (one per "
         "batch-size bucket) and replay them; ignored on the CPU")
     engine_workspace_gb: float = Field(
-        default=0.5, ge=0, description="continuous engine on CUDA: memory kept free for activations beside the "
-        "weights and the key/value cache when sizing the slots")
+        default=0.5, ge=0, description="continuous engine on CUDA: first estimate of the memory kept free for "
+        "activations beside the weights and the key/value cache; the worker then measures the real workspace "
+        "(graphs captured, the largest prefill run) and takes slots away until it fits the budget")
     cascade_threshold: float = Field(default=0.85, ge=0, le=1)
 
     # Reliability

@@ -75,6 +75,21 @@ def test_greedy_answers_equal_per_adapter_generate(runtime: AdapterRuntime, deco
     assert_same_answers(expected, decoder(slots, window, static_steps=static_steps).run(requests))
 
 
+def test_the_throwaway_prefill_measured_at_start_leaves_no_trace(runtime: AdapterRuntime, decoder) -> None:
+    """The worker runs its largest prefill into an empty decoder to measure memory; the jobs after it get the
+    same answers as without it, and every slot is free."""
+    requests = mixed_requests()[:4]
+    expected = [runtime.run_batch([r]).results[0] for r in requests]
+    measured = decoder(slots=4, window=256, static_steps=True)
+    measured.throwaway_prefill(rows=9, width=999)  # clamped to the slots and the window
+    assert measured.free == 4 and not measured.rows
+    assert_same_answers(expected, measured.run(requests))
+    busy = decoder(slots=2)
+    busy.admit(requests[:1])
+    with pytest.raises(ValueError, match="no rows in flight"):
+        busy.throwaway_prefill(rows=1, width=16)
+
+
 def test_a_freed_slot_is_taken_while_a_long_row_decodes(runtime: AdapterRuntime, decoder) -> None:
     long, short, queued = request("kev", PROMPTS[3], 60), request("laya", PROMPTS[0], 3), request("laya", PROMPTS[2], 4)
     expected = {r.job_id: runtime.run_batch([r]).results[0] for r in (long, short, queued)}

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from worker.scheduler import QueueSnapshot, SchedulerState, SchedulingPolicy, plan_next_batch
+from worker.scheduler import QueueSnapshot, SchedulerState, SchedulingPolicy, plan_next_batch, prefill_group
 
 POLICY = SchedulingPolicy(max_batch=8, max_wait_ms=1000, max_consecutive_batches=3)
 
@@ -108,3 +108,14 @@ def test_a_flooded_adapter_does_not_starve_the_other(seed, max_wait_ms):
     # without the bound, Laya waits behind the whole Kev flood
     _, unfair = simulate(kev + laya, SchedulingPolicy(4, 10**9, 10**6), step_ms=50)
     assert unfair["laya"] > 4 * max_wait_ms
+
+
+def test_a_prefill_group_is_bounded_by_its_padded_block_not_its_token_sum():
+    # Jobs are padded to the longest prompt: one long prompt and many short ones are a large block
+    assert prefill_group([1000, 10, 10, 10], free=8, budget_tokens=2048) == 2  # 2 × 1000; a third makes 3 × 1000
+    assert prefill_group([100] * 30, free=32, budget_tokens=2048) == 20
+    assert prefill_group([10, 10, 1000], free=8, budget_tokens=2048) == 2  # 3 × 1000 > 2048 though the sum is not
+    assert prefill_group([3000, 10], free=8, budget_tokens=2048) == 1  # the first job always goes
+    assert prefill_group([10] * 10, free=3, budget_tokens=2048) == 3  # never more than the free slots
+    assert prefill_group([], free=3, budget_tokens=2048) == 0
+    assert prefill_group([10], free=0, budget_tokens=2048) == 0

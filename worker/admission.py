@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -27,6 +27,17 @@ class SlotBudget:
         """Slots that fit (at most `most`); 0 when not even one does."""
         spare = self.budget_bytes - self.resident_bytes - self.workspace_bytes
         return max(0, min(most, spare // self.per_slot))
+
+    def after_measuring(self, slots: int, peak_bytes: int | None) -> int:
+        """The slots to build after `slots` measured a peak of `peak_bytes` (None: they ran out of memory): the
+        same when the peak fits the budget, else fewer — what the measured workspace leaves room for, and at
+        least one fewer, so sizing ends."""
+        if peak_bytes is None:
+            return slots - 1
+        if peak_bytes <= self.budget_bytes:
+            return slots
+        measured = replace(self, workspace_bytes=peak_bytes - self.resident_bytes - slots * self.per_slot)
+        return min(slots - 1, measured.slots(slots))
 
     def explain(self, most: int) -> str:
         gib = 2**30

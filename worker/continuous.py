@@ -70,7 +70,11 @@ class SlotDecoder:
             raise ValueError(f"attention implementation {self._attention!r}: the decoder builds sdpa/eager masks")
         self.static = static_steps or graphs
         if self.static:
-            self._static = StaticStep(self, capture=graphs)
+            try:
+                self._static = StaticStep(self, capture=graphs)
+            except BaseException:
+                self.lora.remove()  # a decoder that failed to build leaves the model as it found it
+                raise
 
     @property
     def window(self) -> int:
@@ -114,14 +118,8 @@ class SlotDecoder:
                    start=t - int(length))
                for r, length in zip(requests, lengths)]
 
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        allowed = causal[None] & present.bool()[:, None, :]
-        allowed |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding attends to itself, not NaN
-        positions = (present.cumsum(1) - 1).clamp(min=0)
-        self.kv.view.rows, self.kv.view.read_lo = slice(first, first + len(new)), t - width
-        self.kv.view.write_lo, self.kv.view.write_hi = t - width, t
         started = time.perf_counter()
-        logits = self._forward(ids, allowed, positions, [row.adapter for row in new])
+        logits = self._prefill(ids, present, first, [row.adapter for row in new])
         self.rows.extend(new)
         prefill_ms = (time.perf_counter() - started) * 1000
         for row in new:
@@ -139,6 +137,29 @@ class SlotDecoder:
             for row in self.rows:
                 row.start += by
             self.kv.t = width
+
+    def _prefill(self, ids: torch.Tensor, present: torch.Tensor, first: int, adapters: list[int]) -> torch.Tensor:
+        """Run a prompt block (rows × width, left-padded where `present` is 0) into slots first, first + 1, ...,
+        ending at column `t - 1`; returns each row's last logits."""
+        width = ids.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        allowed = causal[None] & present.bool()[:, None, :]
+        allowed |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding attends to itself, not NaN
+        positions = (present.cumsum(1) - 1).clamp(min=0)
+        t = self.kv.t
+        self.kv.view.rows, self.kv.view.read_lo = slice(first, first + len(ids)), t - width
+        self.kv.view.write_lo, self.kv.view.write_hi = t - width, t
+        return self._forward(ids, allowed, positions, adapters)
+
+    def throwaway_prefill(self, rows: int, width: int) -> None:
+        """Prefill `rows` × `width` placeholder tokens (both adapters) into an empty decoder and forget them: the
+        largest prefill the engine runs, so the worker can measure its memory at start (build_decoder)."""
+        if self.rows:
+            raise ValueError("a throwaway prefill needs a decoder with no rows in flight")
+        rows, width = min(rows, self.kv.slots), min(width, self.window)
+        ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        self._make_room(width)
+        self._prefill(ids, torch.ones_like(ids), 0, [i % len(self.adapters) for i in range(rows)])
 
     # -- decoding ----------------------------------------------------------------------------------------------
 

@@ -113,3 +113,16 @@ def plan_slots(snapshot: QueueSnapshot, free: int, policy: SchedulingPolicy, exp
             if adapter in unused:
                 unused[adapter] = max(0, unused[adapter] - count)
     return plan
+
+
+def prefill_group(prompt_tokens: list[int], free: int, budget_tokens: int) -> int:
+    """How many of the claimed jobs (in claim order, by prompt tokens) to prefill together before the next step:
+    at most `free`, and the padded block (jobs × longest prompt) within `budget_tokens`, the size that sets a
+    prefill's time and memory; the first job always goes."""
+    taken, longest = 0, 0
+    for tokens in prompt_tokens[:free]:
+        longest = max(longest, tokens)
+        if taken and (taken + 1) * longest > budget_tokens:
+            break
+        taken += 1
+    return taken

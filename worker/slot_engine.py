@@ -7,12 +7,13 @@ at once, so the decode loop never waits on the database. Jobs claimed together f
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -26,7 +27,7 @@ from worker.claims import JobOutcome, claim_batch, queue_snapshot
 from worker.engine import announce_escalations, generation_request, leases_kept, settle_job, worker_name
 from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
 from worker.metrics import METRICS
-from worker.scheduler import BatchPlan, SchedulingPolicy, plan_slots
+from worker.scheduler import BatchPlan, SchedulingPolicy, plan_slots, prefill_group
 
 if TYPE_CHECKING:  # torch is imported only in the worker child
     from worker.continuous import SlotDecoder
@@ -63,7 +64,8 @@ def reserved_slots(settings: Settings, adapters: Iterable[str], rows: int) -> di
 
 def build_decoder(runtime: AdapterRuntime, settings: Settings) -> SlotDecoder:
     """A decoder with `max_batch` slots plus the reserved ones (docs/architecture.md §14), fewer where the memory
-    budget holds fewer (CUDA)."""
+    budget holds fewer (CUDA): sized first from `KEVLAYA_ENGINE_WORKSPACE_GB`, then measured (graphs captured,
+    the largest prefill run) and rebuilt with fewer slots until the measured peak fits the budget."""
     import torch
 
     from worker.admission import SlotBudget, kv_bytes_per_token
@@ -74,20 +76,63 @@ def build_decoder(runtime: AdapterRuntime, settings: Settings) -> SlotDecoder:
     window = min(settings.engine_window_tokens, context)
     # Reserved slots come on top of max_batch, so a role's backlog keeps max_batch rows when memory allows.
     wanted = settings.max_batch + sum(reserved_slots(settings, runtime.adapters, settings.max_batch).values())
-    slots = wanted
-    if runtime.device == "cuda":
-        budget = SlotBudget(
-            budget_bytes=int(settings.vram_budget_gb * 2**30), resident_bytes=torch.cuda.memory_allocated(),
-            workspace_bytes=int(settings.engine_workspace_gb * 2**30),
-            kv_per_token=kv_bytes_per_token(*kv_shape(runtime.model.config), dtype_bytes=2), window=window)
-        slots = budget.slots(wanted)
-        log.info("continuous engine: %s", budget.explain(wanted))
-        if slots == 0:
-            raise RuntimeError(f"the VRAM budget holds no slot: {budget.explain(wanted)}; lower "
-                               "KEVLAYA_ENGINE_WINDOW_TOKENS or raise KEVLAYA_VRAM_BUDGET_GB")
     graphs = settings.engine_cuda_graphs and runtime.device == "cuda"
-    return SlotDecoder(runtime.model, runtime.tokenizer, sorted(runtime.adapters), slots=slots, window=window,
-                       eos_ids=runtime.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs)
+
+    def decoder(slots: int) -> SlotDecoder:
+        return SlotDecoder(runtime.model, runtime.tokenizer, sorted(runtime.adapters), slots=slots, window=window,
+                           eos_ids=runtime.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs)
+
+    if runtime.device != "cuda":
+        return decoder(wanted)
+    torch.cuda.empty_cache()  # what loading left cached is not the decoder's to count
+    budget = SlotBudget(
+        budget_bytes=int(settings.vram_budget_gb * 2**30), resident_bytes=torch.cuda.memory_allocated(),
+        workspace_bytes=int(settings.engine_workspace_gb * 2**30),
+        kv_per_token=kv_bytes_per_token(*kv_shape(runtime.model.config), dtype_bytes=2), window=window)
+    slots = budget.slots(wanted)
+    log.info("continuous engine: %s", budget.explain(wanted))
+    while slots > 0:
+        built, peak = _measured(decoder, slots, settings.engine_prefill_tokens)
+        fewer = budget.after_measuring(slots, peak)
+        if fewer == slots:
+            log.info("continuous engine: %d slot(s); measured peak %.2f GiB of the %.2f GiB budget (workspace "
+                     "%.2f GiB)", slots, peak / 2**30, settings.vram_budget_gb,
+                     (peak - budget.resident_bytes - slots * budget.per_slot) / 2**30)
+            return built
+        log.warning("continuous engine: %d slot(s) %s the %.2f GiB budget; trying %d", slots,
+                    "ran out of memory within" if peak is None else f"peaked at {peak / 2**30:.2f} GiB over",
+                    settings.vram_budget_gb, fewer)
+        if built is not None:
+            built.close()
+        del built
+        gc.collect()  # the decoder and its graphs hold each other: free their memory before the next build
+        torch.cuda.empty_cache()
+        slots = fewer
+    raise RuntimeError(f"the VRAM budget holds no slot: {budget.explain(wanted)}; lower "
+                       "KEVLAYA_ENGINE_WINDOW_TOKENS or KEVLAYA_ENGINE_PREFILL_TOKENS, or raise KEVLAYA_VRAM_BUDGET_GB")
+
+
+def _measured(decoder: Callable[[int], SlotDecoder], slots: int,
+              prefill_tokens: int) -> tuple[SlotDecoder | None, int | None]:
+    """A decoder of `slots` and the peak memory it reserved, graphs captured and the largest prefill the engine
+    runs (KEVLAYA_ENGINE_PREFILL_TOKENS, padded, whole windows) done; (None, None) when that ran out of memory."""
+    import torch
+
+    from worker.runtime import is_out_of_memory
+
+    torch.cuda.reset_peak_memory_stats()
+    built = None
+    try:
+        built = decoder(slots)
+        built.throwaway_prefill(rows=-(-max(prefill_tokens, built.window) // built.window), width=built.window)
+        torch.cuda.synchronize()
+        return built, torch.cuda.max_memory_reserved()
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        if built is not None:
+            built.close()
+        return None, None
 
 
 class SlotEngine:
@@ -206,16 +251,13 @@ class SlotEngine:
         return tokens, None
 
     def _prefill_some(self) -> None:
-        """Prefill claimed jobs up to KEVLAYA_ENGINE_PREFILL_TOKENS prompt tokens (at least one job), so rows
-        already decoding wait one bounded prefill per step, not a whole burst's."""
-        chosen, tokens = [], 0
-        while self.to_prefill and len(chosen) < self.decoder.free:
-            request, count = self.to_prefill[0]
-            if chosen and tokens + count > self.settings.engine_prefill_tokens:
-                break
-            chosen.append(request)
-            tokens += count
-            self.to_prefill.pop(0)
+        """Prefill claimed jobs up to KEVLAYA_ENGINE_PREFILL_TOKENS padded tokens (at least one job), so rows
+        already decoding wait one bounded prefill per step, not a whole burst's, and its memory is the one
+        measured at start (build_decoder)."""
+        count = prefill_group([tokens for _, tokens in self.to_prefill], self.decoder.free,
+                              self.settings.engine_prefill_tokens)
+        chosen = [request for request, _ in self.to_prefill[:count]]
+        del self.to_prefill[:count]
         if not chosen:
             return
         admitted_at = time.perf_counter()

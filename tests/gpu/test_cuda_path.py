@@ -185,3 +185,29 @@ def test_continuous_decoder_on_nf4_answers_as_generate_does(demo: AdapterRuntime
     agree = sum(g.token_ids == e.token_ids for g, e in zip(got, expected))
     assert agree >= len(requests) - 1, [(e.text, g.text) for g, e in zip(got, expected) if g.token_ids != e.token_ids]
     assert all(g.error_code is None for g in got)
+
+
+def test_the_continuous_decoder_is_sized_by_its_measured_peak(demo: AdapterRuntime) -> None:
+    """A budget that would hold 64 slots if activations took nothing, and a workspace estimate of 0: the worker
+    measures its graphs and its largest prefill, takes slots away, and real jobs then stay within the budget."""
+    from worker.admission import kv_bytes_per_token
+    from worker.kv_slots import kv_shape
+    from worker.slot_engine import build_decoder
+
+    _free()
+    per_slot = kv_bytes_per_token(*kv_shape(demo.model.config), dtype_bytes=2) * 1024
+    budget = torch.cuda.memory_allocated() + 64 * per_slot
+    settings = Settings(_env_file=None, device="cuda", vram_budget_gb=budget / 2**30, max_batch=64,
+                        engine_workspace_gb=0, engine_window_tokens=1024, engine_cuda_graphs=True)
+    decoder = build_decoder(demo, settings)
+    try:
+        assert 1 <= decoder.kv.slots < 64
+        torch.cuda.reset_peak_memory_stats()
+        decoder.throwaway_prefill(rows=2, width=1024)
+        got = decoder.run(scenario_requests(settings, ["kev", "laya"] * 4))
+        assert all(g.error_code is None for g in got)
+        assert torch.cuda.max_memory_reserved() <= budget
+    finally:
+        decoder.close()
+        del decoder
+        _free()
