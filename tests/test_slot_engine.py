@@ -79,9 +79,10 @@ def test_slots_come_from_the_budget_arithmetic():
 
 
 def test_a_measured_peak_over_the_budget_takes_slots_away_until_sizing_ends():
-    gib, per_slot = 2**30, kv_bytes_per_token(32, 32, 128, 2) * 384  # Llama-2-7B, 384-token slots: 0.1875 GiB
-    budget = SlotBudget(budget_bytes=5 * gib, resident_bytes=int(3.69 * gib), workspace_bytes=gib // 4,
-                        kv_per_token=kv_bytes_per_token(32, 32, 128, 2), window=384)
+    gib = 2**30
+    budget = SlotBudget(  # Llama-2-7B, 384-token slots: 0.1875 GiB each
+        budget_bytes=5 * gib, resident_bytes=int(3.69 * gib), workspace_bytes=gib // 4,
+        kv_per_token=kv_bytes_per_token(32, 32, 128, 2), window=384)
     assert budget.slots(5) == 5  # the 0.25 GiB estimate
     assert budget.after_measuring(5, 5 * gib) == 5  # a peak at the budget fits: keep them
     # A peak of 5.07 GiB means a 0.44 GiB workspace: 0.87 GiB left for slots, four of them
