@@ -1,4 +1,4 @@
-"""What every command group shares: failing with a message."""
+"""What every command group shares: failing with a message, and a database ready to use."""
 
 from __future__ import annotations
 
@@ -11,3 +11,12 @@ def fail(message: str) -> NoReturn:
     """Print `error: <message>` in red on stderr and exit with status 2."""
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+def require_database() -> None:
+    """Fail with one clear line, not a traceback, when KEVLAYA_DATABASE_URL does not answer or is not migrated."""
+    from shared.migrate import schema_problem
+    from shared.settings import get_settings
+
+    if problem := schema_problem(get_settings().database_url):
+        fail(problem)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail
+from cli.common import fail, require_database
 
 app = typer.Typer(help="Development aids: bulk data for measurements.", no_args_is_help=True)
 
@@ -33,6 +33,7 @@ def dev_seed_jobs(
     from shared.keys import create_key
     from shared.models import ApiKey
 
+    require_database()
     done = seed_jobs(get_engine(), count, hours=hours, seed=seed)
     typer.echo(f"inserted {done['jobs']:,} jobs and {done['batches']:,} batches in {done['seconds']:.1f}s "
                f"({done['jobs'] / done['seconds']:,.0f} jobs/s)")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import fail
+from cli.common import fail, require_database
 
 app = typer.Typer(help="API keys (stored hashed; the key is shown once).", no_args_is_help=True)
 
@@ -20,6 +20,7 @@ def keys_create(
     rate_limit: Annotated[Optional[int], typer.Option(help="requests per minute this key may make (default: unlimited)")] = None,
 ) -> None:
     """Create an API key and print it (only this once)."""
+    require_database()
     from shared.db import session_scope
     from shared.keys import create_key
 
@@ -31,6 +32,7 @@ def keys_create(
 @app.command("list")
 def keys_list() -> None:
     """List keys (never the keys themselves)."""
+    require_database()
     from sqlalchemy import select
 
     from shared.db import session_scope
@@ -52,6 +54,7 @@ def keys_revoke(key_id: Annotated[str, typer.Argument(help="the key's id (from `
         parsed = uuid.UUID(key_id)
     except ValueError:
         fail(f"key id {key_id!r} is not a UUID")
+    require_database()
     with session_scope() as session:
         row = session.get(ApiKey, parsed)
         if row is None:

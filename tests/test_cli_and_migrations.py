@@ -58,6 +58,27 @@ def test_keys_create_list_revoke(service_env):
         assert client.get("/v1/jobs", headers=headers).status_code == 401
 
 
+def test_commands_on_a_database_not_ready_say_so_in_one_line(tmp_path):
+    """Every command that reads or writes rows checks the database first: an empty SQLite file or a server that
+    does not answer gives one line naming the fix (exit 2), not a traceback, and nothing is written."""
+    empty = {"KEVLAYA_DATABASE_URL": f"sqlite:///{tmp_path / 'fresh.db'}"}
+    away = {"KEVLAYA_DATABASE_URL": "postgresql+psycopg://nobody:s3cret@127.0.0.1:1/none"}
+    commands = [("keys", "list"), ("keys", "create", "bot"), ("keys", "revoke", "9ec1927b-3d0a-44d4-8e6d-9c30bfabae8b"),
+                ("dev", "seed-jobs", "10")]
+    for command in commands:
+        result = kevlaya(*command, env=empty)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
+        assert "run `kevlaya db upgrade` first" in result.stderr, command
+        result = kevlaya(*command, env=away)
+        assert result.returncode == 2 and "does not answer" in result.stderr, (command, result.stderr)
+        assert "s3cret" not in result.stderr
+    engine = create_engine(empty["KEVLAYA_DATABASE_URL"])
+    try:
+        assert inspect(engine).get_table_names() == []
+    finally:
+        engine.dispose()
+
+
 def test_cli_errors_are_clear(service_env):
     bad = kevlaya("keys", "revoke", "not-a-uuid", env=service_env)
     assert bad.returncode == 2 and "not a UUID" in bad.stderr
