@@ -188,23 +188,34 @@ def test_continuous_decoder_on_nf4_answers_as_generate_does(demo: AdapterRuntime
 
 
 def test_the_continuous_decoder_is_sized_by_its_measured_peak(demo: AdapterRuntime) -> None:
-    """A budget that would hold 64 slots if activations took nothing, and a workspace estimate of 0: the worker
+    """A workspace estimate of 0 and a budget 16 slots short of what 64 slots were measured to need: the worker
     measures its graphs and its largest prefill, takes slots away, and real jobs then stay within the budget."""
     from worker.admission import kv_bytes_per_token
     from worker.kv_slots import kv_shape
     from worker.slot_engine import build_decoder
 
+    def settings(budget_gb: float) -> Settings:
+        return Settings(_env_file=None, device="cuda", vram_budget_gb=budget_gb, max_batch=64, laya={
+            "reserved_slots": 0}, engine_workspace_gb=0, engine_window_tokens=1024, engine_cuda_graphs=True)
+
     _free()
     per_slot = kv_bytes_per_token(*kv_shape(demo.model.config), dtype_bytes=2) * 1024
-    budget = torch.cuda.memory_allocated() + 64 * per_slot
-    settings = Settings(_env_file=None, device="cuda", vram_budget_gb=budget / 2**30, max_batch=64,
-                        engine_workspace_gb=0, engine_window_tokens=1024, engine_cuda_graphs=True)
-    decoder = build_decoder(demo, settings)
+    roomy = build_decoder(demo, settings(CAP_GB))
+    assert roomy.kv.slots == 64
+    torch.cuda.reset_peak_memory_stats()
+    roomy.throwaway_prefill(rows=2, width=1024)
+    needed = torch.cuda.max_memory_reserved()
+    roomy.close()
+    del roomy
+    _free()
+
+    budget = needed - 16 * per_slot
+    decoder = build_decoder(demo, settings(budget / 2**30))
     try:
         assert 1 <= decoder.kv.slots < 64
         torch.cuda.reset_peak_memory_stats()
         decoder.throwaway_prefill(rows=2, width=1024)
-        got = decoder.run(scenario_requests(settings, ["kev", "laya"] * 4))
+        got = decoder.run(scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4))
         assert all(g.error_code is None for g in got)
         assert torch.cuda.max_memory_reserved() <= budget
     finally:
