@@ -32,5 +32,6 @@ def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: 
         assert service["laya_p95_ms_under_kev_load"] >= service["laya_p50_ms_under_kev_load"] > 0
         assert [f["load"] for f in service["fit"]] == [2] and service["fit"][0]["failed_jobs"] == 0
     assert result["engines"]["continuous"]["switches"] == 0  # rows carry their adapter
+    assert result["engines"]["continuous"]["slots"] >= 1 and "slots" not in result["engines"]["batch"]
     table = done.stdout[done.stdout.index("speedup vs the recipe's scheme") - 400:]  # the table, printed last
     assert "batch" in table and "continuous" in table

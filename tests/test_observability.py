@@ -114,6 +114,18 @@ def test_metrics_and_logs_after_a_real_run_and_a_silent_worker(env, api, start_p
     wait_until(lambda: api.get("/readyz").status_code == 200, 30, what="readiness to return")
 
 
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_readiness_follows_the_model_load_not_the_next_heartbeat(env, api, start_process):
+    """Heartbeats every 100 s: the worker still turns /readyz ready as soon as its model is loaded, because it
+    beats once right after the load (the first beat, at start, says the model is not loaded yet)."""
+    slow_beats = {**env, "KEVLAYA_SWEEP_INTERVAL_S": "100", "KEVLAYA_HEARTBEAT_TTL_S": "300"}
+    worker = start_process("worker", slow_beats)
+    wait_until(lambda: "engine: " in worker.log_path.read_text(errors="replace"), 60, what="the model to load")
+    wait_until(lambda: api.get("/readyz").status_code == 200, 15, what="readiness after the load")
+    [status] = api.get("/v1/stats/live").json()["workers"].values()
+    assert status["model_loaded"] is True and status["engine"] == "continuous"
+
+
 def chromium() -> str | None:
     configured = os.environ.get("KEVLAYA_TEST_CHROMIUM")
     if configured:

@@ -16,7 +16,7 @@ from shared.db import reset_engine, session_scope
 from shared.heartbeat import beat
 from shared.logs import configure_logging
 from shared.queue import RUN_TASK, celery_app, publish_wakeup
-from shared.settings import ADAPTERS, get_settings
+from shared.settings import ADAPTERS, Settings, get_settings
 from worker.claims import stale_queued_adapters
 from worker.engine import BatchEngine, worker_name
 from worker.metrics import METRICS, serve_metrics
@@ -55,6 +55,7 @@ def _load_model(sender: str | None = None, **_kwargs: object) -> None:
     except Exception as exc:
         _load_error = f"{exc.__class__.__name__}: {exc}"
         log.exception("model load failed; this worker stops taking wake-ups, so workers that can serve get them")
+    _beat(settings)  # readiness follows the load now, not a heartbeat interval later
     serve_metrics(settings)
     if sender:
         threading.Thread(target=_consume_jobs, args=(sender, _engine is not None), name="consumer-control",
@@ -104,16 +105,22 @@ def sweep() -> None:
 def _background_loop() -> None:
     """Heartbeat and sweep on a timer, beside the batches (tasks run one at a time in this process)."""
     settings = get_settings()
-    name = worker_name()
     interval = min(settings.sweep_interval_s, settings.heartbeat_ttl_s / 3)
     while True:
+        _beat(settings)
         try:
-            beat(name, _status(), settings.heartbeat_ttl_s)
             sweep()
-        except Exception as exc:  # Redis or the database may be down for a while; keep trying
-            log.warning("heartbeat/sweep failed: %s", exc)
+        except Exception as exc:  # the database may be down for a while; keep trying
+            log.warning("sweep failed: %s", exc)
         if _stop.wait(interval):
             return
+
+
+def _beat(settings: Settings) -> None:
+    try:
+        beat(worker_name(), _status(), settings.heartbeat_ttl_s)
+    except Exception as exc:  # Redis may be down for a while; the next beat tries again
+        log.warning("heartbeat failed: %s", exc)
 
 
 def _status() -> dict[str, object]:

@@ -40,6 +40,9 @@ def bench(
     window_tokens: Annotated[Optional[int], typer.Option(
         help="KEVLAYA_ENGINE_WINDOW_TOKENS for the continuous engine: the tokens one slot holds (default: the "
              "service's default)", min=16)] = None,
+    prefill_tokens: Annotated[Optional[int], typer.Option(
+        help="KEVLAYA_ENGINE_PREFILL_TOKENS for the continuous engine: padded prompt tokens prefilled between two "
+             "steps, and the prefill measured at start (default: the service's default)", min=1)] = None,
     seed: Annotated[int, typer.Option(help="the seed of the model weights and the workload")] = 0,
     workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (model, database, logs)")] = None,
     redis_url: Annotated[Optional[str], typer.Option(
@@ -75,7 +78,8 @@ def bench(
                          jobs=jobs, prompt_tokens=(prompt_min, prompt_max),
                          new_tokens={"kev": kev_tokens, "laya": laya_tokens}, recipe_per_adapter=recipe_jobs,
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url,
-                         engines=chosen, cuda_graphs=cuda_graphs, window_tokens=window_tokens)
+                         engines=chosen, cuda_graphs=cuda_graphs, window_tokens=window_tokens,
+                         prefill_tokens=prefill_tokens)
     command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
                          else ["python", "-m", "modellab.bench", *sys.argv[1:]])
     stem = f"{shape}-{date.today().isoformat()}"

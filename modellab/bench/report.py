@@ -31,6 +31,7 @@ def table(result: dict[str, Any]) -> str:
         row("GPU busy during decode", _fmt((seed.get("profile") or {}).get("busy_fraction"), ".1%"),
             lambda e: _fmt(e["gpu_busy_fraction"], ".1%")),
         row("peak allocated GiB", "", lambda e: _fmt(e["peak_allocated_gib"])),
+        row("slots (rows in flight at most)", "", lambda e: str(e.get("slots", "—"))),
         row("OOM events / failed jobs", "", lambda e: f"{e['oom_events']} / {e['failed_jobs']}"),
         row("batches / mean size / switches", "",
             lambda e: f"{e['batches']} / {e['mean_batch_size']:.1f} / {e['switches']}"),

@@ -48,6 +48,7 @@ class BenchConfig:
     engines: tuple[str, ...] = ("batch", "continuous")
     cuda_graphs: bool = True  # for the continuous engine on CUDA
     window_tokens: int | None = None  # KEVLAYA_ENGINE_WINDOW_TOKENS; None: the service's default
+    prefill_tokens: int | None = None  # KEVLAYA_ENGINE_PREFILL_TOKENS; None: the service's default
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -176,6 +177,8 @@ def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob]
         batches = [b for b in service.batches(since=started) if b.id in {r.batch_id for r in rows}]
         figures.update(jobs_per_s=len(rows) / _seconds(rows), **batch_figures(batches, rows, engine),
                        memory_over_time=_memory(service, started))
+        if "slots" in (status := service.worker_status(engine)):  # the continuous engine's, as sized at start
+            figures["slots"] = status["slots"]
         log.info("service, %s engine: %.3f jobs/s, %d batches", engine, figures["jobs_per_s"], len(batches))
         save()
 
@@ -224,6 +227,8 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     window = {} if config.window_tokens is None else {"engine_window_tokens": config.window_tokens}
     if window:
         env["KEVLAYA_ENGINE_WINDOW_TOKENS"] = str(config.window_tokens)
+    if config.prefill_tokens is not None:
+        env["KEVLAYA_ENGINE_PREFILL_TOKENS"] = str(config.prefill_tokens)
     settings = Settings(_env_file=None, base_model=env["KEVLAYA_BASE_MODEL"], kev={"path": env["KEVLAYA_KEV__PATH"]},
                         laya={"path": env["KEVLAYA_LAYA__PATH"]}, device=device,
                         vram_budget_gb=config.vram_budget_gb, ignore_eos=True, verify_manifests=False,
@@ -249,6 +254,7 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                      "new_tokens": config.new_tokens, "greedy": True, "exact_lengths": True, "seed": config.seed,
                      "latency_samples": config.latency_samples, "fit_loads": list(config.fit_loads),
                      "max_batch": config.max_batch, "window_tokens": settings.engine_window_tokens,
+                     "prefill_tokens": config.prefill_tokens or settings.engine_prefill_tokens,
                      "prompt_tokens_seen": [min(j.prompt_tokens for j in jobs), max(j.prompt_tokens for j in jobs)]},
         "gpu_busy_method": "PyTorch profiler: CUDA kernel time over wall time of 16 decode steps (prefill removed "
                            "by a one-token run), in the bench process on the same runtime code and cap; an engine "

@@ -138,6 +138,14 @@ class Service:
             time.sleep(0.5)
         raise RuntimeError(f"the service was not ready after {timeout:.0f}s:\n{self.processes.log_tail('worker')}")
 
+    def worker_status(self, engine: str) -> dict[str, Any]:
+        """The heartbeat of this run's `engine` worker (slots, window, GPU memory), as the status page sees it;
+        a worker of an earlier phase may still have one alive in a shared Redis."""
+        response = self.client.get("/v1/stats/live")
+        response.raise_for_status()
+        workers = (response.json()["workers"] or {}).values()
+        return next((w for w in workers if w.get("engine") == engine), {})
+
     # -- jobs ------------------------------------------------------------------------------------------------
 
     def submit(self, bodies: list[dict[str, Any]]) -> list[str]:
