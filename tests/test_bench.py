@@ -31,7 +31,28 @@ def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: 
         assert len(service["laya_ms_idle"]) == len(service["laya_ms_under_kev_load"]) == 2
         assert service["laya_p95_ms_under_kev_load"] >= service["laya_p50_ms_under_kev_load"] > 0
         assert [f["load"] for f in service["fit"]] == [2] and service["fit"][0]["failed_jobs"] == 0
+        assert 1 <= service["most_in_flight"] <= 6 and service["fit"][0]["most_in_flight"] >= 1
     assert result["engines"]["continuous"]["switches"] == 0  # rows carry their adapter
     assert result["engines"]["continuous"]["slots"] >= 1 and "slots" not in result["engines"]["batch"]
     table = done.stdout[done.stdout.index("speedup vs the recipe's scheme") - 400:]  # the table, printed last
     assert "batch" in table and "continuous" in table
+
+
+def test_jobs_in_flight_are_counted_from_their_start_and_finish_times() -> None:
+    from datetime import datetime, timedelta
+
+    from modellab.bench.run import most_in_flight
+    from modellab.bench.service import JobRow
+
+    t0 = datetime(2026, 1, 1)
+
+    def job(start: float, end: float | None) -> JobRow:
+        return JobRow(id="x", adapter="kev", status="succeeded", error_code=None, created_at=t0,
+                      started_at=t0 + timedelta(seconds=start),
+                      finished_at=None if end is None else t0 + timedelta(seconds=end), total_ms=None, ttft_ms=None,
+                      batch_id=None)
+
+    # three overlap in [2, 3); one that starts when another ends takes its place, not a fifth slot
+    assert most_in_flight([job(0, 3), job(1, 4), job(2, 5), job(3, 6), job(6, 7)]) == 3
+    assert most_in_flight([job(0, 1), job(1, 2)]) == 1
+    assert most_in_flight([job(0, None)]) == 0 and most_in_flight([]) == 0

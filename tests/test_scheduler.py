@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from worker.scheduler import QueueSnapshot, SchedulerState, SchedulingPolicy, plan_next_batch, prefill_group
+from worker.scheduler import (
+    QueueSnapshot,
+    SchedulerState,
+    SchedulingPolicy,
+    plan_next_batch,
+    prefill_group,
+    prefill_order,
+)
 
 POLICY = SchedulingPolicy(max_batch=8, max_wait_ms=1000, max_consecutive_batches=3)
 
@@ -119,3 +126,11 @@ def test_a_prefill_group_is_bounded_by_its_padded_block_not_its_token_sum():
     assert prefill_group([10] * 10, free=3, budget_tokens=2048) == 3  # never more than the free slots
     assert prefill_group([], free=3, budget_tokens=2048) == 0
     assert prefill_group([10], free=0, budget_tokens=2048) == 0
+
+
+def test_the_shortest_claimed_jobs_are_prefilled_first_unless_one_waited_past_the_bound():
+    # Kev prompts claimed in a wave, then a Laya job: the Laya job is prefilled at the next step
+    assert prefill_order([128, 128, 128, 32], [40, 40, 40, 1], max_wait_ms=2000) == [3, 0, 1, 2]
+    # a job held past the fairness bound goes first whatever its length; ties keep claim order
+    assert prefill_order([128, 32, 32], [2500, 10, 5], max_wait_ms=2000) == [0, 1, 2]
+    assert prefill_order([], [], max_wait_ms=2000) == []

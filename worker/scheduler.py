@@ -115,6 +115,13 @@ def plan_slots(snapshot: QueueSnapshot, free: int, policy: SchedulingPolicy, exp
     return plan
 
 
+def prefill_order(new_tokens: list[int], waited_ms: list[float], max_wait_ms: float) -> list[int]:
+    """In which order claimed jobs are prefilled (indices): those that waited past the fairness bound first, then
+    the shortest jobs (a Laya answer starts at the next step instead of after a wave of Kev prompts); claim
+    order otherwise."""
+    return sorted(range(len(new_tokens)), key=lambda i: (waited_ms[i] <= max_wait_ms, new_tokens[i]))
+
+
 def prefill_group(prompt_tokens: list[int], free: int, budget_tokens: int) -> int:
     """How many of the claimed jobs (in claim order, by prompt tokens) to prefill together before the next step:
     at most `free`, and the padded block (jobs × longest prompt) within `budget_tokens`, the size that sets a

@@ -27,7 +27,7 @@ from worker.claims import JobOutcome, claim_batch, queue_snapshot
 from worker.engine import announce_escalations, generation_request, leases_kept, settle_job, worker_name
 from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
 from worker.metrics import METRICS
-from worker.scheduler import BatchPlan, SchedulingPolicy, plan_slots, prefill_group
+from worker.scheduler import BatchPlan, SchedulingPolicy, plan_slots, prefill_group, prefill_order
 
 if TYPE_CHECKING:  # torch is imported only in the worker child
     from worker.continuous import SlotDecoder
@@ -150,7 +150,8 @@ class SlotEngine:
         self.draining = threading.Event()
         self.waves: dict[uuid.UUID, Wave] = {}  # by batch id
         self.wave_of: dict[uuid.UUID, Wave] = {}  # by job id, while the job is claimed by this engine
-        self.to_prefill: list[tuple[GenerationRequest, int]] = []  # claimed, not yet prefilled (prompt tokens)
+        # claimed, not yet prefilled: (request, prompt tokens, claimed at)
+        self.to_prefill: list[tuple[GenerationRequest, int, float]] = []
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
         self.pending: list[Future] = []
         self._lock = threading.Lock()  # waves are read by the lease thread and written by the writer
@@ -213,7 +214,7 @@ class SlotEngine:
     def _in_flight(self) -> Counter[str]:
         """Slots each adapter holds or is about to hold (claimed, waiting for its prefill)."""
         return Counter([self.decoder.adapters[row.adapter] for row in self.decoder.rows]
-                       + [request.adapter for request, _tokens in self.to_prefill])
+                       + [request.adapter for request, *_ in self.to_prefill])
 
     def _start(self, batch: Batch, jobs: list[Job]) -> None:
         wave = Wave(batch=batch, jobs={job.id: job for job in jobs})
@@ -235,7 +236,7 @@ class SlotEngine:
                 self._store(wave, job, JobOutcome(status=JobStatus.FAILED, error_code=code, error_message=message))
                 continue
             self.wave_of[job.id] = wave
-            self.to_prefill.append((request, tokens))
+            self.to_prefill.append((request, tokens, time.monotonic()))
 
     def _check(self, request: GenerationRequest) -> tuple[int, tuple[str, str] | None]:
         """The job's prompt tokens, and why it cannot take a slot (it fails alone, with a code) or None."""
@@ -254,9 +255,13 @@ class SlotEngine:
         """Prefill claimed jobs up to KEVLAYA_ENGINE_PREFILL_TOKENS padded tokens (at least one job), so rows
         already decoding wait one bounded prefill per step, not a whole burst's, and its memory is the one
         measured at start (build_decoder)."""
-        count = prefill_group([tokens for _, tokens in self.to_prefill], self.decoder.free,
+        now = time.monotonic()
+        order = prefill_order([request.max_new_tokens for request, *_ in self.to_prefill],
+                              [(now - claimed) * 1000 for *_, claimed in self.to_prefill], self.settings.max_wait_ms)
+        self.to_prefill = [self.to_prefill[i] for i in order]
+        count = prefill_group([tokens for _, tokens, _ in self.to_prefill], self.decoder.free,
                               self.settings.engine_prefill_tokens)
-        chosen = [request for request, _ in self.to_prefill[:count]]
+        chosen = [request for request, *_ in self.to_prefill[:count]]
         del self.to_prefill[:count]
         if not chosen:
             return

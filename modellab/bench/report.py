@@ -31,7 +31,7 @@ def table(result: dict[str, Any]) -> str:
         row("GPU busy during decode", _fmt((seed.get("profile") or {}).get("busy_fraction"), ".1%"),
             lambda e: _fmt(e["gpu_busy_fraction"], ".1%")),
         row("peak allocated GiB", "", lambda e: _fmt(e["peak_allocated_gib"])),
-        row("slots (rows in flight at most)", "", lambda e: str(e.get("slots", "—"))),
+        row("slots / jobs in flight at most", "", lambda e: f"{e.get('slots', '—')} / {e.get('most_in_flight', '—')}"),
         row("OOM events / failed jobs", "", lambda e: f"{e['oom_events']} / {e['failed_jobs']}"),
         row("batches / mean size / switches", "",
             lambda e: f"{e['batches']} / {e['mean_batch_size']:.1f} / {e['switches']}"),
@@ -41,8 +41,8 @@ def table(result: dict[str, Any]) -> str:
         def fit(e: dict[str, Any], index: int = index) -> str:
             f = e.get("fit", [])[index] if len(e.get("fit", [])) > index else None
             return "—" if f is None else (f"{f['jobs_per_s']:.3f}, {_fmt(f['peak_allocated_gib'])}, "
-                                          f"{f['oom_events']}, {f['failed_jobs']}")
-        rows.append(row(f"fit, load {load}: jobs/s, peak GiB, OOM, failed", "", fit))
+                                          f"{f.get('most_in_flight', '—')}, {f['oom_events']}, {f['failed_jobs']}")
+        rows.append(row(f"fit, load {load}: jobs/s, peak GiB, in flight, OOM, failed", "", fit))
     width = max(len(r[0]) for r in rows)
     lines = [f"{result['shape']} on {result['gpu']}, cap {result['vram_budget_gb']} GiB",
              f"{'':<{width}}  {'recipe':>10}" + "".join(f"  {name:>22}" for name in names)]

@@ -63,6 +63,18 @@ def _seconds(rows: list[JobRow]) -> float:
     return (max(r.finished_at for r in rows) - min(r.created_at for r in rows)).total_seconds()
 
 
+def most_in_flight(rows: list[JobRow]) -> int:
+    """The most jobs running at one moment, from their start and finish times (a continuous engine's job starts
+    when it takes a slot)."""
+    events = sorted([(r.started_at, 1) for r in rows if r.started_at and r.finished_at]
+                    + [(r.finished_at, -1) for r in rows if r.started_at and r.finished_at])  # ends before starts
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    return most
+
+
 def batch_figures(batches: list[BatchRow], rows: list[JobRow], engine: str = "batch") -> dict[str, Any]:
     """What the worker did for `rows`: batches (continuous engine: jobs claimed together), adapter switches (none
     there: a row carries its adapter), memory, out-of-memory events."""
@@ -74,6 +86,7 @@ def batch_figures(batches: list[BatchRow], rows: list[JobRow], engine: str = "ba
         "mean_batch_size": statistics.fmean(b.size for b in batches) if batches else 0.0,
         "switches": sum(a != b for a, b in zip(sequence, sequence[1:])) if engine == "batch" else 0,
         "peak_allocated_gib": max(peaks) / 2**30 if peaks else None,
+        "most_in_flight": most_in_flight(rows),
         "oom_events": sum(b.oom_splits or 0 for b in batches) + oom_alone,
         "failed_jobs": sum(r.status != "succeeded" for r in rows),
     }
