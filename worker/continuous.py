@@ -286,6 +286,18 @@ class SlotDecoder:
         return [done[r.job_id] for r in requests]
 
 
+_capture_stream: torch.cuda.Stream | None = None
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """One stream for every warm-up and capture in this process: cuBLAS keeps a workspace (32 MiB on Hopper) per
+    stream it has run on, for good, so a new stream per bucket or per rebuilt decoder would pile them up."""
+    global _capture_stream
+    if _capture_stream is None:
+        _capture_stream = torch.cuda.Stream()
+    return _capture_stream
+
+
 class StaticStep:
     """The decode step with fixed shapes: inputs in preallocated buffers, the whole window read, rows padded to
     a bucket (1, 2, 4, ... slots) with idle rows that attend only to their own new column. On CUDA each bucket
@@ -327,16 +339,15 @@ class StaticStep:
         if self.decoder.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.mask[:, 0, 0, 0] = True
-        pool = None
+        pool, side = None, capture_stream()
         for bucket in self.buckets:
-            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._forward(bucket)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=side):
                 logits = self._forward(bucket)
             pool = graph.pool()
             self.graphs[bucket] = (graph, logits)
