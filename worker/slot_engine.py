@@ -128,10 +128,10 @@ def _measured(decoder: Callable[[int], SlotDecoder], slots: int,
         torch.cuda.synchronize()
         return built, torch.cuda.max_memory_reserved()
     except Exception as exc:
+        if built is not None:
+            built.close()  # the model gets its PEFT path back whatever happened
         if not is_out_of_memory(exc):
             raise
-        if built is not None:
-            built.close()
         return None, None
 
 
