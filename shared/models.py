@@ -89,10 +89,10 @@ class Batch(Base):
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
 
-    # /v1/stats reads a window of batches from this index alone (migration 0003)
+    # /v1/stats reads a window of batches from this index alone (migrations 0003, 0004)
     __table_args__ = (
-        Index("ix_batches_stats", "started_at", "worker", "adapters", "size", "prefill_ms", "decode_ms", "tokens",
-              "oom_splits", "peak_vram_bytes"),
+        Index("ix_batches_stats", "started_at", "worker", "adapters", "size", "switch_ms", "prefill_ms", "decode_ms",
+              "tokens", "oom_splits", "peak_vram_bytes"),
     )
 
 

@@ -119,20 +119,17 @@ _COUNTS = f"""
     SELECT adapter, status, error_code, COUNT(*) AS n FROM runs GROUP BY adapter, status, error_code
 """
 
-# A switch: a single-adapter batch after another adapter's single-adapter batch on the same worker (mixed
-# batches choose adapters per row and never switch). The first batch of the window has no predecessor here.
+# A switch: a batch for which the worker changed its active adapter, as the worker recorded it (switch_ms > 0,
+# the time set_adapter took). Mixed batches and the continuous engine's claim groups choose adapters per row and
+# never switch (switch_ms 0).
 _BATCHES = """
-    WITH b AS (
-        SELECT adapters, size, prefill_ms, decode_ms, tokens, oom_splits,
-               LAG(adapters) OVER (PARTITION BY worker ORDER BY started_at) AS previous
-        FROM batches WHERE started_at >= :since AND started_at < :until)
     SELECT adapters, COUNT(*) AS n, AVG(size) AS mean_size,
-           SUM(CASE WHEN previous IS NOT NULL AND previous <> adapters
-                     AND previous NOT LIKE '%,%' AND adapters NOT LIKE '%,%' THEN 1 ELSE 0 END) AS switches,
+           SUM(CASE WHEN switch_ms > 0 THEN 1 ELSE 0 END) AS switches,
            SUM(COALESCE(oom_splits, 0)) AS oom_splits,
            SUM(CASE WHEN decode_ms IS NOT NULL THEN tokens END) AS tokens,
            SUM(prefill_ms + decode_ms) AS busy_ms
-    FROM b GROUP BY adapters
+    FROM batches WHERE started_at >= :since AND started_at < :until
+    GROUP BY adapters
 """
 
 # Denominator: auto jobs past Laya's stage (answered by her, or escalated); queued and cancelled ones not yet.

@@ -55,11 +55,14 @@ def stored_rows(now: datetime) -> tuple[list[Job], list[Batch]]:
     waiting = Job(adapter="laya", requested_adapter="auto", status="queued", input="x", params={},
                   created_at=now - timedelta(seconds=5))
     jobs += [answered, escalated, stage, kev, waiting]
-    # one worker: kev, kev, laya, kev (2 switches: to laya, to kev), plus one mixed batch
-    for k, (adapters, size, tokens) in enumerate([("kev", 4, 40), ("kev", 2, 10), ("laya", 8, 64), ("kev", 6, 30),
-                                                  ("kev,laya", 3, 12)]):
-        batches.append(Batch(adapters=adapters, size=size, mixed="," in adapters, worker="w:1", tokens=tokens,
-                             prefill_ms=10.0, decode_ms=90.0, oom_splits=k % 2,
+    # one batch-engine worker: kev, kev, laya, kev (2 switches, recorded by the worker as the time set_adapter
+    # took: to laya, to kev), plus one mixed batch; a continuous worker's claim groups alternate without switching
+    for k, (adapters, size, tokens, switch_ms, worker) in enumerate([
+            ("kev", 4, 40, 0.0, "w:1"), ("kev", 2, 10, 0.0, "w:1"), ("laya", 8, 64, 3.5, "w:1"),
+            ("kev", 6, 30, 2.5, "w:1"), ("kev,laya", 3, 12, 0.0, "w:1"),
+            ("laya", 1, 5, 0.0, "c:2"), ("kev", 1, 20, 0.0, "c:2"), ("laya", 1, 5, 0.0, "c:2")]):
+        batches.append(Batch(adapters=adapters, size=size, mixed="," in adapters, worker=worker, tokens=tokens,
+                             switch_ms=switch_ms, prefill_ms=10.0, decode_ms=90.0, oom_splits=k % 2,
                              started_at=now - timedelta(seconds=100 - k * 10)))
     return jobs, batches
 
@@ -101,11 +104,11 @@ def test_stats_match_values_computed_from_the_rows(client, database_url):
             for p in (0.5, 0.95, 0.99):
                 assert figures[f"p{round(p * 100)}"] == pytest.approx(percentile(values, p), rel=1e-9), (metric, p)
     kev, laya = stats["adapters"]["kev"], stats["adapters"]["laya"]
-    assert (kev["batches"], laya["batches"]) == (3, 1)
-    assert kev["mean_batch_size"] == pytest.approx(4) and kev["mean_batch_occupancy"] == pytest.approx(4 / 16)
-    assert (kev["adapter_switches"], laya["adapter_switches"]) == (1, 1)
-    assert (kev["oom_splits"], laya["oom_splits"]) == (2, 0)
-    assert kev["completion_tokens_per_s"] == pytest.approx(80 / 0.3)
+    assert (kev["batches"], laya["batches"]) == (4, 3)
+    assert kev["mean_batch_size"] == pytest.approx(13 / 4) and kev["mean_batch_occupancy"] == pytest.approx(13 / 64)
+    assert (kev["adapter_switches"], laya["adapter_switches"]) == (1, 1)  # the continuous groups switch nothing
+    assert (kev["oom_splits"], laya["oom_splits"]) == (2, 2)
+    assert kev["completion_tokens_per_s"] == pytest.approx(100 / 0.4)
     assert stats["mixed_batches"]["batches"] == 1
     assert stats["auto"] == {"jobs": 3, "decided": 2, "escalated": 1, "escalation_rate": 0.5}
 

@@ -35,9 +35,10 @@ class _Batcher:
     def place(self, adapter: str, started: datetime, job: dict[str, Any]) -> uuid.UUID:
         batch = self.current.get(adapter)
         if batch is None or batch["size"] >= batch["capacity"]:
+            switched = bool(self.done) and self.done[-1]["adapters"] != adapter  # set_adapter ran for it
             batch = self.current[adapter] = {
                 "id": uuid.uuid4(), "adapters": adapter, "size": 0, "capacity": self.rng.randint(4, 16),
-                "mixed": False, "switch_ms": 0.0, "prefill_ms": 0.0, "decode_ms": 0.0, "tokens": 0,
+                "mixed": False, "switch_ms": self.rng.uniform(1.0, 5.0) if switched else 0.0, "prefill_ms": 0.0, "decode_ms": 0.0, "tokens": 0,
                 "peak_vram_bytes": self.rng.randint(3_000_000_000, 5_800_000_000), "oom_splits": 0,
                 "worker": self.worker, "started_at": started, "finished_at": started,
             }
