@@ -7,6 +7,7 @@ which does not import torch: the API process never does, docs/architecture.md §
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -18,6 +19,10 @@ from shared.schemas import JobCreate, with_system_prompt
 from shared.settings import Adapter, Settings
 
 log = logging.getLogger("kevlaya.api")
+
+# Tokens a tokenizer may add per message beyond one per byte of ASCII text (a SentencePiece word-start marker).
+_SLACK_PER_MESSAGE = 8
+_PROBE = "probe text"
 
 # Config keys under which Hugging Face model configs give the context length, most common first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -54,6 +59,7 @@ class PromptBudget:
         # The Rust tokenizer's settings are toggled per call; concurrent calls from the thread pool must not
         # interleave ("Already borrowed").
         self._lock = threading.Lock()
+        self._frame_bytes = functools.lru_cache(maxsize=512)(self._measure_frame)
 
     @classmethod
     def load(cls, settings: Settings) -> PromptBudget | None:
@@ -81,6 +87,36 @@ class PromptBudget:
                                                      return_dict=False, sanitize_control_tokens=True)
         return len(ids)
 
+    def surely_within(self, messages: list[dict[str, str]], room: int) -> bool:
+        """Whether the prompt is sure to take at most `room` tokens, from a bound instead of the tokenizer (which
+        costs more than the rest of a submit): ASCII text never takes more than a token per byte, so the prompt
+        takes at most the bytes of its template frame (measured once per shape) plus its texts' bytes, plus a
+        little per message. False means "count it" (non-ASCII text, or a template that does not insert texts
+        as they are)."""
+        if not all(m["content"].isascii() for m in messages):
+            return False
+        frame = self._frame_bytes(tuple((m["role"], m["content"] if m["role"] == "system" else "") for m in messages))
+        if frame is None:
+            return False
+        texts = sum(len(m["content"]) for m in messages if m["role"] != "system")
+        return frame + texts + _SLACK_PER_MESSAGE * len(messages) <= room
+
+    def _render(self, shape: tuple[tuple[str, str], ...], text: str) -> str:
+        messages = [{"role": role, "content": content if role == "system" else text} for role, content in shape]
+        with self._lock:  # control tokens in texts would count as text: at most a token per byte still
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _measure_frame(self, shape: tuple[tuple[str, str], ...]) -> int | None:
+        """Bytes of the rendered prompt around its non-system texts, or None when the template does not insert
+        each of them once as it is (then the bound would not hold)."""
+        try:
+            empty = len(self._render(shape, "").encode())
+            with_probe = len(self._render(shape, _PROBE).encode())
+        except Exception:  # a shape the template refuses is counted exactly, and refused there with its reason
+            return None
+        texts = sum(role != "system" for role, _ in shape)
+        return empty if with_probe == empty + texts * len(_PROBE) else None
+
     def stages(self, request: JobCreate) -> list[tuple[Adapter, int, bool]]:
         """(adapter, max_new_tokens, whether the job chose it) for every adapter the job may run on."""
         chosen = request.params.max_new_tokens
@@ -94,7 +130,10 @@ class PromptBudget:
     def check(self, request: JobCreate, field_prefix: str = "", names: FieldNames = JOB_FIELDS) -> None:
         for adapter, new_tokens, chosen in self.stages(request):
             profile = self.settings.adapter_profile(adapter)
-            prompt = self.prompt_tokens(with_system_prompt(request.messages(), profile.system_prompt))
+            messages = with_system_prompt(request.messages(), profile.system_prompt)
+            if self.surely_within(messages, self.context_tokens - new_tokens):
+                continue
+            prompt = self.prompt_tokens(messages)
             if prompt + new_tokens <= self.context_tokens:
                 continue
             where = (f"{names.max_new_tokens} {new_tokens}" if chosen

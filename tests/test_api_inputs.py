@@ -137,6 +137,30 @@ def test_a_prompt_longer_than_the_context_is_refused_at_submit_naming_the_limit(
     assert job_count() == 0
 
 
+def test_the_prompt_bound_never_lets_through_what_the_count_refuses(client):
+    """Short ASCII prompts are accepted from a bound (no tokenizing); whenever the bound says a prompt fits, the
+    exact count agrees, however close to the limit. Non-ASCII text is always counted."""
+    import random
+
+    budget = client.app.state.prompt_budget
+    system = get_settings().kev.system_prompt
+    rng = random.Random(7)
+    alphabet = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?-'\"<>{}[]()|\n\t"
+    trusted = 0
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 900)))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+        exact = budget.prompt_tokens(messages)
+        for room in (exact - 1, exact, exact + 20, exact + 400, 2 * len(text) + 400):
+            if budget.surely_within(messages, room):
+                assert exact <= room, (text, room)
+                trusted += 1
+    assert trusted > 100  # the bound does decide most roomy cases
+    short = [{"role": "system", "content": system}, {"role": "user", "content": "Ship on Friday?"}]
+    assert budget.surely_within(short, 1000)
+    assert not budget.surely_within([*short[:1], {"role": "user", "content": "Livrer vendredi ? é"}], 1000)
+
+
 def test_max_new_tokens_counts_against_the_context(client):
     budget = client.app.state.prompt_budget
     settings = get_settings()
