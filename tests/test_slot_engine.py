@@ -306,3 +306,43 @@ def test_a_job_the_engine_cannot_run_fails_alone_and_its_batch_mates_finish(serv
     bad = stored.pop(poisoned)
     assert (bad.status, bad.error_code) == ("failed", "invalid_input") and "TypeError" in bad.error_message
     assert [j.status for j in stored.values()] == ["succeeded", "succeeded"]
+
+
+def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_stored_alone(
+        service_env, tiny_model, monkeypatch):
+    """Four rows that finish at the same step are stored in one transaction; when storing one of them raises,
+    the others are stored one by one and succeed, and the error still reaches the drain."""
+    from shared.settings import Settings
+    from worker import slot_engine
+    from worker.runtime import AdapterRuntime
+    from worker.slot_engine import SlotEngine
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        ignore_eos=True)
+    with session_scope() as session:
+        jobs = [Job(id=uuid.uuid4(), adapter=a, requested_adapter=a, input=f"Question {i}?",
+                    params={**TEXT, "max_new_tokens": 5}) for i, a in enumerate(["kev", "laya", "kev", "laya"])]
+        session.add_all(jobs)
+    broken = jobs[2].id
+    settle = slot_engine.settle_job
+
+    def settle_or_break(session, job, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if job.id == broken:
+            raise RuntimeError("the database refused this row (injected by the test)")
+        return settle(session, job, *args, **kwargs)
+
+    monkeypatch.setattr(slot_engine, "settle_job", settle_or_break)
+    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    groups = []
+    write = engine._write
+    monkeypatch.setattr(engine, "_write", lambda items: groups.append(len(items)) or write(items))
+    try:
+        with pytest.raises(RuntimeError, match="injected by the test"):
+            engine.drain(30)
+    finally:
+        engine.decoder.close()
+    assert groups[0] == 4  # the whole step's rows in one transaction, then each alone
+    with session_scope() as session:
+        stored = {j.id: j.status for j in session.scalars(select(Job)).all()}
+    assert [stored[j.id] for j in jobs] == ["succeeded", "succeeded", "running", "succeeded"]

@@ -1,8 +1,8 @@
 """The continuous engine: glue between the job ledger and the SlotDecoder (docs/architecture.md §14).
 
 Between decode steps it claims queued jobs into free slots (the same claim, lease and exactly-once rules as
-the batch engine: a job is claimed when it takes a slot); a finished row's result is stored by a writer thread
-at once, so the decode loop never waits on the database. Jobs claimed together form one `batches` row.
+the batch engine: a job is claimed when it takes a slot); the rows a step finished are stored by a writer thread
+at once, in one transaction, so the decode loop never waits on the database. Jobs claimed together form one `batches` row.
 """
 
 from __future__ import annotations
@@ -321,30 +321,49 @@ class SlotEngine:
     # -- results, off the decode loop --------------------------------------------------------------------------
 
     def _finished(self, results: list[GenerationResult]) -> None:
+        items = []
         for result in results:
             wave = self.wave_of.pop(result.job_id)
-            self._store(wave, wave.jobs[result.job_id], result)
+            items.append((wave, wave.jobs[result.job_id], result))
+        if items:  # the rows one step finished are stored in one transaction
+            self._store_all(items)
         METRICS.rows_in_flight.set(len(self.decoder.rows))
 
     def _store(self, wave: Wave, job: Job, result: GenerationResult | JobOutcome) -> None:
-        self.pending.append(self.writer.submit(self._write, wave, job, result))
+        self._store_all([(wave, job, result)])
+
+    def _store_all(self, items: list[tuple[Wave, Job, GenerationResult | JobOutcome]]) -> None:
+        self.pending.append(self.writer.submit(self._write, items))
         self.pending = [f for f in self.pending if not f.done() or f.exception() is not None]
 
-    def _write(self, wave: Wave, job: Job, result: GenerationResult | JobOutcome) -> None:
-        with session_scope() as session:
-            stored, child = settle_job(session, job, wave.batch.id, result, 0.0, self.settings)
-        METRICS.job_finished(job, result, 0.0)
-        if not stored:
-            log.warning("job %s had lost its lease; its result was discarded", job.id)
-        announce_escalations([child] if child is not None else [])
-        with self._lock:
-            wave.lost += not stored
-            wave.escalated += child is not None
-            wave.stored += 1
-            if isinstance(result, GenerationResult):
-                wave.results.append(result)
-            if wave.done:
-                self._close(wave)
+    def _write(self, items: list[tuple[Wave, Job, GenerationResult | JobOutcome]]) -> None:
+        """Store what became of `items` in one transaction (one commit for a whole wave of rows, so the writer
+        holds the process's interpreter lock for less of the decode loop's time); if that fails, each alone,
+        so one job that cannot be stored does not take the others with it."""
+        try:
+            with session_scope() as session:
+                settled = [settle_job(session, job, wave.batch.id, result, 0.0, self.settings)
+                           for wave, job, result in items]
+        except Exception:
+            if len(items) == 1:
+                raise
+            log.exception("storing %d results together failed; storing them one by one", len(items))
+            for item in items:
+                self._write([item])
+            return
+        for (wave, job, result), (stored, child) in zip(items, settled):
+            METRICS.job_finished(job, result, 0.0)
+            if not stored:
+                log.warning("job %s had lost its lease; its result was discarded", job.id)
+            announce_escalations([child] if child is not None else [])
+            with self._lock:
+                wave.lost += not stored
+                wave.escalated += child is not None
+                wave.stored += 1
+                if isinstance(result, GenerationResult):
+                    wave.results.append(result)
+                if wave.done:
+                    self._close(wave)
 
     def _close(self, wave: Wave) -> None:
         """Store the batch row's figures once its last job is stored."""
