@@ -1,8 +1,9 @@
 """The continuous engine: glue between the job ledger and the SlotDecoder (docs/architecture.md §14).
 
 Between decode steps it claims queued jobs into free slots (the same claim, lease and exactly-once rules as
-the batch engine: a job is claimed when it takes a slot); the rows a step finished are stored by a writer thread
-at once, in one transaction, so the decode loop never waits on the database. Jobs claimed together form one `batches` row.
+the batch engine: a job is claimed when it takes a slot); the rows a step finished are stored by a writer
+thread at once, in one transaction, so the decode loop never waits on the database. Jobs claimed together form
+one `batches` row.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from shared import lifecycle
 from shared.db import session_scope
@@ -54,6 +55,14 @@ class Wave:
     @property
     def done(self) -> bool:
         return self.stored + self.released == len(self.jobs)
+
+
+class Claimed(NamedTuple):
+    """A job that holds a slot and waits for its prefill."""
+
+    request: GenerationRequest
+    prompt_tokens: int
+    claimed_at: float  # time.monotonic()
 
 
 def reserved_slots(settings: Settings, adapters: Iterable[str], rows: int) -> dict[str, int]:
@@ -150,8 +159,7 @@ class SlotEngine:
         self.draining = threading.Event()
         self.waves: dict[uuid.UUID, Wave] = {}  # by batch id
         self.wave_of: dict[uuid.UUID, Wave] = {}  # by job id, while the job is claimed by this engine
-        # claimed, not yet prefilled: (request, prompt tokens, claimed at)
-        self.to_prefill: list[tuple[GenerationRequest, int, float]] = []
+        self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
         self.pending: list[Future] = []
         self._lock = threading.Lock()  # waves are read by the lease thread and written by the writer
@@ -214,7 +222,7 @@ class SlotEngine:
     def _in_flight(self) -> Counter[str]:
         """Slots each adapter holds or is about to hold (claimed, waiting for its prefill)."""
         return Counter([self.decoder.adapters[row.adapter] for row in self.decoder.rows]
-                       + [request.adapter for request, *_ in self.to_prefill])
+                       + [claimed.request.adapter for claimed in self.to_prefill])
 
     def _start(self, batch: Batch, jobs: list[Job]) -> None:
         wave = Wave(batch=batch, jobs={job.id: job for job in jobs})
@@ -236,7 +244,7 @@ class SlotEngine:
                 self._store(wave, job, JobOutcome(status=JobStatus.FAILED, error_code=code, error_message=message))
                 continue
             self.wave_of[job.id] = wave
-            self.to_prefill.append((request, tokens, time.monotonic()))
+            self.to_prefill.append(Claimed(request, tokens, time.monotonic()))
 
     def _check(self, request: GenerationRequest) -> tuple[int, tuple[str, str] | None]:
         """The job's prompt tokens, and why it cannot take a slot (it fails alone, with a code) or None."""
@@ -256,12 +264,12 @@ class SlotEngine:
         already decoding wait one bounded prefill per step, not a whole burst's, and its memory is the one
         measured at start (build_decoder)."""
         now = time.monotonic()
-        order = prefill_order([request.max_new_tokens for request, *_ in self.to_prefill],
-                              [(now - claimed) * 1000 for *_, claimed in self.to_prefill], self.settings.max_wait_ms)
+        order = prefill_order([c.request.max_new_tokens for c in self.to_prefill],
+                              [(now - c.claimed_at) * 1000 for c in self.to_prefill], self.settings.max_wait_ms)
         self.to_prefill = [self.to_prefill[i] for i in order]
-        count = prefill_group([tokens for _, tokens, _ in self.to_prefill], self.decoder.free,
+        count = prefill_group([c.prompt_tokens for c in self.to_prefill], self.decoder.free,
                               self.settings.engine_prefill_tokens)
-        chosen = [request for request, *_ in self.to_prefill[:count]]
+        chosen = [c.request for c in self.to_prefill[:count]]
         del self.to_prefill[:count]
         if not chosen:
             return
