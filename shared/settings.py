@@ -109,6 +109,11 @@ class Settings(BaseSettings):
         default=0.5, ge=0, description="continuous engine on CUDA: first estimate of the memory kept free for "
         "activations beside the weights and the key/value cache; the worker then measures the real workspace "
         "(graphs captured, the largest prefill run) and takes slots away until it fits the budget")
+    engine_switch_interval_ms: float = Field(
+        default=0.5, gt=0, le=100, description="continuous engine: how long the decode loop waits at most for the "
+        "interpreter lock while the worker's other threads (the result writer, lease renewals) hold it "
+        "(sys.setswitchinterval). Python's 5 ms default lets a busy writer stretch every lock hand-back of a "
+        "decode step to 5 ms")
     cascade_threshold: float = Field(default=0.85, ge=0, le=1)
 
     # Reliability

@@ -14,7 +14,8 @@ def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: 
     command = [kevlaya, "bench", "--shape", "tiny", "--device", "cpu", "--jobs", "6", "--kev-tokens", "12",
                "--laya-tokens", "4", "--recipe-jobs", "1", "--latency-samples", "2", "--fit", "2",
                "--out", str(out), "--workdir", str(tmp_path / "work"), "--redis-url", redis_server.url]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "KEVLAYA_BENCH_MARKER": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     [json_path] = out.glob("tiny-*.json")
     assert json_path.with_suffix(".png").stat().st_size > 0
@@ -33,6 +34,15 @@ def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: 
         assert [f["load"] for f in service["fit"]] == [2] and service["fit"][0]["failed_jobs"] == 0
         assert 1 <= service["most_in_flight"] <= 6 and service["fit"][0]["most_in_flight"] >= 1
     assert result["engines"]["continuous"]["switches"] == 0  # rows carry their adapter
+    for name, service in result["engines"].items():  # each Laya sample's wait for a slot and for its first token
+        for when in ("idle", "under_kev_load"):
+            ttft, total = service[f"laya_ttft_ms_{when}"], service[f"laya_ms_{when}"]
+            assert all(0 <= q <= t <= e for q, t, e in zip(service[f"laya_queue_ms_{when}"], ttft, total)), name
+    # where the continuous engine's time went while Laya ran under Kev load, from the worker's /metrics
+    phases = result["engines"]["continuous"]["engine_phases_under_kev_load"]
+    assert phases["step"]["count"] > 0 and phases["step"]["mean_ms"] > 0 and phases["store"]["count"] > 0
+    assert "engine_phases_under_kev_load" not in result["engines"]["batch"]
+    assert result["environment"]["KEVLAYA_BENCH_MARKER"] == "1"  # the settings the service inherited
     assert result["engines"]["continuous"]["slots"] >= 1 and "slots" not in result["engines"]["batch"]
     table = done.stdout[done.stdout.index("speedup vs the recipe's scheme") - 400:]  # the table, printed last
     assert "batch" in table and "continuous" in table
@@ -50,6 +60,7 @@ def test_jobs_in_flight_are_counted_from_their_start_and_finish_times() -> None:
         return JobRow(id="x", adapter="kev", status="succeeded", error_code=None, created_at=t0,
                       started_at=t0 + timedelta(seconds=start),
                       finished_at=None if end is None else t0 + timedelta(seconds=end), total_ms=None, ttft_ms=None,
+                      queue_ms=None,
                       batch_id=None)
 
     # three overlap in [2, 3); one that starts when another ends takes its place, not a fifth slot

@@ -346,3 +346,49 @@ def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_st
     with session_scope() as session:
         stored = {j.id: j.status for j in session.scalars(select(Job)).all()}
     assert [stored[j.id] for j in jobs] == ["succeeded", "succeeded", "running", "succeeded"]
+
+
+def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_env, tiny_model, monkeypatch):
+    """Making a row's text and token spans costs milliseconds a row (a decode per prefix), which every row in flight
+    would wait for: the writer thread makes it, with its own tokenizer, and the stored text is that text. The
+    loop's phases are timed on /metrics, and the writer cannot hold the decode loop for Python's default 5 ms."""
+    import sys
+    import threading
+
+    from shared.settings import Settings
+    from worker import slot_engine
+    from worker.metrics import ENGINE_PHASES, METRICS
+    from worker.runtime import AdapterRuntime
+    from worker.slot_engine import SlotEngine
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        ignore_eos=True, engine_switch_interval_ms=0.25)
+    with session_scope() as session:
+        jobs = [Job(id=uuid.uuid4(), adapter=a, requested_adapter=a, input=f"Question {i}?",
+                    params={**TEXT, "max_new_tokens": 6}) for i, a in enumerate(["kev", "laya", "kev"])]
+        session.add_all(jobs)
+    made: list[tuple[str, object, str]] = []
+    decode = slot_engine.decode_with_spans
+
+    def recorded(tokenizer, tokens):  # noqa: ANN001, ANN202
+        text, spans = decode(tokenizer, tokens)
+        made.append((threading.current_thread().name, tokenizer, text))
+        return text, spans
+
+    monkeypatch.setattr(slot_engine, "decode_with_spans", recorded)
+    before = {p: METRICS.engine_phase.labels(p)._sum.get() for p in ENGINE_PHASES}
+    switch_interval = sys.getswitchinterval()
+    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+        assert engine.drain(30) == 3
+    finally:
+        engine.decoder.close()
+        sys.setswitchinterval(switch_interval)
+    assert len(made) == 3 and all(name.startswith("result-writer") for name, _, _ in made)
+    assert all(tokenizer is engine.text_tokenizer is not engine.runtime.tokenizer for _, tokenizer, _ in made)
+    with session_scope() as session:
+        stored = sorted(j.result_text for j in session.scalars(select(Job)).all())
+    assert stored == sorted(text for _, _, text in made) and all(stored)
+    assert all(METRICS.engine_phase.labels(p)._sum.get() > before[p] for p in ENGINE_PHASES)

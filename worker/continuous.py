@@ -50,8 +50,11 @@ class SlotDecoder:
 
     def __init__(self, model: PeftModel, tokenizer: PreTrainedTokenizerBase, adapters: list[str], *, slots: int,
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
-                 graphs: bool = False):
+                 graphs: bool = False, texts: bool = True):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
+        # texts=False: results carry token ids and log-probabilities only, and the caller makes their text on its
+        # own thread (decode_with_spans costs milliseconds a row, which every row in flight would wait for).
+        self.texts = texts
         self.eos_ids, self.ignore_eos = list(eos_ids), ignore_eos
         # `generate` keeps the model's top-k (transformers' default: 50) when sampling; so does this decoder.
         self.top_k = getattr(model.generation_config, "top_k", None) or GENERATE_DEFAULT_TOP_K
@@ -258,7 +261,7 @@ class SlotDecoder:
     # -- results -----------------------------------------------------------------------------------------------
 
     def _result(self, row: Row) -> GenerationResult:
-        text, spans = decode_with_spans(self.tokenizer, row.tokens)
+        text, spans = decode_with_spans(self.tokenizer, row.tokens) if self.texts else (None, [])
         result = GenerationResult(
             job_id=row.request.job_id, text=text, prompt_tokens=row.prompt_tokens,
             completion_tokens=len(row.tokens), prefill_ms=row.prefill_ms,

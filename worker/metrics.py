@@ -29,6 +29,8 @@ events = logging.getLogger("kevlaya.events")  # the structured lines: one per ba
 ERROR_CODES = ("out_of_memory", "numerical_error", "invalid_output", "invalid_input", "adapter_unavailable",
                "internal")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_PHASE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+ENGINE_PHASES = ("claim", "prefill", "step", "store")
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 
 
@@ -57,6 +59,10 @@ class WorkerMetrics:
         self.numerical = Counter("kevlaya_numerical_aborts", "Rows stopped for NaN/Inf logits", ["adapter"],
                                  registry=r)
         self.escalations = Counter("kevlaya_escalations", "auto jobs Laya was unsure of, sent to Kev", registry=r)
+        self.engine_phase = Histogram(
+            "kevlaya_engine_phase_seconds", "Continuous engine, time per phase: claim (look at the queue, claim, "
+            "tokenise), prefill (one prompt group), step (one decode step), store (one transaction of results, on "
+            "the writer thread)", ["phase"], buckets=_PHASE, registry=r)
         self.rows_in_flight = Gauge("kevlaya_rows_in_flight", "Jobs in the batch being generated now", registry=r)
         self.up = Gauge("kevlaya_worker_up", "1 while this worker process serves", registry=r)
         self.model_loaded = Gauge("kevlaya_worker_model_loaded", "1 when the model and adapters are loaded",
@@ -80,6 +86,8 @@ class WorkerMetrics:
                 self.failures.labels(adapter, code)
             self.batches.labels(adapter)
             self.batch_size.labels(adapter)
+        for phase in ENGINE_PHASES:
+            self.engine_phase.labels(phase)
         self.up.set(1)
 
     # -- memory ------------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ one `batches` row.
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -29,6 +31,7 @@ from worker.engine import announce_escalations, generation_request, leases_kept,
 from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
 from worker.metrics import METRICS
 from worker.scheduler import BatchPlan, SchedulingPolicy, plan_slots, prefill_group, prefill_order
+from worker.tokens import decode_with_spans
 
 if TYPE_CHECKING:  # torch is imported only in the worker child
     from worker.continuous import SlotDecoder
@@ -89,7 +92,7 @@ def build_decoder(runtime: AdapterRuntime, settings: Settings) -> SlotDecoder:
 
     def decoder(slots: int) -> SlotDecoder:
         return SlotDecoder(runtime.model, runtime.tokenizer, sorted(runtime.adapters), slots=slots, window=window,
-                           eos_ids=runtime.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs)
+                           eos_ids=runtime.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs, texts=False)
 
     if runtime.device != "cuda":
         return decoder(wanted)
@@ -161,6 +164,11 @@ class SlotEngine:
         self.wave_of: dict[uuid.UUID, Wave] = {}  # by job id, while the job is claimed by this engine
         self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
+        # The writer makes the results' text with its own tokenizer: the decode loop's one changes its padding
+        # settings while it encodes, which a decode on another thread must not see.
+        self.text_tokenizer = copy.deepcopy(runtime.tokenizer)
+        # The writer's work must not hold the decode loop at each lock hand-back (settings: engine_switch_interval_ms).
+        sys.setswitchinterval(settings.engine_switch_interval_ms / 1000)
         self.pending: list[Future] = []
         self._lock = threading.Lock()  # waves are read by the lease thread and written by the writer
 
@@ -184,7 +192,8 @@ class SlotEngine:
         while True:
             now = time.monotonic()
             if now < deadline and now >= next_look and self.decoder.free > len(self.to_prefill):
-                claimed = self._claim()
+                with METRICS.engine_phase.labels("claim").time():
+                    claimed = self._claim()
                 processed += claimed
                 next_look = 0.0 if claimed else now + IDLE_POLL_S
             self._prefill_some()
@@ -193,7 +202,8 @@ class SlotEngine:
                     return processed
                 next_look = 0.0  # nothing in flight: look again at once
                 continue
-            self._step()
+            with METRICS.engine_phase.labels("step").time():
+                self._step()
 
     def _queued(self) -> bool:
         with session_scope() as session:
@@ -274,10 +284,11 @@ class SlotEngine:
         if not chosen:
             return
         admitted_at = time.perf_counter()
-        try:
-            finished = self.decoder.admit(chosen, admitted_at)
-        except Exception as exc:
-            finished = self._admit_one_by_one(chosen, admitted_at, exc)
+        with METRICS.engine_phase.labels("prefill").time():
+            try:
+                finished = self.decoder.admit(chosen, admitted_at)
+            except Exception as exc:
+                finished = self._admit_one_by_one(chosen, admitted_at, exc)
         self._finished(finished)
 
     def _admit_one_by_one(self, requests: list[GenerationRequest], admitted_at: float,
@@ -348,7 +359,11 @@ class SlotEngine:
         """Store what became of `items` in one transaction (one commit for a whole wave of rows, so the writer
         holds the process's interpreter lock for less of the decode loop's time); if that fails, each alone,
         so one job that cannot be stored does not take the others with it."""
+        started = time.perf_counter()
         try:
+            for _wave, _job, result in items:
+                if isinstance(result, GenerationResult) and result.text is None:  # the decoder left it to us
+                    result.text, result.token_spans = decode_with_spans(self.text_tokenizer, result.token_ids)
             with session_scope() as session:
                 settled = [settle_job(session, job, wave.batch.id, result, 0.0, self.settings)
                            for wave, job, result in items]
@@ -372,6 +387,7 @@ class SlotEngine:
                     wave.results.append(result)
                 if wave.done:
                     self._close(wave)
+        METRICS.engine_phase.labels("store").observe(time.perf_counter() - started)
 
     def _close(self, wave: Wave) -> None:
         """Store the batch row's figures once its last job is stored."""

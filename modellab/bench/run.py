@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import random
 import statistics
 import threading
@@ -159,16 +160,32 @@ class KevLoad:
         self.service.wait(self.ids)
 
 
-def laya_latencies(service: Service, jobs: list[BenchJob], rng: random.Random) -> list[float]:
-    """Laya jobs one at a time (each submitted after the previous finished, after a short random pause)."""
-    latencies = []
+def laya_latencies(service: Service, jobs: list[BenchJob], rng: random.Random, figures: dict[str, Any],
+                   when: str) -> None:
+    """Laya jobs one at a time (each submitted after the previous finished, after a short random pause); their
+    end-to-end p50 / p95 and each one's queue wait (submission to claim) and time to first token go in `figures`."""
+    rows = []
     for job in jobs:
         time.sleep(rng.uniform(0.2, 1.0))
         [row] = service.wait([service.submit_one(job.body())])
         if row.status != "succeeded":
             raise RuntimeError(f"a Laya latency job failed: {row.error_code}")
-        latencies.append(row.total_ms)
-    return latencies
+        rows.append(row)
+    latencies = [row.total_ms for row in rows]
+    figures.update({f"laya_p50_ms_{when}": percentile(latencies, 50), f"laya_p95_ms_{when}": percentile(latencies, 95),
+                    f"laya_ms_{when}": latencies, f"laya_queue_ms_{when}": [row.queue_ms for row in rows],
+                    f"laya_ttft_ms_{when}": [row.ttft_ms for row in rows]})
+
+
+def engine_phases(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Where the continuous engine's time went between two readings of its phase totals: per phase, how often,
+    the mean milliseconds and the total seconds."""
+    figures = {}
+    for phase, (count, seconds) in after.items():
+        count, seconds = count - before.get(phase, (0, 0))[0], seconds - before.get(phase, (0, 0))[1]
+        figures[phase] = {"count": int(count), "mean_ms": seconds * 1000 / count if count else None,
+                          "total_s": seconds}
+    return figures
 
 
 def _memory(service: Service, since: datetime) -> list[dict[str, Any]]:
@@ -195,16 +212,15 @@ def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob]
         log.info("service, %s engine: %.3f jobs/s, %d batches", engine, figures["jobs_per_s"], len(batches))
         save()
 
-        idle = laya_latencies(service, laya_jobs, rng)
-        figures.update(laya_p50_ms_idle=percentile(idle, 50), laya_p95_ms_idle=percentile(idle, 95),
-                       laya_ms_idle=idle)
+        laya_latencies(service, laya_jobs, rng, figures, "idle")
         save()
         kev = next(j for j in jobs if j.adapter == "kev")
         with KevLoad(service, kev, depth=2 * config.max_batch):
             time.sleep(2.0)  # let the first Kev batch start
-            loaded = laya_latencies(service, laya_jobs, rng)
-            figures.update(laya_p50_ms_under_kev_load=percentile(loaded, 50),
-                           laya_p95_ms_under_kev_load=percentile(loaded, 95), laya_ms_under_kev_load=loaded)
+            phases = service.engine_phases() if engine == "continuous" else {}
+            laya_latencies(service, laya_jobs, rng, figures, "under_kev_load")
+            if phases:
+                figures["engine_phases_under_kev_load"] = engine_phases(phases, service.engine_phases())
             save()
 
         figures["fit"] = []
@@ -274,6 +290,8 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                            "= a full Kev batch (max_batch rows) through run_batch or the continuous decoder, "
                            "seed = batch 1 through run_batch",
         "cuda_graphs": config.cuda_graphs,
+        # service settings from the environment, which the service's processes inherit
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KEVLAYA_")},
     }
     measured = runtime_phase(config, settings, jobs)
     result["seed_scheme"] = measured["recipe"]

@@ -43,6 +43,7 @@ class JobRow:
     finished_at: datetime | None
     total_ms: float | None
     ttft_ms: float | None
+    queue_ms: float | None
     batch_id: str | None
 
 
@@ -103,9 +104,10 @@ class Service:
     """API + worker + Redis for one benchmark run; `settings` are KEVLAYA_* values (e.g. the model paths)."""
 
     def __init__(self, workdir: Path, settings: dict[str, str], redis_url: str | None = None):
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         database_url = f"sqlite:///{workdir / 'bench.db'}"
-        self.processes = Processes(workdir, {**settings, "KEVLAYA_API_KEY": API_KEY, "KEVLAYA_API_PORT": str(self.port)},
+        self.processes = Processes(workdir, {**settings, "KEVLAYA_API_KEY": API_KEY, "KEVLAYA_API_PORT": str(self.port),
+                                              "KEVLAYA_WORKER_METRICS_PORT": str(self.metrics_port)},
                                    database_url, redis_url or f"redis://127.0.0.1:{free_port()}/0")
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}",
                                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
@@ -146,6 +148,20 @@ class Service:
         workers = (response.json()["workers"] or {}).values()
         return next((w for w in workers if w.get("engine") == engine), {})
 
+    def engine_phases(self) -> dict[str, tuple[float, float]]:
+        """The worker's continuous-engine phase totals so far, from its /metrics: {phase: (count, seconds)}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+        totals: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name == "kevlaya_engine_phase_seconds":
+                for sample in family.samples:
+                    at = {"kevlaya_engine_phase_seconds_count": 0, "kevlaya_engine_phase_seconds_sum": 1}
+                    if sample.name in at:
+                        totals.setdefault(sample.labels["phase"], [0.0, 0.0])[at[sample.name]] = sample.value
+        return {phase: (count, seconds) for phase, (count, seconds) in totals.items()}
+
     # -- jobs ------------------------------------------------------------------------------------------------
 
     def submit(self, bodies: list[dict[str, Any]]) -> list[str]:
@@ -185,7 +201,7 @@ class Service:
             found = {str(j.id): j for j in session.scalars(select(Job).where(Job.id.in_(wanted)))}
         return [JobRow(id=i, adapter=(j := found[i]).adapter, status=j.status, error_code=j.error_code,
                        created_at=j.created_at, started_at=j.started_at, finished_at=j.finished_at,
-                       total_ms=j.total_ms, ttft_ms=j.ttft_ms, batch_id=str(j.batch_id) if j.batch_id else None)
+                       total_ms=j.total_ms, ttft_ms=j.ttft_ms, queue_ms=j.queue_ms, batch_id=str(j.batch_id) if j.batch_id else None)
                 for i in ids]
 
     def batches(self, since: datetime | None = None) -> list[BatchRow]:
