@@ -7,12 +7,14 @@ import random
 import pytest
 
 from worker.scheduler import (
+    PrefillPacer,
     QueueSnapshot,
     SchedulerState,
     SchedulingPolicy,
     plan_next_batch,
     prefill_group,
     prefill_order,
+    unpaced_prefix,
 )
 
 POLICY = SchedulingPolicy(max_batch=8, max_wait_ms=1000, max_consecutive_batches=3)
@@ -134,3 +136,23 @@ def test_the_shortest_claimed_jobs_are_prefilled_first_unless_one_waited_past_th
     # a job held past the fairness bound goes first whatever its length; ties keep claim order
     assert prefill_order([128, 32, 32], [2500, 10, 5], max_wait_ms=2000) == [0, 1, 2]
     assert prefill_order([], [], max_wait_ms=2000) == []
+
+
+def test_other_roles_prefills_take_at_most_their_share_while_a_latency_row_decodes():
+    pacer = PrefillPacer(share=0.25)
+    assert pacer.allows(now=0.0, latency_rows=True)  # nothing paced has run yet
+    pacer.ran(started=10.0, ended=10.1)  # a 100 ms prefill of Kev prompts
+    # the next one waits for 300 ms of decoding: 100 ms of prefill in 400 ms is a quarter
+    assert not pacer.allows(now=10.39, latency_rows=True)
+    assert pacer.allows(now=10.4, latency_rows=True)
+    assert pacer.allows(now=10.2, latency_rows=False)  # with no Laya row in flight nothing waits
+    unpaced = PrefillPacer(share=1.0)
+    unpaced.ran(started=10.0, ended=10.1)
+    assert unpaced.allows(now=10.1, latency_rows=True)
+
+
+def test_a_held_prefill_still_takes_the_latency_roles_jobs_and_those_past_the_fairness_bound():
+    # claimed jobs in prefill order: a Laya job, a Kev job held past the bound, then fresh Kev jobs
+    assert unpaced_prefix([True, False, False, False], [5, 2500, 10, 10], max_wait_ms=2000) == 2
+    assert unpaced_prefix([False, True], [10, 10], max_wait_ms=2000) == 0  # stops at the first paced job
+    assert unpaced_prefix([], [], max_wait_ms=2000) == 0

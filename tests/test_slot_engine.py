@@ -392,3 +392,46 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
         stored = sorted(j.result_text for j in session.scalars(select(Job)).all())
     assert stored == sorted(text for _, _, text in made) and all(stored)
     assert all(METRICS.engine_phase.labels(p)._sum.get() > before[p] for p in ENGINE_PHASES)
+
+
+def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(service_env, tiny_model, monkeypatch):
+    """One prompt per prefill (KEVLAYA_ENGINE_PREFILL_TOKENS=1): the Laya job first, then Kev prompts one by one.
+    While the Laya row decodes, a Kev prefill of d seconds is followed by at least d × (1 − share) / share seconds
+    of decoding before the next one (share 0.25: 3 d), so the Laya row spends at most a quarter of its time
+    waiting for them."""
+    from shared.settings import Settings
+    from worker.runtime import AdapterRuntime
+    from worker.slot_engine import SlotEngine
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        ignore_eos=True, engine_prefill_tokens=1, engine_prefill_share=0.25)
+    with session_scope() as session:
+        session.add(Job(adapter="laya", requested_adapter="laya", input="Quick: A or B?",
+                        params={**TEXT, "max_new_tokens": 40}))
+        session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Weigh option {i}.",
+                             params={**TEXT, "max_new_tokens": 80}) for i in range(4)])
+    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    prefills: list[tuple[float, float, list[str], bool]] = []
+    admit = engine.decoder.admit
+
+    def timed(requests, admitted_at=None):  # noqa: ANN001, ANN202
+        laya_decoding = any(engine.decoder.adapters[r.adapter] == "laya" for r in engine.decoder.rows)
+        started = time.monotonic()
+        try:
+            return admit(requests, admitted_at)
+        finally:
+            prefills.append((started, time.monotonic(), [r.adapter for r in requests], laya_decoding))
+
+    monkeypatch.setattr(engine.decoder, "admit", timed)
+    try:
+        assert engine.drain(60) == 5
+    finally:
+        engine.decoder.close()
+    assert [adapters for _, _, adapters, _ in prefills] == [["laya"]] + [["kev"]] * 4
+    paced = [(a, b) for a, b in zip(prefills[1:], prefills[2:]) if b[3]]  # Kev after Kev, Laya still decoding
+    assert paced, "the Laya row finished before a second Kev prefill: give it more tokens"
+    for (started, ended, _, _), (next_started, _, _, _) in paced:
+        assert next_started >= ended + 3 * (ended - started)
+    with session_scope() as session:
+        assert {j.status for j in session.scalars(select(Job)).all()} == {"succeeded"}

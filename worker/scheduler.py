@@ -133,3 +133,32 @@ def prefill_group(prompt_tokens: list[int], free: int, budget_tokens: int) -> in
             break
         taken += 1
     return taken
+
+
+@dataclass
+class PrefillPacer:
+    """Keeps other roles' prefills to `share` of the engine's time while a row of a latency role (one with reserved
+    slots) decodes: after such a prefill took p seconds, the next waits until p × (1 − share) / share seconds of
+    decoding have passed. A wave of Kev prompts then stretches a Laya row's decode by at most 1 / (1 − share),
+    instead of by every prefill the wave needs (docs/architecture.md §14). share 1 paces nothing."""
+
+    share: float
+    next_at: float = 0.0  # time.monotonic() from which the next paced prefill may run
+
+    def allows(self, now: float, latency_rows: bool) -> bool:
+        return not latency_rows or now >= self.next_at
+
+    def ran(self, started: float, ended: float) -> None:
+        """A paced prefill (one with jobs of other roles) ran from `started` to `ended`."""
+        self.next_at = ended + (ended - started) * (1 - self.share) / self.share
+
+
+def unpaced_prefix(latency: list[bool], waited_ms: list[float], max_wait_ms: float) -> int:
+    """How many of the claimed jobs (in prefill order) may be prefilled while the pacer holds the rest: the
+    leading ones of a latency role or held past the fairness bound."""
+    count = 0
+    for is_latency, waited in zip(latency, waited_ms):
+        if not (is_latency or waited > max_wait_ms):
+            break
+        count += 1
+    return count

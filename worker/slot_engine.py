@@ -30,7 +30,15 @@ from worker.claims import JobOutcome, claim_batch, queue_snapshot
 from worker.engine import announce_escalations, generation_request, leases_kept, settle_job, worker_name
 from worker.generation import BatchOutcome, GenerationRequest, GenerationResult
 from worker.metrics import METRICS
-from worker.scheduler import BatchPlan, SchedulingPolicy, plan_slots, prefill_group, prefill_order
+from worker.scheduler import (
+    BatchPlan,
+    PrefillPacer,
+    SchedulingPolicy,
+    plan_slots,
+    prefill_group,
+    prefill_order,
+    unpaced_prefix,
+)
 from worker.tokens import decode_with_spans
 
 if TYPE_CHECKING:  # torch is imported only in the worker child
@@ -163,6 +171,7 @@ class SlotEngine:
         self.waves: dict[uuid.UUID, Wave] = {}  # by batch id
         self.wave_of: dict[uuid.UUID, Wave] = {}  # by job id, while the job is claimed by this engine
         self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
+        self.pacer = PrefillPacer(settings.engine_prefill_share)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
         # The writer makes the results' text with its own tokenizer: the decode loop's one changes its padding
         # settings while it encodes, which a decode on another thread must not see.
@@ -272,23 +281,30 @@ class SlotEngine:
     def _prefill_some(self) -> None:
         """Prefill claimed jobs up to KEVLAYA_ENGINE_PREFILL_TOKENS padded tokens (at least one job), so rows
         already decoding wait one bounded prefill per step, not a whole burst's, and its memory is the one
-        measured at start (build_decoder)."""
+        measured at start (build_decoder). While a latency role's row decodes, other roles' jobs are paced
+        (PrefillPacer, KEVLAYA_ENGINE_PREFILL_SHARE)."""
         now = time.monotonic()
-        order = prefill_order([c.request.max_new_tokens for c in self.to_prefill],
-                              [(now - c.claimed_at) * 1000 for c in self.to_prefill], self.settings.max_wait_ms)
-        self.to_prefill = [self.to_prefill[i] for i in order]
+        waited = [(now - c.claimed_at) * 1000 for c in self.to_prefill]
+        order = prefill_order([c.request.max_new_tokens for c in self.to_prefill], waited, self.settings.max_wait_ms)
+        self.to_prefill, waited = [self.to_prefill[i] for i in order], [waited[i] for i in order]
         count = prefill_group([c.prompt_tokens for c in self.to_prefill], self.decoder.free,
                               self.settings.engine_prefill_tokens)
+        roles = set(self._reserved())
+        latency = [c.request.adapter in roles for c in self.to_prefill]
+        if not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles for r in self.decoder.rows)):
+            count = min(count, unpaced_prefix(latency, waited, self.settings.max_wait_ms))
         chosen = [c.request for c in self.to_prefill[:count]]
         del self.to_prefill[:count]
         if not chosen:
             return
-        admitted_at = time.perf_counter()
+        admitted_at, started = time.perf_counter(), time.monotonic()
         with METRICS.engine_phase.labels("prefill").time():
             try:
                 finished = self.decoder.admit(chosen, admitted_at)
             except Exception as exc:
                 finished = self._admit_one_by_one(chosen, admitted_at, exc)
+        if not all(latency[:count]):
+            self.pacer.ran(started, time.monotonic())
         self._finished(finished)
 
     def _admit_one_by_one(self, requests: list[GenerationRequest], admitted_at: float,
