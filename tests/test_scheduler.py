@@ -146,6 +146,9 @@ def test_other_roles_prefills_take_at_most_their_share_while_a_latency_row_decod
     assert not pacer.allows(now=10.39, latency_rows=True)
     assert pacer.allows(now=10.4, latency_rows=True)
     assert pacer.allows(now=10.2, latency_rows=False)  # with no Laya row in flight nothing waits
+    # a Laya row that starts decoding later gets its 300 ms of decoding before the next Kev prefill too
+    assert not pacer.allows(now=20.0, latency_rows=True) and not pacer.allows(now=20.29, latency_rows=True)
+    assert pacer.allows(now=20.3, latency_rows=True)
     unpaced = PrefillPacer(share=1.0)
     unpaced.ran(started=10.0, ended=10.1)
     assert unpaced.allows(now=10.1, latency_rows=True)

@@ -138,19 +138,33 @@ def prefill_group(prompt_tokens: list[int], free: int, budget_tokens: int) -> in
 @dataclass
 class PrefillPacer:
     """Keeps other roles' prefills to `share` of the engine's time while a row of a latency role (one with reserved
-    slots) decodes: after such a prefill took p seconds, the next waits until p × (1 − share) / share seconds of
-    decoding have passed. A wave of Kev prompts then stretches a Laya row's decode by at most 1 / (1 − share),
-    instead of by every prefill the wave needs (docs/architecture.md §14). share 1 paces nothing."""
+    slots) decodes: a prefill of d seconds runs only after d × (1 − share) / share seconds of decoding, counted
+    from the previous one or from when latency rows started decoding (d: the last such prefill's length). A wave
+    of Kev prompts then stretches a Laya row's decode by at most 1 / (1 − share), instead of by every prefill the
+    wave needs (docs/architecture.md §14). share 1 paces nothing."""
 
     share: float
     next_at: float = 0.0  # time.monotonic() from which the next paced prefill may run
+    last_s: float = 0.0  # how long the last paced prefill took
+    latency_since: float | None = None  # when the latency rows now in flight started decoding
+
+    @property
+    def _wait_per_second(self) -> float:
+        return (1 - self.share) / self.share
 
     def allows(self, now: float, latency_rows: bool) -> bool:
-        return not latency_rows or now >= self.next_at
+        if not latency_rows:
+            self.latency_since = None
+            return True
+        if self.latency_since is None:  # a latency row has just started: it gets its decoding time first
+            self.latency_since = now
+            self.next_at = max(self.next_at, now + self.last_s * self._wait_per_second)
+        return now >= self.next_at
 
     def ran(self, started: float, ended: float) -> None:
         """A paced prefill (one with jobs of other roles) ran from `started` to `ended`."""
-        self.next_at = ended + (ended - started) * (1 - self.share) / self.share
+        self.last_s = ended - started
+        self.next_at = ended + self.last_s * self._wait_per_second
 
 
 def unpaced_prefix(latency: list[bool], waited_ms: list[float], max_wait_ms: float) -> int:
