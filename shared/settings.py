@@ -110,7 +110,7 @@ class Settings(BaseSettings):
         "activations beside the weights and the key/value cache; the worker then measures the real workspace "
         "(graphs captured, the largest prefill run) and takes slots away until it fits the budget")
     engine_prefill_share: float = Field(
-        default=0.25, gt=0, le=1, description="continuous engine: while a row of a role with reserved slots (Laya) "
+        default=0.1, gt=0, le=1, description="continuous engine: while a row of a role with reserved slots (Laya) "
         "decodes, the prefills of other roles' jobs take at most this share of the time, so a wave of Kev prompts "
         "stretches a Laya answer by at most 1 / (1 - share); their jobs wait in their slots meanwhile (a job held "
         "past KEVLAYA_MAX_WAIT_MS is not held back). 1 = no pacing")
