@@ -15,7 +15,7 @@ def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: 
                "--laya-tokens", "4", "--recipe-jobs", "1", "--latency-samples", "2", "--fit", "2",
                "--out", str(out), "--workdir", str(tmp_path / "work"), "--redis-url", redis_server.url]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "KEVLAYA_BENCH_MARKER": "1"})
+                          env={**os.environ, "KEVLAYA_BENCH_MARKER": "1", "KEVLAYA_ENGINE_PREFILL_SHARE": "0.5"})
     assert done.returncode == 0, done.stderr[-3000:]
     [json_path] = out.glob("tiny-*.json")
     assert json_path.with_suffix(".png").stat().st_size > 0
@@ -43,6 +43,7 @@ def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: 
     assert phases["step"]["count"] > 0 and phases["step"]["mean_ms"] > 0 and phases["store"]["count"] > 0
     assert "engine_phases_under_kev_load" not in result["engines"]["batch"]
     assert result["environment"]["KEVLAYA_BENCH_MARKER"] == "1"  # the settings the service inherited
+    assert result["engine_settings"]["engine_prefill_share"] == 0.5  # from the environment, as the worker reads it
     assert result["engines"]["continuous"]["slots"] >= 1 and "slots" not in result["engines"]["batch"]
     table = done.stdout[done.stdout.index("speedup vs the recipe's scheme") - 400:]  # the table, printed last
     assert "batch" in table and "continuous" in table

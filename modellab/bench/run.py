@@ -290,8 +290,10 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                            "= a full Kev batch (max_batch rows) through run_batch or the continuous decoder, "
                            "seed = batch 1 through run_batch",
         "cuda_graphs": config.cuda_graphs,
-        # service settings from the environment, which the service's processes inherit
+        # service settings from the environment, which the service's processes inherit, and the engine's settings
+        # as the service reads them (defaults included)
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KEVLAYA_")},
+        "engine_settings": {k: v for k, v in settings.model_dump().items() if k.startswith("engine_")},
     }
     measured = runtime_phase(config, settings, jobs)
     result["seed_scheme"] = measured["recipe"]
