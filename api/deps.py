@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import ApiError
 from api.prompt_budget import PromptBudget
+from api.wakeups import WakeupPublisher
 from shared.db import new_session
 from shared.keys import ensure_bootstrap_key, find_key
 from shared.models import ApiKey
@@ -57,6 +58,13 @@ def get_prompt_budget(request: Request) -> PromptBudget | None:
 
 
 PromptBudgetDep = Annotated[PromptBudget | None, Depends(get_prompt_budget)]
+
+
+def get_wakeups(request: Request) -> WakeupPublisher:
+    return request.app.state.wakeups
+
+
+WakeupsDep = Annotated[WakeupPublisher, Depends(get_wakeups)]
 
 _bearer = HTTPBearer(auto_error=False)
 log = logging.getLogger("kevlaya.api")

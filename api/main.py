@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 
 from api.body_limit import BodySizeLimit
@@ -16,6 +17,7 @@ from api.metrics import ApiMetrics, RequestMetrics
 from api.prompt_budget import PromptBudget
 from api.routes import chat, health, jobs, metrics, models, stats, status_page
 from api.waiting import notices
+from api.wakeups import WakeupPublisher
 from shared.settings import Settings, get_settings
 
 
@@ -48,9 +50,11 @@ def _with_configured_bounds(schema: dict[str, Any], settings: Settings) -> dict[
 
 
 @asynccontextmanager
-async def _lifespan(_app: FastAPI) -> AsyncIterator[None]:
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
     await notices.close()  # the long-polls' Redis subscription
+    # What was accepted gets its wake-up before the process ends (else the sweeper would, a while later).
+    await run_in_threadpool(app.state.wakeups.flush, 5.0)
 
 
 def create_app() -> FastAPI:
@@ -75,6 +79,7 @@ def create_app() -> FastAPI:
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)  # outermost: refused bodies count too
     # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
     app.state.prompt_budget = PromptBudget.load(settings)
+    app.state.wakeups = WakeupPublisher(settings.max_batch)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

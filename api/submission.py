@@ -17,9 +17,10 @@ from api.errors import RETRY_AFTER_S, ApiError
 from api.presenters import jobs_out
 from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
 from api.waiting import notices
+from api.wakeups import WakeupPublisher
 from shared.db import new_session
 from shared.models import ApiKey, Job, JobStatus
-from shared.queue import QueueUnavailable, ping_queue, publish_wakeup
+from shared.queue import QueueUnavailable, ping_queue
 from shared.schemas import JobCreate, JobOut
 from shared.settings import Settings, get_settings
 
@@ -66,11 +67,11 @@ def existing_job(session: Session, key: ApiKey, idempotency_key: str | None) -> 
     )
 
 
-def enqueue(session: Session, jobs: list[Job]) -> None:
-    """Check the broker, commit the rows, then publish their wake-ups.
+def enqueue(session: Session, jobs: list[Job], wakeups: WakeupPublisher) -> None:
+    """Check the broker, commit the rows, then have their wake-up published (api/wakeups.py).
 
     A broker that is down is found before anything is written (503, nothing stored). If it fails
-    between the commit and a publish, the rows are durable and the worker's sweeper re-publishes them."""
+    between the commit and the publish, the rows are durable and the worker's sweeper re-publishes them."""
     try:
         ping_queue()
     except QueueUnavailable as exc:
@@ -80,21 +81,7 @@ def enqueue(session: Session, jobs: list[Job]) -> None:
                        headers={"Retry-After": RETRY_AFTER_S}) from exc
     session.add_all(jobs)
     session.commit()
-    for job in wakeups(jobs, get_settings().max_batch):
-        try:
-            publish_wakeup(job.id, job.adapter)
-        except QueueUnavailable:
-            log.warning("job %s stored but its wake-up was not published; the sweeper will re-publish it", job.id)
-
-
-def wakeups(jobs: list[Job], max_batch: int) -> list[Job]:
-    """The jobs whose wake-up is published: one per `max_batch` jobs of an adapter. A wake-up drains the queue,
-    not one job, so this wakes as many workers as there are batches to run; one per job would only add no-ops
-    (and a Redis round trip each to a batch submit)."""
-    by_adapter: dict[str, list[Job]] = {}
-    for job in jobs:
-        by_adapter.setdefault(job.adapter, []).append(job)
-    return [group[i] for group in by_adapter.values() for i in range(0, len(group), max_batch)]
+    wakeups.note(jobs)
 
 
 def _resolve(session: Session, key: ApiKey, requests: list[JobCreate]) -> tuple[list[tuple[Job, bool]], list[Job]]:
@@ -115,7 +102,8 @@ def _resolve(session: Session, key: ApiKey, requests: list[JobCreate]) -> tuple[
     return resolved, new
 
 
-def store_jobs(session: Session, key: ApiKey, requests: list[JobCreate]) -> list[tuple[Job, bool]]:
+def store_jobs(session: Session, key: ApiKey, requests: list[JobCreate],
+               wakeups: WakeupPublisher) -> list[tuple[Job, bool]]:
     """Store and enqueue the jobs of `requests`; returns each request's job and whether it was created now.
 
     Two submits racing with one idempotency key both miss the lookup; the loser's insert then hits the
@@ -126,7 +114,7 @@ def store_jobs(session: Session, key: ApiKey, requests: list[JobCreate]) -> list
         if not new:
             return resolved
         try:
-            enqueue(session, new)
+            enqueue(session, new, wakeups)
             return resolved
         except IntegrityError:
             session.rollback()

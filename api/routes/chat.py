@@ -7,7 +7,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, reject_unknown_query_parameters
+from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, WakeupsDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.prompt_budget import FieldNames
 from api.submission import check_limits, enqueue, new_job, wait_finished
@@ -118,11 +118,11 @@ def _completion(job: JobOut, model: str) -> ChatCompletion:
           "failed: the code is the job's error code"},
 })
 async def chat_completions(request: ChatRequest, key: CurrentKey, session: SessionDep,
-                           settings: SettingsDep, budget: PromptBudgetDep) -> ChatCompletion:
+                           settings: SettingsDep, budget: PromptBudgetDep, wakeups: WakeupsDep) -> ChatCompletion:
     job_request = request.to_job()
     check_limits(job_request, settings, budget, names=CHAT_FIELDS)
     job = new_job(job_request, key)
-    enqueue(session, [job])
+    enqueue(session, [job], wakeups)
     session.close()  # the wait below must not hold a pooled connection
     finished = await wait_finished(key, job.id, settings.chat_timeout_s)
     if finished.status == "succeeded":

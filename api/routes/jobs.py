@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Response, status
 from sqlalchemy import and_, or_, select
 
-from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, reject_unknown_query_parameters
+from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, WakeupsDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.presenters import decode_cursor, encode_cursor, job_accepted, jobs_out
 from api.submission import check_limits, get_visible, store_jobs, visible_to, wait_finished
@@ -40,9 +40,9 @@ _SUBMIT_RESPONSES = {
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted, responses=_SUBMIT_RESPONSES)
 def submit_job(request: JobCreate, key: CurrentKey, session: SessionDep, settings: SettingsDep,
-               budget: PromptBudgetDep, response: Response) -> JobAccepted:
+               budget: PromptBudgetDep, wakeups: WakeupsDep, response: Response) -> JobAccepted:
     check_limits(request, settings, budget)
-    [(job, created)] = store_jobs(session, key, [request])
+    [(job, created)] = store_jobs(session, key, [request], wakeups)
     if not created:
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -52,13 +52,13 @@ def submit_job(request: JobCreate, key: CurrentKey, session: SessionDep, setting
 @router.post("/batch", status_code=status.HTTP_202_ACCEPTED, response_model=JobBatchAccepted,
              responses=error_responses(400, 413, 422, *AUTH_ERRORS))
 def submit_jobs(request: JobBatchCreate, key: CurrentKey, session: SessionDep,
-                settings: SettingsDep, budget: PromptBudgetDep) -> JobBatchAccepted:
+                settings: SettingsDep, budget: PromptBudgetDep, wakeups: WakeupsDep) -> JobBatchAccepted:
     if len(request.jobs) > settings.max_batch_submit:
         raise ApiError(422, "invalid_request",
                        f"jobs: {len(request.jobs)} jobs, the limit is {settings.max_batch_submit}")
     for index, item in enumerate(request.jobs):
         check_limits(item, settings, budget, field_prefix=f"jobs.{index}.")
-    stored = store_jobs(session, key, request.jobs)
+    stored = store_jobs(session, key, request.jobs, wakeups)
     return JobBatchAccepted(jobs=[job_accepted(job) for job, _ in stored])
 
 
