@@ -38,3 +38,38 @@ def test_load_refuses_anything_but_loopback(url: str) -> None:
     require_loopback("http://127.0.0.1:8000")
     require_loopback("http://localhost:8000")
     require_loopback("postgresql+psycopg://postgres@[::1]:5432/x")
+
+
+@pytest.mark.parametrize("app", ["app", "sync_app"])
+def test_the_load_floor_answers_as_the_submit_routes_do(app: str, tmp_path: Path) -> None:
+    """The floor (modellab/bench/load_floor.py) takes the load generator's requests and answers them as the API
+    does, so its figures are the same measurement minus everything the service does."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([os.sys.executable, "-m", "uvicorn", f"modellab.bench.load_floor:{app}", "--port",
+                               str(port), "--log-level", "warning"])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        out = tmp_path / "floor.json"
+        done = subprocess.run([os.sys.executable, "-m", "cli", "load", "--url", f"http://127.0.0.1:{port}",
+                               "--singles", "40", "--batches", "2", "--batch-size", "20", "--no-drain", "--out",
+                               str(out)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        result = json.loads(out.read_text())
+        assert (result["single"]["accepted_jobs"], result["batch"]["accepted_jobs"]) == (40, 40)
+        assert result["single"]["errors"] == {} and result["batch"]["errors"] == {}
+    finally:
+        server.terminate()
+        server.wait(10)
