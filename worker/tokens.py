@@ -3,11 +3,15 @@ all, and token ids back to text with each token's character span."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from shared.schemas import MIN_TEMPERATURE
 from worker.generation import GenerationRequest
+
+if TYPE_CHECKING:  # the Celery parent imports this module (through worker.slot_engine) and must not import torch
+    import torch
 
 
 def encode_chats(tokenizer: PreTrainedTokenizerBase, requests: list[GenerationRequest],
