@@ -18,7 +18,7 @@ from api.presenters import jobs_out
 from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
-from shared.db import new_session
+from shared.db import new_session, one_writer
 from shared.models import ApiKey, Job, JobStatus
 from shared.queue import QueueUnavailable, ping_queue
 from shared.schemas import JobCreate, JobOut
@@ -79,8 +79,9 @@ def enqueue(session: Session, jobs: list[Job], wakeups: WakeupPublisher) -> None
         log.error("submit refused: %s", exc)
         raise ApiError(503, "queue_unavailable", "the job queue is unavailable, nothing was stored; retry later",
                        headers={"Retry-After": RETRY_AFTER_S}) from exc
-    session.add_all(jobs)
-    session.commit()
+    with one_writer(session):
+        session.add_all(jobs)
+        session.commit()
     wakeups.note(jobs)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from contextlib import nullcontext
 
 import redis
 
@@ -64,3 +65,48 @@ def test_a_failed_publish_leaves_the_publisher_serving(service_env):
         assert publisher.flush(10)
     assert attempts == ["kev", "laya", "kev"]
     assert redis.Redis.from_url(service_env["KEVLAYA_REDIS_URL"]).llen("kevlaya.jobs") == 1
+
+
+def test_concurrent_submits_on_sqlite_take_turns_at_writing_instead_of_retrying(service_env, monkeypatch):
+    """SQLite takes one writer at a time; its busy handler makes the others retry after sleeps of up to 100 ms,
+    which made the slowest submits under load take a second. With the busy handler off (a writer that finds
+    the database locked fails at once), 16 threads submitting at once all succeed: they queue on the process's
+    writer lock instead (shared/db.py: one_writer)."""
+    from sqlalchemy import event, func, select
+
+    from api.submission import enqueue
+    from api.wakeups import WakeupPublisher
+    from shared import db
+
+    engine = db.get_engine()
+    if engine.dialect.name != "sqlite":
+        assert isinstance(db.one_writer(db.new_session()), nullcontext)  # PostgreSQL writers do not wait so
+        return
+
+    @event.listens_for(engine, "connect")
+    def no_busy_handler(dbapi_connection, _record):  # noqa: ANN001, ANN202
+        dbapi_connection.execute("PRAGMA busy_timeout=0")
+
+    engine.dispose()  # new connections, with the handler off
+    publisher = WakeupPublisher(max_batch=16, publish=lambda job_id, adapter: None)
+    errors: list[Exception] = []
+    start = threading.Barrier(16)
+
+    def submit(n: int) -> None:
+        start.wait()
+        for i in range(10):
+            try:
+                with db.new_session() as session:
+                    enqueue(session, [Job(id=uuid.uuid4(), adapter="kev", requested_adapter="kev",
+                                          input=f"job {n}.{i}", params={})], publisher)
+            except Exception as exc:  # "database is locked" without the writer lock
+                errors.append(exc)
+
+    threads = [threading.Thread(target=submit, args=(n,)) for n in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    with db.new_session() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == 160

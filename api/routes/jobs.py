@@ -13,6 +13,7 @@ from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.presenters import decode_cursor, encode_cursor, job_accepted, jobs_out
 from api.submission import check_limits, get_visible, store_jobs, visible_to, wait_finished
 from shared import lifecycle
+from shared.db import one_writer
 from shared.models import Job
 from shared.schemas import (
     JobAccepted,
@@ -110,8 +111,9 @@ def cancel_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOu
     if job.parent_job_id is not None:
         raise ApiError(409, "conflict", f"job {job_id} is a stage of `auto` job {job.parent_job_id}; "
                        "it cannot be cancelled on its own")
-    cancelled = lifecycle.cancel(session, job_id)
-    session.commit()
+    with one_writer(session):
+        cancelled = lifecycle.cancel(session, job_id)
+        session.commit()
     session.refresh(job)
     if not cancelled:
         raise ApiError(409, "conflict", f"job {job_id} is {job.status}; only a queued job can be cancelled")
