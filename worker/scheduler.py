@@ -146,18 +146,17 @@ class PrefillPacer:
     share: float
     next_at: float = 0.0  # time.monotonic() from which the next paced prefill may run
     last_s: float = 0.0  # how long the last paced prefill took
-    latency_since: float | None = None  # when the latency rows now in flight started decoding
+    latency_rows: bool = False  # whether latency rows were decoding at the last look
 
     @property
     def _wait_per_second(self) -> float:
         return (1 - self.share) / self.share
 
     def allows(self, now: float, latency_rows: bool) -> bool:
+        started, self.latency_rows = latency_rows and not self.latency_rows, latency_rows
         if not latency_rows:
-            self.latency_since = None
             return True
-        if self.latency_since is None:  # a latency row has just started: it gets its decoding time first
-            self.latency_since = now
+        if started:  # a latency row has just started: it gets its decoding time first
             self.next_at = max(self.next_at, now + self.last_s * self._wait_per_second)
         return now >= self.next_at
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from modellab.bench.load import percentile
 from modellab.bench.profile import decode_busy_fraction
 from modellab.bench.recipe import time_recipe
 from modellab.bench.service import BatchRow, JobRow, Service
@@ -50,14 +51,6 @@ class BenchConfig:
     cuda_graphs: bool = True  # for the continuous engine on CUDA
     window_tokens: int | None = None  # KEVLAYA_ENGINE_WINDOW_TOKENS; None: the service's default
     prefill_tokens: int | None = None  # KEVLAYA_ENGINE_PREFILL_TOKENS; None: the service's default
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
 
 
 def _seconds(rows: list[JobRow]) -> float:

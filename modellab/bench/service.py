@@ -153,14 +153,13 @@ class Service:
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
-        totals: dict[str, list[float]] = {}
+        totals: dict[str, dict[str, float]] = {}
         for family in text_string_to_metric_families(text):
-            if family.name == "kevlaya_engine_phase_seconds":
-                for sample in family.samples:
-                    at = {"kevlaya_engine_phase_seconds_count": 0, "kevlaya_engine_phase_seconds_sum": 1}
-                    if sample.name in at:
-                        totals.setdefault(sample.labels["phase"], [0.0, 0.0])[at[sample.name]] = sample.value
-        return {phase: (count, seconds) for phase, (count, seconds) in totals.items()}
+            if family.name != "kevlaya_engine_phase_seconds":
+                continue
+            for sample in family.samples:  # _count and _sum per phase (the _bucket samples are not needed)
+                totals.setdefault(sample.labels["phase"], {})[sample.name.removeprefix(family.name)] = sample.value
+        return {phase: (values["_count"], values["_sum"]) for phase, values in totals.items()}
 
     # -- jobs ------------------------------------------------------------------------------------------------
 
