@@ -6,20 +6,20 @@ import hmac
 import logging
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from typing import Annotated
 
 import redis
 from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.errors import ApiError
+from api.errors import ApiError, unauthorized
+from api.job_writer import JobWriter
 from api.prompt_budget import PromptBudget
-from api.wakeups import WakeupPublisher
 from shared.db import new_session
-from shared.keys import ensure_bootstrap_key, find_key
+from shared.keys import ensure_bootstrap_key, find_key, hash_key, is_revoked
 from shared.models import ApiKey
 from shared.queue import redis_client
 from shared.settings import Settings, get_settings
@@ -30,13 +30,22 @@ def get_session() -> Iterator[Session]:
         yield session
 
 
+async def settings() -> Settings:
+    return get_settings()
+
+
 SessionDep = Annotated[Session, Depends(get_session)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+SettingsDep = Annotated[Settings, Depends(settings)]
+
+# Dependencies that do no I/O are `async def`: FastAPI runs a plain `def` dependency in its thread pool, and
+# each such hop costs more than the dependency itself (a submit made eight of them).
 
 
-def reject_unknown_query_parameters(request: Request) -> None:
+async def reject_unknown_query_parameters(request: Request) -> None:
     """Query parameters a route does not take are refused, like unknown body fields (a typo such as
     `?stauts=failed` would otherwise silently list everything)."""
+    if not request.query_params:
+        return
     route = request.scope.get("route")
     dependant = getattr(route, "dependant", None)
     if dependant is None:
@@ -53,39 +62,32 @@ def reject_unknown_query_parameters(request: Request) -> None:
         raise ApiError(422, "invalid_request", f"{unknown[0] or '(empty name)'}: unknown query parameter; {takes}")
 
 
-def get_prompt_budget(request: Request) -> PromptBudget | None:
+async def get_prompt_budget(request: Request) -> PromptBudget | None:
     return getattr(request.app.state, "prompt_budget", None)
 
 
 PromptBudgetDep = Annotated[PromptBudget | None, Depends(get_prompt_budget)]
 
 
-def get_wakeups(request: Request) -> WakeupPublisher:
-    return request.app.state.wakeups
+async def get_job_writer(request: Request) -> JobWriter:
+    return request.app.state.job_writer
 
 
-WakeupsDep = Annotated[WakeupPublisher, Depends(get_wakeups)]
+JobWriterDep = Annotated[JobWriter, Depends(get_job_writer)]
 
 _bearer = HTTPBearer(auto_error=False)
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 log = logging.getLogger("kevlaya.api")
 
 
-def _unauthorized(message: str) -> ApiError:
-    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
-
-
-def _revoked(row: ApiKey) -> bool:
-    return row.revoked_at is not None and row.revoked_at <= datetime.now(timezone.utc)
-
-
-def current_key(
-    session: SessionDep,
-    settings: SettingsDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> ApiKey:
+def _bearer_key(credentials: HTTPAuthorizationCredentials | None) -> str:
     if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
-        raise _unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-    plain = credentials.credentials
+        raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    return credentials.credentials
+
+
+def _stored_key(session: Session, settings: Settings, plain: str) -> ApiKey:
+    """The key's row, valid and not revoked, or 401."""
     bootstrap = settings.api_key.get_secret_value() if settings.api_key else None
     if bootstrap and hmac.compare_digest(plain.encode(), bootstrap.encode()):
         try:
@@ -95,16 +97,57 @@ def current_key(
             session.rollback()
             row = find_key(session, plain)
         # Revocable like any key (`kevlaya keys revoke`); a new KEVLAYA_API_KEY value gets a fresh row.
-        if _revoked(row):
-            raise _unauthorized("API key revoked")
-        return row
-    row = find_key(session, plain)
-    if row is None:
-        raise _unauthorized("invalid API key")
-    if _revoked(row):
-        raise _unauthorized("API key revoked")
+    else:
+        row = find_key(session, plain)
+        if row is None:
+            raise unauthorized("invalid API key")
+    if is_revoked(row):
+        raise unauthorized("API key revoked")
+    return row
+
+
+def current_key(session: SessionDep, settings: SettingsDep, credentials: BearerDep) -> ApiKey:
+    row = _stored_key(session, settings, _bearer_key(credentials))
     if row.rate_limit_per_minute is not None:
         _enforce_rate_limit(row)
+    return row
+
+
+class KeyCache:
+    """Keys seen in the last `ttl_s` seconds, by hash, for the submit routes only: their job writer checks
+    each key again in the transaction that stores its jobs (api/job_writer.py), so a key revoked meanwhile
+    still stores nothing. A submit then reads no key from the database on its way in."""
+
+    def __init__(self, ttl_s: float = 10.0):
+        self.ttl_s = ttl_s
+        self._rows: dict[str, tuple[float, ApiKey]] = {}
+
+    def get(self, plain: str) -> ApiKey | None:
+        entry = self._rows.get(hash_key(plain))
+        return entry[1] if entry and entry[0] > time.monotonic() else None
+
+    def put(self, plain: str, row: ApiKey) -> None:
+        now = time.monotonic()
+        if len(self._rows) > 10_000:  # expired entries of keys no longer used
+            self._rows = {h: entry for h, entry in self._rows.items() if entry[0] > now}
+        self._rows[hash_key(plain)] = (now + self.ttl_s, row)
+
+
+async def submitter_key(request: Request, credentials: BearerDep) -> ApiKey:
+    plain, settings = _bearer_key(credentials), get_settings()
+    cache: KeyCache = request.app.state.key_cache
+    row = cache.get(plain)
+    if row is None:
+        def read() -> ApiKey:
+            with new_session() as session:
+                return _stored_key(session, settings, plain)
+
+        row = await run_in_threadpool(read)
+        cache.put(plain, row)
+    elif is_revoked(row):  # revoked at a time set in advance
+        raise unauthorized("API key revoked")
+    if row.rate_limit_per_minute is not None:
+        await run_in_threadpool(_enforce_rate_limit, row)
     return row
 
 
@@ -127,6 +170,7 @@ def _enforce_rate_limit(key: ApiKey) -> None:
 
 
 CurrentKey = Annotated[ApiKey, Depends(current_key)]
+SubmitterKey = Annotated[ApiKey, Depends(submitter_key)]  # the same checks, for routes that store through JobWriter
 
 
 def admin_key(key: CurrentKey) -> ApiKey:

@@ -25,6 +25,10 @@ class ApiError(Exception):
         self.status_code, self.code, self.message, self.headers = status_code, code, message, headers
 
 
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
 class FieldError(BaseModel):
     field: str
     message: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -11,8 +12,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 
 from api.body_limit import BodySizeLimit
+from api.deps import KeyCache
 from api.docs import install_docs
 from api.errors import install_error_handlers
+from api.job_writer import JobWriter
 from api.metrics import ApiMetrics, RequestMetrics
 from api.prompt_budget import PromptBudget
 from api.routes import chat, health, jobs, metrics, models, stats, status_page
@@ -51,10 +54,18 @@ def _with_configured_bounds(schema: dict[str, Any], settings: Settings) -> dict[
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # What is loaded by now (modules, the tokenizer, the app) lives as long as the app: moved out of the
+    # collector's sight, a full collection no longer walks it. Those walks were most of the slowest answers'
+    # time under load (RELIABILITY.md, Load). Garbage is collected first, so none of it is kept for good.
+    gc.collect()
+    gc.freeze()
     yield
     await notices.close()  # the long-polls' Redis subscription
-    # What was accepted gets its wake-up before the process ends (else the sweeper would, a while later).
+    # What was handed to the writer is stored, and what was stored gets its wake-up before the process ends
+    # (else the sweeper would publish it, a while later).
+    await run_in_threadpool(app.state.job_writer.close, 30.0)
     await run_in_threadpool(app.state.wakeups.flush, 5.0)
+    gc.unfreeze()  # an app started again in this process (tests) must not keep this one's objects for good
 
 
 def create_app() -> FastAPI:
@@ -80,6 +91,8 @@ def create_app() -> FastAPI:
     # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
     app.state.prompt_budget = PromptBudget.load(settings)
     app.state.wakeups = WakeupPublisher(settings.max_batch)
+    app.state.job_writer = JobWriter(app.state.wakeups)
+    app.state.key_cache = KeyCache()
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -67,11 +67,8 @@ def existing_job(session: Session, key: ApiKey, idempotency_key: str | None) -> 
     )
 
 
-def enqueue(session: Session, jobs: list[Job], wakeups: WakeupPublisher) -> None:
-    """Check the broker, commit the rows, then have their wake-up published (api/wakeups.py).
-
-    A broker that is down is found before anything is written (503, nothing stored). If it fails
-    between the commit and the publish, the rows are durable and the worker's sweeper re-publishes them."""
+def check_queue() -> None:
+    """A broker that is down is found before anything is written: 503, nothing stored."""
     try:
         ping_queue()
     except QueueUnavailable as exc:
@@ -79,39 +76,54 @@ def enqueue(session: Session, jobs: list[Job], wakeups: WakeupPublisher) -> None
         log.error("submit refused: %s", exc)
         raise ApiError(503, "queue_unavailable", "the job queue is unavailable, nothing was stored; retry later",
                        headers={"Retry-After": RETRY_AFTER_S}) from exc
+
+
+def enqueue(session: Session, jobs: list[Job], wakeups: WakeupPublisher) -> None:
+    """Check the broker, commit the rows, then have their wake-up published (api/wakeups.py).
+
+    If the broker fails between the commit and the publish, the rows are durable and the worker's sweeper
+    re-publishes them."""
+    check_queue()
     with one_writer(session):
         session.add_all(jobs)
         session.commit()
     wakeups.note(jobs)
 
 
-def _resolve(session: Session, key: ApiKey, requests: list[JobCreate]) -> tuple[list[tuple[Job, bool]], list[Job]]:
-    """Each request's job (an existing one for a known idempotency key, else a new one), and the new ones."""
-    resolved: list[tuple[Job, bool]] = []
+Stored = tuple[Job, bool]  # a request's job, and whether it was created now
+
+
+def resolve(session: Session, key: ApiKey, requests: list[JobCreate],
+            seen: dict[tuple[uuid.UUID, str], Job] | None = None) -> tuple[list[Stored], list[Job]]:
+    """Each request's job (an existing one for a known idempotency key, else a new one), and the new ones.
+    `seen` carries the idempotency keys met so far across several calls (one unit of api/job_writer.py)."""
+    resolved: list[Stored] = []
     new: list[Job] = []
-    seen: dict[str, Job] = {}
+    seen = {} if seen is None else seen
     for item in requests:
-        job = seen.get(item.idempotency_key) if item.idempotency_key else None
-        job = job or existing_job(session, key, item.idempotency_key)
-        created = job is None or job in new
+        known = (key.id, item.idempotency_key) if item.idempotency_key else None
+        job = seen.get(known) if known else None
+        created = job is not None and job in new
         if job is None:
-            job = new_job(item, key)
+            job = existing_job(session, key, item.idempotency_key)
+        if job is None:
+            job, created = new_job(item, key), True
             new.append(job)
-        if item.idempotency_key:
-            seen[item.idempotency_key] = job
+        if known:
+            seen[known] = job
         resolved.append((job, created))
     return resolved, new
 
 
-def store_jobs(session: Session, key: ApiKey, requests: list[JobCreate],
-               wakeups: WakeupPublisher) -> list[tuple[Job, bool]]:
-    """Store and enqueue the jobs of `requests`; returns each request's job and whether it was created now.
+def store_jobs(session: Session, key: ApiKey, requests: list[JobCreate], wakeups: WakeupPublisher) -> list[Stored]:
+    """Store and enqueue the jobs of `requests` on their own; returns each request's job and whether it was
+    created now.
 
     Two submits racing with one idempotency key both miss the lookup; the loser's insert then hits the
     unique constraint, and it answers with the winner's job instead of an error."""
     attempts = 3
     for attempt in range(attempts):
-        resolved, new = _resolve(session, key, requests)
+        resolved, new = resolve(session, key, requests)
         if not new:
             return resolved
         try:

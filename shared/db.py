@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event
@@ -65,10 +67,35 @@ def session_scope() -> Iterator[Session]:
 
 
 _sqlite_writer = threading.Lock()
+_lock_files: dict[tuple[int, str], int] = {}  # (process, database file) -> its lock file, opened once
 
 
-def one_writer(session: Session) -> threading.Lock | nullcontext:
-    """Held around a write and its commit where the database takes one writer at a time (SQLite). Threads of
-    this process then queue on a lock that hands over at once, instead of on SQLite's busy handler, which
-    retries after sleeps of up to 100 ms: under concurrent submits that was most of the slowest answers' time."""
-    return _sqlite_writer if session.get_bind().dialect.name == "sqlite" else nullcontext()
+@contextmanager
+def one_writer(session: Session) -> Iterator[None]:
+    """Held around a write and its commit where the database takes one writer at a time (SQLite). Writers then
+    queue on locks that hand over at once (threads of this process on a lock, API processes on an advisory
+    lock on a file beside the database) instead of on SQLite's busy handler, which retries after sleeps of up
+    to 100 ms: under concurrent submits that was most of the slowest answers' time."""
+    bind = session.get_bind()
+    if bind.dialect.name != "sqlite":
+        yield
+        return
+    database = bind.url.database
+    with _sqlite_writer:
+        if not database or database == ":memory:":
+            yield
+            return
+        lock_file = _lock_file(database)
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _lock_file(database: str) -> int:
+    # Per process: a forked child must not share its parent's open file (and with it the parent's lock).
+    key = (os.getpid(), database)
+    if key not in _lock_files:
+        _lock_files[key] = os.open(f"{database}-writer.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    return _lock_files[key]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from datetime import datetime, timezone
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -28,6 +29,10 @@ def create_key(session: Session, name: str, *, admin: bool = False, rate_limit_p
     session.add(row)
     session.flush()
     return row, plain
+
+
+def is_revoked(row: ApiKey) -> bool:
+    return row.revoked_at is not None and row.revoked_at <= datetime.now(timezone.utc)
 
 
 def find_key(session: Session, plain: str) -> ApiKey | None:

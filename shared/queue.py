@@ -51,6 +51,12 @@ def redis_client() -> redis.Redis:
     return redis.Redis.from_url(get_settings().redis_url, socket_timeout=2, socket_connect_timeout=2)
 
 
+def waiting_wakeups() -> int:
+    """Wake-ups in the broker that no worker has taken yet (the queue's Redis list; a message a worker has
+    fetched is off it)."""
+    return redis_client().llen(celery_app().conf.task_default_queue)
+
+
 def ping_queue() -> None:
     try:
         redis_client().ping()

@@ -16,17 +16,19 @@ pytestmark = pytest.mark.integration
 
 def test_load_submits_then_drains_every_job_exactly_once(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
     out = tmp_path / "load.json"
-    command = [os.sys.executable, "-m", "cli", "load", "--singles", "60", "--batches", "3", "--batch-size",
+    command = [os.sys.executable, "-m", "cli", "load", "--warmup", "16", "--singles", "60", "--batches", "3",
+               "--batch-size",
                "50", "--concurrency", "8", "--time-limit", "30", "--drain-timeout", "120",
                "--workdir", str(tmp_path / "work"), "--redis-url", redis_server.url, "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert result["warmup"]["accepted_jobs"] == 16  # apart from the figures, but drained and checked too
     assert result["single"]["accepted_jobs"] == 60 and result["batch"]["accepted_jobs"] == 150
     assert result["single"]["errors"] == {} and result["batch"]["errors"] == {}
     assert result["single"]["p99_ms"] >= result["single"]["p50_ms"] > 0 and result["single"]["submits_per_s"] > 0
     drain = result["drain"]
-    assert drain["jobs"] == 210 and drain["pending"] == 0 and drain["exactly_once"] is True
+    assert drain["jobs"] == 226 and drain["pending"] == 0 and drain["exactly_once"] is True
     assert set(drain["problems"].values()) == {0}
     assert "exactly once: yes" in done.stdout  # the table, printed last
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from contextlib import nullcontext
 
 import redis
 
@@ -31,7 +30,7 @@ def test_jobs_noted_during_a_publish_share_the_next_wake_ups(service_env):
             release.wait(10)
         publish_wakeup(job_id, adapter)
 
-    publisher = WakeupPublisher(max_batch=16, publish=publish)
+    publisher = WakeupPublisher(max_batch=16, publish=publish, waiting=lambda: 0)  # as if workers take each at once
     first = jobs("laya", 1)
     publisher.note(first)
     assert first_in_flight.wait(10)
@@ -44,6 +43,26 @@ def test_jobs_noted_during_a_publish_share_the_next_wake_ups(service_env):
     assert published == [(first[0].id, "laya"), (later_kev[0].id, "kev"), (later_kev[16].id, "kev"),
                          (later_kev[32].id, "kev"), (later_laya[0].id, "laya")]
     assert queue.llen("kevlaya.jobs") == 5  # really on the broker
+
+
+def test_a_wake_up_still_waiting_in_the_broker_covers_new_jobs(service_env):
+    """While the workers are busy, wake-ups wait in the broker; each drains the whole queue when a worker takes
+    it, so new jobs need only the wake-ups that are not already waiting."""
+    from api.wakeups import WakeupPublisher
+
+    queue = redis.Redis.from_url(service_env["KEVLAYA_REDIS_URL"])
+    publisher = WakeupPublisher(max_batch=16)
+
+    def after(noted: list[Job]) -> int:
+        publisher.note(noted)
+        assert publisher.flush(10)
+        return queue.llen("kevlaya.jobs")
+
+    assert after(jobs("laya", 1)) == 1
+    assert after(jobs("kev", 3)) == 1  # the waiting one covers them
+    assert after(jobs("kev", 40)) == 3  # three batches to run, one wake-up waiting: two more
+    queue.delete("kevlaya.jobs")  # the workers took them
+    assert after(jobs("kev", 1)) == 1
 
 
 def test_a_failed_publish_leaves_the_publisher_serving(service_env):
@@ -80,7 +99,8 @@ def test_concurrent_submits_on_sqlite_take_turns_at_writing_instead_of_retrying(
 
     engine = db.get_engine()
     if engine.dialect.name != "sqlite":
-        assert isinstance(db.one_writer(db.new_session()), nullcontext)  # PostgreSQL writers do not wait so
+        with db.new_session() as session, db.one_writer(session):
+            assert not db._sqlite_writer.locked()  # PostgreSQL writers do not take turns
         return
 
     @event.listens_for(engine, "connect")

@@ -7,10 +7,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, WakeupsDep, reject_unknown_query_parameters
+from api.deps import JobWriterDep, PromptBudgetDep, SettingsDep, SubmitterKey, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.prompt_budget import FieldNames
-from api.submission import check_limits, enqueue, new_job, wait_finished
+from api.submission import check_limits, wait_finished
 from shared.schemas import (
     JobCreate,
     JobOut,
@@ -117,13 +117,11 @@ def _completion(job: JobOut, model: str) -> ChatCompletion:
     422: {"model": ErrorResponse, "description": "Invalid request (the message names the field), or the job "
           "failed: the code is the job's error code"},
 })
-async def chat_completions(request: ChatRequest, key: CurrentKey, session: SessionDep,
-                           settings: SettingsDep, budget: PromptBudgetDep, wakeups: WakeupsDep) -> ChatCompletion:
+async def chat_completions(request: ChatRequest, key: SubmitterKey, settings: SettingsDep, budget: PromptBudgetDep,
+                           writer: JobWriterDep) -> ChatCompletion:
     job_request = request.to_job()
     check_limits(job_request, settings, budget, names=CHAT_FIELDS)
-    job = new_job(job_request, key)
-    enqueue(session, [job], wakeups)
-    session.close()  # the wait below must not hold a pooled connection
+    [(job, _)] = await writer.store(key, [job_request])
     finished = await wait_finished(key, job.id, settings.chat_timeout_s)
     if finished.status == "succeeded":
         return _completion(finished, request.model)

@@ -6,12 +6,21 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Response, status
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import and_, or_, select
 
-from api.deps import CurrentKey, PromptBudgetDep, SessionDep, SettingsDep, WakeupsDep, reject_unknown_query_parameters
+from api.deps import (
+    CurrentKey,
+    JobWriterDep,
+    PromptBudgetDep,
+    SessionDep,
+    SettingsDep,
+    SubmitterKey,
+    reject_unknown_query_parameters,
+)
 from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.presenters import decode_cursor, encode_cursor, job_accepted, jobs_out
-from api.submission import check_limits, get_visible, store_jobs, visible_to, wait_finished
+from api.submission import check_limits, get_visible, visible_to, wait_finished
 from shared import lifecycle
 from shared.db import one_writer
 from shared.models import Job
@@ -39,11 +48,14 @@ _SUBMIT_RESPONSES = {
 }
 
 
+# The submit routes are `async`: they run on the event loop and hand their rows to the process's job writer
+# (api/job_writer.py), which commits the submits that arrive together as one; no thread or database connection
+# is held per request.
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted, responses=_SUBMIT_RESPONSES)
-def submit_job(request: JobCreate, key: CurrentKey, session: SessionDep, settings: SettingsDep,
-               budget: PromptBudgetDep, wakeups: WakeupsDep, response: Response) -> JobAccepted:
+async def submit_job(request: JobCreate, key: SubmitterKey, settings: SettingsDep, budget: PromptBudgetDep,
+                     writer: JobWriterDep, response: Response) -> JobAccepted:
     check_limits(request, settings, budget)
-    [(job, created)] = store_jobs(session, key, [request], wakeups)
+    [(job, created)] = await writer.store(key, [request])
     if not created:
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -52,14 +64,18 @@ def submit_job(request: JobCreate, key: CurrentKey, session: SessionDep, setting
 
 @router.post("/batch", status_code=status.HTTP_202_ACCEPTED, response_model=JobBatchAccepted,
              responses=error_responses(400, 413, 422, *AUTH_ERRORS))
-def submit_jobs(request: JobBatchCreate, key: CurrentKey, session: SessionDep,
-                settings: SettingsDep, budget: PromptBudgetDep, wakeups: WakeupsDep) -> JobBatchAccepted:
+async def submit_jobs(request: JobBatchCreate, key: SubmitterKey, settings: SettingsDep, budget: PromptBudgetDep,
+                      writer: JobWriterDep) -> JobBatchAccepted:
     if len(request.jobs) > settings.max_batch_submit:
         raise ApiError(422, "invalid_request",
                        f"jobs: {len(request.jobs)} jobs, the limit is {settings.max_batch_submit}")
-    for index, item in enumerate(request.jobs):
-        check_limits(item, settings, budget, field_prefix=f"jobs.{index}.")
-    stored = store_jobs(session, key, request.jobs, wakeups)
+
+    def check_each() -> None:
+        for index, item in enumerate(request.jobs):
+            check_limits(item, settings, budget, field_prefix=f"jobs.{index}.")
+
+    await run_in_threadpool(check_each)  # up to max_batch_submit prompts to count: not on the event loop
+    stored = await writer.store(key, request.jobs)
     return JobBatchAccepted(jobs=[job_accepted(job) for job, _ in stored])
 
 

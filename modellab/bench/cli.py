@@ -99,6 +99,7 @@ app.command()(bench)
 
 def load(
     singles: Annotated[int, typer.Option(help="single submits (POST /v1/jobs)")] = 2000,
+    warmup: Annotated[int, typer.Option(help="single submits sent first, reported apart from the figures")] = 256,
     batches: Annotated[int, typer.Option(help="batch submits (POST /v1/jobs/batch)")] = 40,
     batch_size: Annotated[int, typer.Option(help="jobs per batch submit")] = 256,
     concurrency: Annotated[int, typer.Option(help="single submits in flight at once")] = 32,
@@ -121,10 +122,11 @@ def load(
     import json
     import logging
     import os
+    import platform
 
     from modellab.bench.load import LoadConfig, new_workdir, require_loopback, run_load, table
 
-    if min(singles, batches) < 0 or min(batch_size, concurrency, batch_concurrency) < 1 or time_limit <= 0:
+    if min(singles, batches, warmup) < 0 or min(batch_size, concurrency, batch_concurrency) < 1 or time_limit <= 0:
         raise typer.BadParameter("counts >= 0, --batch-size and concurrencies >= 1, --time-limit > 0")
     for given in (url, redis_url, None if (database_url or "sqlite").startswith("sqlite") else database_url):
         if given:
@@ -134,13 +136,17 @@ def load(
                 raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    config = LoadConfig(workdir=workdir or new_workdir(), singles=singles, batches=batches, batch_size=batch_size,
+    config = LoadConfig(workdir=workdir or new_workdir(), warmup=warmup, singles=singles, batches=batches, batch_size=batch_size,
                         concurrency=concurrency, batch_concurrency=batch_concurrency, time_limit_s=time_limit,
                         drain=drain, drain_timeout_s=drain_timeout, database_url=database_url, url=url,
                         api_key=api_key or os.environ.get("KEVLAYA_API_KEY") or "kl_load_admin_key",
                         redis_url=redis_url)
     result = run_load(config)
     result["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
+    # what else shaped the figures: the service's settings from the environment (no secrets) and the machine
+    result["environment"] = {name: value for name, value in sorted(os.environ.items()) if name.startswith("KEVLAYA_")
+                             and not any(secret in name for secret in ("KEY", "AUTH", "PASSWORD", "URL"))}
+    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
