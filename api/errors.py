@@ -87,6 +87,10 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
     fields = []
     for err in exc.errors():
+        if err.get("type") == "json_invalid":  # its location is a character position, not a field
+            detail = err.get("ctx", {}).get("error", "")
+            fields.append({"field": "body", "message": f"not valid JSON at character {err['loc'][-1]}: {detail}"})
+            continue
         fields.append({"field": _field_path(tuple(err["loc"])), "message": err["msg"]})
     # A str|object union reports one error per branch; keep each field's messages once.
     message = "; ".join(dict.fromkeys(f"{f['field']}: {f['message']}" for f in fields))

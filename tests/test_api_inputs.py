@@ -249,3 +249,11 @@ def test_models_lists_the_three_names_chat_accepts(client):
     assert body["object"] == "list"
     assert [m["id"] for m in body["data"]] == ["kev", "laya", "auto"]
     assert all(m["object"] == "model" for m in body["data"])
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/jobs/batch", "/v1/chat/completions"])
+def test_a_body_that_is_not_json_is_refused_naming_the_body_and_where_it_breaks(client, path):
+    refused = post_raw(client, path, '{"adapter": "kev", input: "x"}')
+    assert_refused(refused, "body")
+    assert "not valid JSON at character 19" in refused.json()["error"]["message"]
+    assert job_count() == 0
