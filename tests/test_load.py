@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,10 +44,9 @@ def test_load_refuses_anything_but_loopback(url: str) -> None:
     require_loopback("postgresql+psycopg://postgres@[::1]:5432/x")
 
 
-@pytest.mark.parametrize("app", ["app", "sync_app"])
-def test_the_load_floor_answers_as_the_submit_routes_do(app: str, tmp_path: Path) -> None:
-    """The floor (modellab/bench/load_floor.py) takes the load generator's requests and answers them as the API
-    does, so its figures are the same measurement minus everything the service does."""
+@contextmanager
+def floor_server(app: str) -> Iterator[str]:
+    """The load floor (modellab/bench/load_floor.py) served by uvicorn; yields its URL."""
     import socket
     import time
 
@@ -64,14 +65,41 @@ def test_the_load_floor_answers_as_the_submit_routes_do(app: str, tmp_path: Path
                 break
             except httpx.TransportError:
                 time.sleep(0.2)
-        out = tmp_path / "floor.json"
-        done = subprocess.run([os.sys.executable, "-m", "cli", "load", "--url", f"http://127.0.0.1:{port}",
-                               "--singles", "40", "--batches", "2", "--batch-size", "20", "--no-drain", "--out",
-                               str(out)], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        result = json.loads(out.read_text())
-        assert (result["single"]["accepted_jobs"], result["batch"]["accepted_jobs"]) == (40, 40)
-        assert result["single"]["errors"] == {} and result["batch"]["errors"] == {}
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(10)
+
+
+def run_load_command(*args: str, out: Path) -> dict:
+    done = subprocess.run([os.sys.executable, "-m", "cli", "load", *args, "--no-drain", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("app", ["app", "sync_app"])
+def test_the_load_floor_answers_as_the_submit_routes_do(app: str, tmp_path: Path) -> None:
+    """The floor (modellab/bench/load_floor.py) takes the load generator's requests and answers them as the API
+    does, so its figures are the same measurement minus everything the service does."""
+    with floor_server(app) as url:
+        result = run_load_command("--url", url, "--singles", "40", "--batches", "2", "--batch-size", "20",
+                                  out=tmp_path / "floor.json")
+    assert (result["single"]["accepted_jobs"], result["batch"]["accepted_jobs"]) == (40, 40)
+    assert result["single"]["errors"] == {} and result["batch"]["errors"] == {}
+
+
+def test_at_a_rate_submits_go_out_on_schedule_and_count_their_wait(tmp_path: Path) -> None:
+    """Open loop: 60 submits at 40/s take 1.5 s however fast the API answers, and one that waited for a free
+    connection counts that wait: with one connection and all 60 due at once, the n-th waits for n answers."""
+    with floor_server("app") as url:
+        paced = run_load_command("--url", url, "--warmup", "0", "--singles", "60", "--rate", "40", "--batches", "0",
+                                 out=tmp_path / "paced.json")["single"]
+        behind = run_load_command("--url", url, "--warmup", "0", "--singles", "60", "--rate", "100000",
+                                  "--concurrency", "1", "--batches", "0", out=tmp_path / "behind.json")["single"]
+        closed = run_load_command("--url", url, "--warmup", "0", "--singles", "60", "--concurrency", "1",
+                                  "--batches", "0", out=tmp_path / "closed.json")["single"]
+    assert paced["offered_rate_per_s"] == 40 and paced["accepted_jobs"] == 60
+    assert 1.45 <= paced["seconds"] <= 2.5 and paced["p50_ms"] < 100
+    assert closed["offered_rate_per_s"] is None
+    assert behind["p50_ms"] > 10 * closed["p50_ms"] and behind["max_ms"] > 1.5 * behind["p50_ms"]

@@ -103,6 +103,9 @@ def load(
     batches: Annotated[int, typer.Option(help="batch submits (POST /v1/jobs/batch)")] = 40,
     batch_size: Annotated[int, typer.Option(help="jobs per batch submit")] = 256,
     concurrency: Annotated[int, typer.Option(help="single submits in flight at once")] = 32,
+    rate: Annotated[Optional[float], typer.Option(
+        help="send single submits at this many per second (open loop, at most --concurrency in flight) and time "
+             "each from when it was due; default: each connection sends again as soon as it is answered")] = None,
     batch_concurrency: Annotated[int, typer.Option(help="batch submits in flight at once")] = 4,
     time_limit: Annotated[float, typer.Option(help="no request is sent after this many seconds")] = 120,
     drain: Annotated[bool, typer.Option(help="then start a worker and check every job ran exactly once")] = True,
@@ -126,6 +129,8 @@ def load(
 
     from modellab.bench.load import LoadConfig, new_workdir, require_loopback, run_load, table
 
+    if rate is not None and rate <= 0:
+        raise typer.BadParameter("--rate must be > 0")
     if min(singles, batches, warmup) < 0 or min(batch_size, concurrency, batch_concurrency) < 1 or time_limit <= 0:
         raise typer.BadParameter("counts >= 0, --batch-size and concurrencies >= 1, --time-limit > 0")
     for given in (url, redis_url, None if (database_url or "sqlite").startswith("sqlite") else database_url):
@@ -136,7 +141,7 @@ def load(
                 raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    config = LoadConfig(workdir=workdir or new_workdir(), warmup=warmup, singles=singles, batches=batches, batch_size=batch_size,
+    config = LoadConfig(workdir=workdir or new_workdir(), warmup=warmup, singles=singles, rate=rate, batches=batches, batch_size=batch_size,
                         concurrency=concurrency, batch_concurrency=batch_concurrency, time_limit_s=time_limit,
                         drain=drain, drain_timeout_s=drain_timeout, database_url=database_url, url=url,
                         api_key=api_key or os.environ.get("KEVLAYA_API_KEY") or "kl_load_admin_key",

@@ -49,6 +49,7 @@ class LoadConfig:
     batches: int = 40
     batch_size: int = 256
     concurrency: int = 32
+    rate: float | None = None  # single submits/s on schedule (open loop); None: closed loop
     batch_concurrency: int = 4
     time_limit_s: float = 120.0
     drain: bool = True
@@ -77,11 +78,13 @@ class Phase:
     seconds: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     job_ids: list[str] = field(default_factory=list)
+    rate: float | None = None  # requests/s sent on schedule (open loop); None: as fast as answered
 
     def figures(self) -> dict[str, Any]:
         ok = len(self.latencies_ms)
         return {
             "requests": self.requests, "accepted_jobs": len(self.job_ids), "errors": dict(self.errors),
+            "offered_rate_per_s": self.rate,
             "seconds": round(self.seconds, 3),
             "submits_per_s": round(ok / self.seconds, 1) if self.seconds else None,
             "jobs_per_s": round(len(self.job_ids) / self.seconds, 1) if self.seconds else None,
@@ -97,9 +100,15 @@ def job_body(n: int) -> dict[str, Any]:
 
 
 async def run_phase(client: aiohttp.ClientSession, phase: Phase, count: int, size: int, concurrency: int,
-                    deadline: float) -> None:
-    """`count` requests of `size` jobs (1: single submits), `concurrency` at a time, none sent after `deadline`."""
+                    deadline: float, rate: float | None = None) -> None:
+    """`count` requests of `size` jobs (1: single submits), `concurrency` at a time, none sent after `deadline`.
+
+    Without `rate` each connection sends its next request as soon as it has its answer (closed loop: the figures
+    are the most the API takes, and the latency it then has). With `rate`, request n is due `n / rate` seconds
+    after the start (open loop) and its latency counts from then, so a request that had to wait for a free
+    connection counts its wait: the latency the API gives at that load."""
     counter = iter(range(count))
+    phase.rate = rate
 
     async def one_by_one() -> None:
         for n in counter:
@@ -107,7 +116,12 @@ async def run_phase(client: aiohttp.ClientSession, phase: Phase, count: int, siz
                 return
             bodies = [job_body(n * size + i) for i in range(size)]
             path, body = ("/v1/jobs", bodies[0]) if size == 1 else ("/v1/jobs/batch", {"jobs": bodies})
-            started = time.perf_counter()
+            if rate:
+                due = phase_started + n / rate
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                started = due
+            else:
+                started = time.perf_counter()
             try:
                 async with client.post(path, json=body) as response:
                     answer = await response.read()
@@ -124,13 +138,13 @@ async def run_phase(client: aiohttp.ClientSession, phase: Phase, count: int, siz
             accepted = json.loads(answer)
             phase.job_ids += [accepted["id"]] if size == 1 else [j["id"] for j in accepted["jobs"]]
 
-    started = time.perf_counter()
+    phase_started = time.perf_counter()
     gc.disable()  # a collection in the generator would be timed as the API's latency
     try:
         await asyncio.gather(*(one_by_one() for _ in range(concurrency)))
     finally:
         gc.enable()
-    phase.seconds = time.perf_counter() - started
+    phase.seconds = time.perf_counter() - phase_started
 
 
 async def submit_all(config: LoadConfig, base_url: str) -> list[Phase]:
@@ -147,7 +161,7 @@ async def submit_all(config: LoadConfig, base_url: str) -> list[Phase]:
         # A fresh API's first answers carry its one-time costs (every key not yet cached, connections opened,
         # modules imported on first use): measured, but apart from the figures.
         await run_phase(client, phases[0], config.warmup, 1, config.concurrency, deadline)
-        await run_phase(client, phases[1], config.singles, 1, config.concurrency, deadline)
+        await run_phase(client, phases[1], config.singles, 1, config.concurrency, deadline, config.rate)
         await run_phase(client, phases[2], config.batches, config.batch_size, config.batch_concurrency, deadline)
     return phases
 
