@@ -30,12 +30,12 @@ def get_session() -> Iterator[Session]:
         yield session
 
 
-async def settings() -> Settings:
+async def current_settings() -> Settings:
     return get_settings()
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
-SettingsDep = Annotated[Settings, Depends(settings)]
+SettingsDep = Annotated[Settings, Depends(current_settings)]
 
 # Dependencies that do no I/O are `async def`: FastAPI runs a plain `def` dependency in its thread pool, and
 # each such hop costs more than the dependency itself (a submit made eight of them).
@@ -122,28 +122,29 @@ class KeyCache:
         self.ttl_s = ttl_s
         self._rows: dict[str, tuple[float, ApiKey]] = {}
 
-    def get(self, plain: str) -> ApiKey | None:
-        entry = self._rows.get(hash_key(plain))
+    def get(self, key_hash: str) -> ApiKey | None:
+        entry = self._rows.get(key_hash)
         return entry[1] if entry and entry[0] > time.monotonic() else None
 
-    def put(self, plain: str, row: ApiKey) -> None:
+    def put(self, key_hash: str, row: ApiKey) -> None:
         now = time.monotonic()
         if len(self._rows) > 10_000:  # expired entries of keys no longer used
             self._rows = {h: entry for h, entry in self._rows.items() if entry[0] > now}
-        self._rows[hash_key(plain)] = (now + self.ttl_s, row)
+        self._rows[key_hash] = (now + self.ttl_s, row)
 
 
 async def submitter_key(request: Request, credentials: BearerDep) -> ApiKey:
     plain, settings = _bearer_key(credentials), get_settings()
     cache: KeyCache = request.app.state.key_cache
-    row = cache.get(plain)
+    key_hash = hash_key(plain)
+    row = cache.get(key_hash)
     if row is None:
         def read() -> ApiKey:
             with new_session() as session:
                 return _stored_key(session, settings, plain)
 
         row = await run_in_threadpool(read)
-        cache.put(plain, row)
+        cache.put(key_hash, row)
     elif is_revoked(row):  # revoked at a time set in advance
         raise unauthorized("API key revoked")
     if row.rate_limit_per_minute is not None:

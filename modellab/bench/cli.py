@@ -141,9 +141,10 @@ def load(
                 raise typer.BadParameter(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    config = LoadConfig(workdir=workdir or new_workdir(), warmup=warmup, singles=singles, rate=rate, batches=batches, batch_size=batch_size,
-                        concurrency=concurrency, batch_concurrency=batch_concurrency, time_limit_s=time_limit,
-                        drain=drain, drain_timeout_s=drain_timeout, database_url=database_url, url=url,
+    config = LoadConfig(workdir=workdir or new_workdir(), warmup=warmup, singles=singles, rate=rate, batches=batches,
+                        batch_size=batch_size, concurrency=concurrency, batch_concurrency=batch_concurrency,
+                        time_limit_s=time_limit, drain=drain, drain_timeout_s=drain_timeout,
+                        database_url=database_url, url=url,
                         api_key=api_key or os.environ.get("KEVLAYA_API_KEY") or "kl_load_admin_key",
                         redis_url=redis_url)
     result = run_load(config)

@@ -100,15 +100,15 @@ def job_body(n: int) -> dict[str, Any]:
 
 
 async def run_phase(client: aiohttp.ClientSession, phase: Phase, count: int, size: int, concurrency: int,
-                    deadline: float, rate: float | None = None) -> None:
+                    deadline: float) -> None:
     """`count` requests of `size` jobs (1: single submits), `concurrency` at a time, none sent after `deadline`.
 
-    Without `rate` each connection sends its next request as soon as it has its answer (closed loop: the figures
-    are the most the API takes, and the latency it then has). With `rate`, request n is due `n / rate` seconds
+    Without `phase.rate` each connection sends its next request as soon as it has its answer (closed loop: the figures
+    are the most the API takes, and the latency it then has). With a rate, request n is due `n / rate` seconds
     after the start (open loop) and its latency counts from then, so a request that had to wait for a free
     connection counts its wait: the latency the API gives at that load."""
     counter = iter(range(count))
-    phase.rate = rate
+    rate = phase.rate
 
     async def one_by_one() -> None:
         for n in counter:
@@ -152,7 +152,7 @@ async def submit_all(config: LoadConfig, base_url: str) -> list[Phase]:
     request, and the generator shares the machine's cores with the API it measures (RELIABILITY.md, Load)."""
     headers = {"Authorization": f"Bearer {config.api_key}"}
     deadline = time.monotonic() + config.time_limit_s
-    phases = [Phase("warmup"), Phase("single"), Phase("batch")]
+    phases = [Phase("warmup"), Phase("single", rate=config.rate), Phase("batch")]
     connector = aiohttp.TCPConnector(limit=max(config.concurrency, config.batch_concurrency))
     async with aiohttp.ClientSession(base_url, headers=headers, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=60)) as client:
@@ -161,7 +161,7 @@ async def submit_all(config: LoadConfig, base_url: str) -> list[Phase]:
         # A fresh API's first answers carry its one-time costs (every key not yet cached, connections opened,
         # modules imported on first use): measured, but apart from the figures.
         await run_phase(client, phases[0], config.warmup, 1, config.concurrency, deadline)
-        await run_phase(client, phases[1], config.singles, 1, config.concurrency, deadline, config.rate)
+        await run_phase(client, phases[1], config.singles, 1, config.concurrency, deadline)
         await run_phase(client, phases[2], config.batches, config.batch_size, config.batch_concurrency, deadline)
     return phases
 
