@@ -16,8 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError, unauthorized
-from api.job_writer import JobWriter
-from api.prompt_budget import PromptBudget
+from api.intake import Intake
 from shared.db import new_session
 from shared.keys import ensure_bootstrap_key, find_key, hash_key, is_revoked
 from shared.models import ApiKey
@@ -62,18 +61,11 @@ async def reject_unknown_query_parameters(request: Request) -> None:
         raise ApiError(422, "invalid_request", f"{unknown[0] or '(empty name)'}: unknown query parameter; {takes}")
 
 
-async def get_prompt_budget(request: Request) -> PromptBudget | None:
-    return getattr(request.app.state, "prompt_budget", None)
+async def get_intake(request: Request) -> Intake:
+    return request.app.state.intake
 
 
-PromptBudgetDep = Annotated[PromptBudget | None, Depends(get_prompt_budget)]
-
-
-async def get_job_writer(request: Request) -> JobWriter:
-    return request.app.state.job_writer
-
-
-JobWriterDep = Annotated[JobWriter, Depends(get_job_writer)]
+IntakeDep = Annotated[Intake, Depends(get_intake)]
 
 _bearer = HTTPBearer(auto_error=False)
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]

@@ -27,10 +27,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import RETRY_AFTER_S, ApiError, unauthorized
-from api.submission import Stored, check_queue, resolve, store_jobs
+from api.submission import Stored, check_queue, insert_jobs, resolve, store_jobs
 from api.wakeups import WakeupPublisher
-from shared.db import new_session, one_writer
-from shared.keys import is_revoked
+from shared.db import new_session
+from shared.keys import is_revoked_at
 from shared.models import ApiKey, Job
 from shared.schemas import JobCreate
 
@@ -142,9 +142,7 @@ class JobWriter:
             answers.append(stored)
             new += created
         if new:
-            with one_writer(session):
-                session.add_all(new)
-                session.commit()
+            insert_jobs(session, new)
         return answers, new
 
     def _store_alone(self, session: Session, submission: Submission) -> None:
@@ -158,4 +156,5 @@ class JobWriter:
 
 
 def _valid_keys(session: Session, key_ids: set[uuid.UUID]) -> set[uuid.UUID]:
-    return {key.id for key in session.scalars(select(ApiKey).where(ApiKey.id.in_(key_ids))) if not is_revoked(key)}
+    rows = session.execute(select(ApiKey.id, ApiKey.revoked_at).where(ApiKey.id.in_(key_ids)))
+    return {key_id for key_id, revoked_at in rows if not is_revoked_at(revoked_at)}

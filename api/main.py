@@ -15,6 +15,7 @@ from api.body_limit import BodySizeLimit
 from api.deps import KeyCache
 from api.docs import install_docs
 from api.errors import install_error_handlers
+from api.intake import Intake
 from api.job_writer import JobWriter
 from api.metrics import ApiMetrics, RequestMetrics
 from api.prompt_budget import PromptBudget
@@ -59,12 +60,17 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # time under load (RELIABILITY.md, Load). Garbage is collected first, so none of it is kept for good.
     gc.collect()
     gc.freeze()
+    # A young-generation pass every 20,000 allocations, not every 700: a submit allocates a few hundred
+    # objects, and at a thousand submits a second the default ran a pass per request or two.
+    thresholds = gc.get_threshold()
+    gc.set_threshold(20_000, 50, 100)
     yield
     await notices.close()  # the long-polls' Redis subscription
     # What was handed to the writer is stored, and what was stored gets its wake-up before the process ends
     # (else the sweeper would publish it, a while later).
-    await run_in_threadpool(app.state.job_writer.close, 30.0)
+    await run_in_threadpool(app.state.intake.writer.close, 30.0)
     await run_in_threadpool(app.state.wakeups.flush, 5.0)
+    gc.set_threshold(*thresholds)
     gc.unfreeze()  # an app started again in this process (tests) must not keep this one's objects for good
 
 
@@ -89,9 +95,8 @@ def create_app() -> FastAPI:
     app.state.metrics.start_at_zero([*app.routes, *(route for router in routers for route in router.routes)])
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)  # outermost: refused bodies count too
     # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
-    app.state.prompt_budget = PromptBudget.load(settings)
     app.state.wakeups = WakeupPublisher(settings.max_batch)
-    app.state.job_writer = JobWriter(app.state.wakeups)
+    app.state.intake = Intake(settings, PromptBudget.load(settings), JobWriter(app.state.wakeups))
     app.state.key_cache = KeyCache()
 
     def openapi() -> dict[str, Any]:

@@ -23,12 +23,12 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
     """Serve the REST API on KEVLAYA_API_HOST:KEVLAYA_API_PORT."""
     import uvicorn
 
+    from api.head_limit import BoundedHeadProtocol
+
     settings = get_settings()
-    # h11 (not httptools) because it bounds the request line and headers; httptools takes any size.
     uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
                 reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
-                log_level="info", http="h11",
-                h11_max_incomplete_event_size=settings.max_header_bytes)
+                log_level="info", http=BoundedHeadProtocol)
 
 
 def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:

@@ -32,7 +32,11 @@ def create_key(session: Session, name: str, *, admin: bool = False, rate_limit_p
 
 
 def is_revoked(row: ApiKey) -> bool:
-    return row.revoked_at is not None and row.revoked_at <= datetime.now(timezone.utc)
+    return is_revoked_at(row.revoked_at)
+
+
+def is_revoked_at(revoked_at: datetime | None) -> bool:
+    return revoked_at is not None and revoked_at <= datetime.now(timezone.utc)
 
 
 def find_key(session: Session, plain: str) -> ApiKey | None:

@@ -142,7 +142,7 @@ def test_the_prompt_bound_never_lets_through_what_the_count_refuses(client):
     exact count agrees, however close to the limit. Non-ASCII text is always counted."""
     import random
 
-    budget = client.app.state.prompt_budget
+    budget = client.app.state.intake.budget
     system = get_settings().kev.system_prompt
     rng = random.Random(7)
     alphabet = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?-'\"<>{}[]()|\n\t"
@@ -162,7 +162,7 @@ def test_the_prompt_bound_never_lets_through_what_the_count_refuses(client):
 
 
 def test_max_new_tokens_counts_against_the_context(client):
-    budget = client.app.state.prompt_budget
+    budget = client.app.state.intake.budget
     settings = get_settings()
     prompt = "Options: A cost 40; B cost 25. Objective: lowest cost. " * 8
     messages = [{"role": "system", "content": settings.kev.system_prompt}, {"role": "user", "content": prompt}]
@@ -217,7 +217,7 @@ def test_the_api_process_never_imports_torch(service_env):
         "from fastapi.testclient import TestClient\n"
         "from api.main import create_app\n"
         "app = create_app()\n"
-        "assert app.state.prompt_budget is not None\n"
+        "assert app.state.intake.budget is not None\n"
         "with TestClient(app) as c:\n"
         "    r = c.post('/v1/jobs', json={'adapter': 'kev', 'input': 'pick one'},\n"
         "               headers={'Authorization': 'Bearer " + AUTH["Authorization"].split()[1] + "'})\n"

@@ -87,6 +87,26 @@ def test_submits_handed_over_together_are_stored_in_one_commit(keys, held_writer
     assert {noted.id for noted in publisher.noted} == set(ids)  # and gets its wake-up
 
 
+def test_a_stored_row_holds_the_request_and_the_defaults_a_worker_counts_on(keys):
+    """The rows go in as a bulk insert: every field of the request, and the column defaults (attempts 0)."""
+    writer = JobWriter(NotingPublisher())  # type: ignore[arg-type]
+    messages = {"messages": [{"role": "user", "content": "A or B?"}]}
+    request = JobCreate(adapter="auto", input=messages,
+                        params={"max_new_tokens": 12, "temperature": 0.5}, metadata={"ticket": 7},
+                        idempotency_key="row-check")
+    [(answer, created)] = writer.hand_over(keys[0], [request]).result(30)
+    writer.close(30)
+    with db.new_session() as session:
+        row = session.get(Job, answer.id)
+    assert created and row is not None
+    assert (row.adapter, row.requested_adapter, row.status, row.attempts) == ("laya", "auto", "queued", 0)
+    assert row.input == messages
+    assert (row.params["max_new_tokens"], row.params["temperature"], row.meta) == (12, 0.5, {"ticket": 7})
+    assert (row.idempotency_key, row.api_key_id, row.parent_job_id, row.batch_id) == ("row-check", keys[0].id,
+                                                                                      None, None)
+    assert row.created_at is not None and row.lease_owner is None
+
+
 def test_one_idempotency_key_in_several_submits_of_a_unit_is_one_job_per_api_key(keys, held_writer):
     writer, _, release = held_writer
     first = writer.hand_over(keys[0], [job(1, "same")])

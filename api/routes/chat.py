@@ -7,10 +7,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import JobWriterDep, PromptBudgetDep, SettingsDep, SubmitterKey, reject_unknown_query_parameters
+from api.deps import IntakeDep, SubmitterKey, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.prompt_budget import FieldNames
-from api.submission import check_limits, wait_finished
+from api.submission import wait_finished
 from shared.schemas import (
     JobCreate,
     JobOut,
@@ -117,15 +117,15 @@ def _completion(job: JobOut, model: str) -> ChatCompletion:
     422: {"model": ErrorResponse, "description": "Invalid request (the message names the field), or the job "
           "failed: the code is the job's error code"},
 })
-async def chat_completions(request: ChatRequest, key: SubmitterKey, settings: SettingsDep, budget: PromptBudgetDep,
-                           writer: JobWriterDep) -> ChatCompletion:
+async def chat_completions(request: ChatRequest, key: SubmitterKey, intake: IntakeDep) -> ChatCompletion:
     job_request = request.to_job()
-    check_limits(job_request, settings, budget, names=CHAT_FIELDS)
-    [(job, _)] = await writer.store(key, [job_request])
-    finished = await wait_finished(key, job.id, settings.chat_timeout_s)
+    intake.check(job_request, names=CHAT_FIELDS)
+    [(job, _)] = await intake.store(key, [job_request])
+    timeout_s = intake.settings.chat_timeout_s
+    finished = await wait_finished(key, job.id, timeout_s)
     if finished.status == "succeeded":
         return _completion(finished, request.model)
     if finished.status == "failed":
         raise ApiError(422, finished.error.code, f"job {finished.id} failed: {finished.error.message}")
-    raise ApiError(504, "timeout", f"job {finished.id} did not finish within {settings.chat_timeout_s} s; "
+    raise ApiError(504, "timeout", f"job {finished.id} did not finish within {timeout_s} s; "
                    f"it stays queued: poll GET /v1/jobs/{finished.id}")

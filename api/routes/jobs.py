@@ -11,8 +11,7 @@ from sqlalchemy import and_, or_, select
 
 from api.deps import (
     CurrentKey,
-    JobWriterDep,
-    PromptBudgetDep,
+    IntakeDep,
     SessionDep,
     SettingsDep,
     SubmitterKey,
@@ -20,7 +19,7 @@ from api.deps import (
 )
 from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.presenters import decode_cursor, encode_cursor, job_accepted, jobs_out
-from api.submission import check_limits, get_visible, visible_to, wait_finished
+from api.submission import get_visible, visible_to, wait_finished
 from shared import lifecycle
 from shared.db import one_writer
 from shared.models import Job
@@ -52,10 +51,9 @@ _SUBMIT_RESPONSES = {
 # (api/job_writer.py), which commits the submits that arrive together as one; no thread or database connection
 # is held per request.
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted, responses=_SUBMIT_RESPONSES)
-async def submit_job(request: JobCreate, key: SubmitterKey, settings: SettingsDep, budget: PromptBudgetDep,
-                     writer: JobWriterDep, response: Response) -> JobAccepted:
-    check_limits(request, settings, budget)
-    [(job, created)] = await writer.store(key, [request])
+async def submit_job(request: JobCreate, key: SubmitterKey, intake: IntakeDep, response: Response) -> JobAccepted:
+    intake.check(request)
+    [(job, created)] = await intake.store(key, [request])
     if not created:
         response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -64,18 +62,17 @@ async def submit_job(request: JobCreate, key: SubmitterKey, settings: SettingsDe
 
 @router.post("/batch", status_code=status.HTTP_202_ACCEPTED, response_model=JobBatchAccepted,
              responses=error_responses(400, 413, 422, *AUTH_ERRORS))
-async def submit_jobs(request: JobBatchCreate, key: SubmitterKey, settings: SettingsDep, budget: PromptBudgetDep,
-                      writer: JobWriterDep) -> JobBatchAccepted:
-    if len(request.jobs) > settings.max_batch_submit:
-        raise ApiError(422, "invalid_request",
-                       f"jobs: {len(request.jobs)} jobs, the limit is {settings.max_batch_submit}")
+async def submit_jobs(request: JobBatchCreate, key: SubmitterKey, intake: IntakeDep) -> JobBatchAccepted:
+    limit = intake.settings.max_batch_submit
+    if len(request.jobs) > limit:
+        raise ApiError(422, "invalid_request", f"jobs: {len(request.jobs)} jobs, the limit is {limit}")
 
     def check_each() -> None:
         for index, item in enumerate(request.jobs):
-            check_limits(item, settings, budget, field_prefix=f"jobs.{index}.")
+            intake.check(item, field_prefix=f"jobs.{index}.")
 
     await run_in_threadpool(check_each)  # up to max_batch_submit prompts to count: not on the event loop
-    stored = await writer.store(key, request.jobs)
+    stored = await intake.store(key, request.jobs)
     return JobBatchAccepted(jobs=[job_accepted(job) for job, _ in stored])
 
 
