@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from api.errors import ApiError
 from api.job_writer import JobWriter
 from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
-from api.submission import Stored, check_limits
+from api.submission import Stored
 from shared.models import ApiKey
 from shared.schemas import JobCreate
 from shared.settings import Settings
@@ -21,7 +22,18 @@ class Intake:
 
     def check(self, request: JobCreate, field_prefix: str = "", names: FieldNames = JOB_FIELDS) -> None:
         """422 naming the field when the request is over a limit (characters, new tokens, the context)."""
-        check_limits(request, self.settings, self.budget, field_prefix, names)
+        settings = self.settings
+        if request.prompt_chars() > settings.max_prompt_chars:
+            raise ApiError(422, "invalid_request",
+                           f"{field_prefix}{names.input}: prompt has {request.prompt_chars()} characters, "
+                           f"the limit is {settings.max_prompt_chars}")
+        tokens = request.params.max_new_tokens
+        if tokens is not None and tokens > settings.max_new_tokens_limit:
+            raise ApiError(422, "invalid_request",
+                           f"{field_prefix}{names.max_new_tokens}: {tokens} is over the limit of "
+                           f"{settings.max_new_tokens_limit}")
+        if self.budget is not None:
+            self.budget.check(request, field_prefix, names)
 
     async def store(self, key: ApiKey, requests: list[JobCreate]) -> list[Stored]:
         return await self.writer.store(key, requests)

@@ -15,31 +15,15 @@ from sqlalchemy.orm import Session
 
 from api.errors import RETRY_AFTER_S, ApiError
 from api.presenters import jobs_out
-from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
 from shared.db import new_session, one_writer
 from shared.models import ApiKey, Job, JobStatus
 from shared.queue import QueueUnavailable, ping_queue
 from shared.schemas import JobCreate, JobOut
-from shared.settings import Settings, get_settings
+from shared.settings import get_settings
 
 log = logging.getLogger("kevlaya.api")
-
-
-def check_limits(request: JobCreate, settings: Settings, budget: PromptBudget | None, field_prefix: str = "",
-                 names: FieldNames = JOB_FIELDS) -> None:
-    if request.prompt_chars() > settings.max_prompt_chars:
-        raise ApiError(422, "invalid_request",
-                       f"{field_prefix}{names.input}: prompt has {request.prompt_chars()} characters, "
-                       f"the limit is {settings.max_prompt_chars}")
-    tokens = request.params.max_new_tokens
-    if tokens is not None and tokens > settings.max_new_tokens_limit:
-        raise ApiError(422, "invalid_request",
-                       f"{field_prefix}{names.max_new_tokens}: {tokens} is over the limit of "
-                       f"{settings.max_new_tokens_limit}")
-    if budget is not None:
-        budget.check(request, field_prefix, names)
 
 
 def new_job(request: JobCreate, key: ApiKey) -> Job:
