@@ -18,6 +18,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import RETRY_AFTER_S, ApiError, unauthorized
+from api.metrics import ApiMetrics
 from api.submission import Stored, check_queue, insert_jobs, resolve, store_jobs
 from api.wakeups import WakeupPublisher
 from shared.db import new_session
@@ -45,8 +47,8 @@ class Submission:
 
 
 class JobWriter:
-    def __init__(self, wakeups: WakeupPublisher, max_unit_jobs: int = 4096):
-        self.wakeups, self.max_unit_jobs = wakeups, max_unit_jobs
+    def __init__(self, wakeups: WakeupPublisher, metrics: ApiMetrics | None = None, max_unit_jobs: int = 4096):
+        self.wakeups, self.metrics, self.max_unit_jobs = wakeups, metrics, max_unit_jobs
         self._handed: queue.SimpleQueue[Submission | None] = queue.SimpleQueue()  # None: stop
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -142,7 +144,10 @@ class JobWriter:
             answers.append(stored)
             new += created
         if new:
+            started = time.perf_counter()
             insert_jobs(session, new)
+            if self.metrics is not None:
+                self.metrics.note_unit(len(unit), time.perf_counter() - started)
         return answers, new
 
     def _store_alone(self, session: Session, submission: Submission) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
+from fastapi.telemetry import TelemetryConfig
 
 from api.body_limit import BodySizeLimit
 from api.deps import KeyCache
@@ -53,6 +55,16 @@ def _with_configured_bounds(schema: dict[str, Any], settings: Settings) -> dict[
     return schema
 
 
+def telemetry_config() -> TelemetryConfig | None:
+    """FastAPI's OpenTelemetry bridge asks on every request whether a tracer, meter or logger provider is set up.
+    Here one only ever is by FastAPI's own auto-configuration (FASTAPI_OTEL_AUTO_CONFIGURE=true, with the
+    OpenTelemetry SDK installed): without it the answer is always no, so it is given once instead of per request
+    (the API's own metrics are Prometheus', api/metrics.py). None: FastAPI's defaults."""
+    if os.getenv("FASTAPI_OTEL_AUTO_CONFIGURE", "").lower() == "true":
+        return None
+    return {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # What is loaded by now (modules, the tokenizer, the app) lives as long as the app: moved out of the
@@ -83,6 +95,7 @@ def create_app() -> FastAPI:
         summary="Decision jobs for two LoRA roles (Kev, Laya) on one shared base model.",
         docs_url=None,  # served by install_docs, with local assets
         redoc_url=None,
+        telemetry=telemetry_config(),
     )
     install_docs(app)
     install_error_handlers(app)
@@ -96,7 +109,7 @@ def create_app() -> FastAPI:
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)  # outermost: refused bodies count too
     # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
     app.state.wakeups = WakeupPublisher(settings.max_batch)
-    app.state.intake = Intake(settings, PromptBudget.load(settings), JobWriter(app.state.wakeups))
+    app.state.intake = Intake(settings, PromptBudget.load(settings), JobWriter(app.state.wakeups, app.state.metrics))
     app.state.key_cache = KeyCache()
 
     def openapi() -> dict[str, Any]:

@@ -21,6 +21,7 @@ from shared.stats import queue_depth
 
 log = logging.getLogger("kevlaya.api")
 
+WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 UNMATCHED = "unmatched"  # any path no route serves: one label value, not one per path a scanner tries
 
 
@@ -60,7 +61,19 @@ class ApiMetrics:
         self.latency = Histogram("kevlaya_http_request_duration_seconds", "Time to answer an HTTP request",
                                  ["method", "route"], registry=self.registry,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        # The job writer's units (api/job_writer.py): every submit of a unit waits for its one commit, so a
+        # database that is slow to make a commit durable (a storage flush stall) shows here as well as in the
+        # submit latency above.
+        self.unit_submits = Histogram("kevlaya_submit_unit_submits", "Submits stored by one commit of the job writer",
+                                      registry=self.registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.unit_write = Histogram("kevlaya_submit_write_seconds",
+                                    "Time the database took to insert and commit one unit of submits",
+                                    registry=self.registry, buckets=WRITE_BUCKETS)
         self.registry.register(LiveStateCollector())
+
+    def note_unit(self, submits: int, write_s: float) -> None:
+        self.unit_submits.observe(submits)
+        self.unit_write.observe(write_s)
 
     def start_at_zero(self, routes: Iterable[object]) -> None:
         """A latency series that first appears after its first request loses that request to rate(), and a

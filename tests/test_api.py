@@ -180,3 +180,16 @@ def test_a_key_over_its_rate_limit_gets_429_with_retry_after(client):
         assert 0 < int(refused.headers["retry-after"]) <= 60
         assert refused.json()["error"]["code"] == "rate_limited"
     assert client.get("/v1/jobs", headers=AUTH).status_code == 200  # other keys are not affected
+
+
+def test_fastapi_telemetry_stays_off_unless_its_auto_configuration_is_asked_for(monkeypatch):
+    """Told once that no OpenTelemetry provider will show up (not asked on every request), unless FastAPI is to
+    configure one itself; then its defaults apply."""
+    from api.main import create_app, telemetry_config
+
+    monkeypatch.delenv("FASTAPI_OTEL_AUTO_CONFIGURE", raising=False)
+    off = telemetry_config()
+    assert off is not None and not any(off.get(part) for part in ("tracing", "metrics", "logs", "operation_spans"))
+    monkeypatch.setenv("FASTAPI_OTEL_AUTO_CONFIGURE", "true")
+    assert telemetry_config() is None
+    assert create_app()._telemetry["tracing"] is True  # FastAPI's own default, untouched

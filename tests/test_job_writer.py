@@ -14,6 +14,7 @@ from sqlalchemy import event, select
 
 from api import job_writer
 from api.job_writer import JobWriter
+from api.metrics import ApiMetrics
 from api.submission import new_job
 from shared import db
 from shared.keys import create_key
@@ -52,7 +53,7 @@ def held_writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[JobWriter, No
 
     monkeypatch.setattr(job_writer, "check_queue", check_queue)
     publisher = NotingPublisher()
-    writer = JobWriter(publisher)  # type: ignore[arg-type]
+    writer = JobWriter(publisher, ApiMetrics())  # type: ignore[arg-type]
     writer.hand_over(_key_nobody_holds(), [])  # the first unit: held
     assert first_unit.wait(10)
     yield writer, publisher, release
@@ -85,6 +86,12 @@ def test_submits_handed_over_together_are_stored_in_one_commit(keys, held_writer
     assert [rows[answers[n][0][0].id].input for n in range(20)] == [f"job {n}" for n in range(20)]
     assert rows[answers[1][0][0].id].api_key_id == keys[1].id  # each job is its own submitter's
     assert {noted.id for noted in publisher.noted} == set(ids)  # and gets its wake-up
+    # /metrics tells the same: one commit, of 21 submits (the held unit wrote nothing), and how long it took
+    registry = writer.metrics.registry
+    assert registry.get_sample_value("kevlaya_submit_unit_submits_count") == 1
+    assert registry.get_sample_value("kevlaya_submit_unit_submits_sum") == 21
+    assert registry.get_sample_value("kevlaya_submit_write_seconds_count") == 1
+    assert 0 < registry.get_sample_value("kevlaya_submit_write_seconds_sum") < 30
 
 
 def test_a_stored_row_holds_the_request_and_the_defaults_a_worker_counts_on(keys):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from modellab.bench.load import require_loopback
+from modellab.bench.load import require_loopback, write_figures
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +33,20 @@ def test_load_submits_then_drains_every_job_exactly_once(redis_server, tmp_path:
     assert drain["jobs"] == 226 and drain["pending"] == 0 and drain["exactly_once"] is True
     assert set(drain["problems"].values()) == {0}
     assert "exactly once: yes" in done.stdout  # the table, printed last
+    # the API's own count of its commits during each phase, beside the latencies they explain
+    writes = result["single"]["database_writes"]
+    assert 1 <= writes["commits"] <= 60 and 0 <= writes["over_50ms"] <= writes["commits"]
+    assert f"single: {writes['commits']} database commits" in done.stdout
+
+
+def test_a_phase_counts_its_own_commits_and_the_slow_ones() -> None:
+    """From two scrapes of the API's write-time histogram (cumulative buckets): only what happened between."""
+    inf = float("inf")
+    before = {0.01: 5.0, 0.05: 7.0, 0.25: 8.0, inf: 8.0}
+    after = {0.01: 15.0, 0.05: 17.0, 0.25: 20.0, inf: 20.0}  # 12 more: 10 under 10 ms, 2 between 50 and 250 ms
+    assert write_figures(before, after) == {"commits": 12, "over_50ms": 2, "slowest_at_most_s": 0.25}
+    assert write_figures(after, {**after, inf: 21.0}) == {"commits": 1, "over_50ms": 1, "slowest_at_most_s": None}
+    assert write_figures(after, after) == {"commits": 0, "over_50ms": 0, "slowest_at_most_s": None}
 
 
 @pytest.mark.parametrize("url", ["http://10.0.0.5:8000", "http://example.com", "redis://192.168.1.2:6379/0"])

@@ -85,6 +85,9 @@ def test_metrics_and_logs_after_a_real_run_and_a_silent_worker(env, api, start_p
     assert value(served, "kevlaya_http_requests_total", route="/v1/jobs", method="POST", status="202") == 6
     assert value(served, "kevlaya_http_requests_total", route="/v1/jobs/{job_id}", status="422") == 1
     assert value(served, "kevlaya_http_request_duration_seconds_count", route="/v1/jobs/{job_id}") >= 1
+    # the job writer's commits: each of the six submits in one of them, each commit timed
+    assert value(served, "kevlaya_submit_unit_submits_sum") == 6
+    assert 1 <= value(served, "kevlaya_submit_write_seconds_count") == value(served, "kevlaya_submit_unit_submits_count")
     # the dashboard's queries use only series these two scrapes have
     assert dashboard_metric_names() <= set(work) | set(served), dashboard_metric_names() - set(work) - set(served)
 

@@ -79,6 +79,7 @@ class Phase:
     latencies_ms: list[float] = field(default_factory=list)
     job_ids: list[str] = field(default_factory=list)
     rate: float | None = None  # requests/s sent on schedule (open loop); None: as fast as answered
+    writes: dict[str, Any] | None = None  # the API's own figures for its database writes during the phase
 
     def figures(self) -> dict[str, Any]:
         ok = len(self.latencies_ms)
@@ -91,6 +92,7 @@ class Phase:
             **{f"p{q}_ms": (round(v, 2) if (v := percentile(self.latencies_ms, q)) is not None else None)
                for q in (50, 95, 99)},
             "max_ms": round(max(self.latencies_ms), 2) if self.latencies_ms else None,
+            "database_writes": self.writes,
         }
 
 
@@ -147,6 +149,31 @@ async def run_phase(client: aiohttp.ClientSession, phase: Phase, count: int, siz
     phase.seconds = time.perf_counter() - phase_started
 
 
+async def write_buckets(client: aiohttp.ClientSession) -> dict[float, float]:
+    """The API's histogram of its job writer's commits (kevlaya_submit_write_seconds): upper bound -> count;
+    empty for a target that has no such histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with client.get("/metrics") as response:
+        if response.status != 200:
+            return {}
+        text = await response.text()
+    return {float(sample.labels["le"]): sample.value
+            for family in text_string_to_metric_families(text) if family.name == "kevlaya_submit_write_seconds"
+            for sample in family.samples if sample.name.endswith("_bucket")}
+
+
+def write_figures(before: dict[float, float], after: dict[float, float], slow_s: float = 0.05) -> dict[str, Any]:
+    """How many commits the phase made and how many took longer than `slow_s`: a submit waits for its unit's
+    commit, so a storage flush stall in the database shows here and in the latency tail at once."""
+    counts = {le: after[le] - before.get(le, 0.0) for le in after}
+    units = int(counts.get(float("inf"), 0))
+    finite = sorted(le for le in counts if le != float("inf"))
+    slowest = next((le for le in finite if counts[le] == units), None) if units else None  # each took at most
+    return {"commits": units, f"over_{round(slow_s * 1000)}ms": units - int(counts.get(slow_s, 0)),
+            "slowest_at_most_s": slowest}
+
+
 async def submit_all(config: LoadConfig, base_url: str) -> list[Phase]:
     """Both phases on keep-alive connections. The client is aiohttp: httpx costs several times more CPU per
     request, and the generator shares the machine's cores with the API it measures (RELIABILITY.md, Load)."""
@@ -160,9 +187,13 @@ async def submit_all(config: LoadConfig, base_url: str) -> list[Phase]:
             response.raise_for_status()
         # A fresh API's first answers carry its one-time costs (every key not yet cached, connections opened,
         # modules imported on first use): measured, but apart from the figures.
-        await run_phase(client, phases[0], config.warmup, 1, config.concurrency, deadline)
-        await run_phase(client, phases[1], config.singles, 1, config.concurrency, deadline)
-        await run_phase(client, phases[2], config.batches, config.batch_size, config.batch_concurrency, deadline)
+        sizes = [(config.warmup, 1, config.concurrency), (config.singles, 1, config.concurrency),
+                 (config.batches, config.batch_size, config.batch_concurrency)]
+        for phase, (count, size, concurrency) in zip(phases, sizes):
+            before = await write_buckets(client)
+            await run_phase(client, phase, count, size, concurrency, deadline)
+            if after := await write_buckets(client):
+                phase.writes = write_figures(before, after)
     return phases
 
 
@@ -318,6 +349,11 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{name:<8}{f['requests']:>9}{f['accepted_jobs']:>8}{sum(f['errors'].values()):>8}"
                      f"{f['submits_per_s'] or 0:>11.1f}{f['jobs_per_s'] or 0:>10.1f}"
                      f"{f['p50_ms'] or 0:>9.1f}{f['p95_ms'] or 0:>9.1f}{f['p99_ms'] or 0:>9.1f}")
+    for name in ("warmup", "single", "batch"):
+        if (writes := result[name].get("database_writes")) and writes["commits"]:
+            slowest = writes["slowest_at_most_s"]
+            lines.append(f"{name}: {writes['commits']} database commits, {writes['over_50ms']} over 50 ms, the "
+                         f"slowest {'≤ ' + format(slowest * 1000, 'g') + ' ms' if slowest else 'over 5 s'}")
     if drain := result.get("drain"):
         lines.append(f"drain: {drain['jobs']} jobs in {drain['seconds']} s by {drain['batches']} batches; "
                      f"exactly once: {'yes' if drain['exactly_once'] else 'NO'} {json.dumps(drain['problems'])}")
