@@ -118,6 +118,9 @@ def load(
     api_key: Annotated[Optional[str], typer.Option(help="key for --url (default: KEVLAYA_API_KEY)")] = None,
     redis_url: Annotated[Optional[str], typer.Option(help="a Redis to use; default: a private server")] = None,
     workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (database, model, logs)")] = None,
+    disk_probe: Annotated[Optional[Path], typer.Option(
+        help="a directory on the database's disk: time a 4 KiB write and fdatasync there every 10 ms while the "
+             "submits run, to tell the disk's flush stalls from the service's own latency")] = None,
     out: Annotated[Optional[Path], typer.Option(help="write the figures as JSON here")] = None,
 ) -> None:
     """Submit load against the API on this machine: submits/s, jobs/s, p50/p95/p99 submit latency and errors
@@ -133,6 +136,8 @@ def load(
         raise typer.BadParameter("--rate must be > 0")
     if min(singles, batches, warmup) < 0 or min(batch_size, concurrency, batch_concurrency) < 1 or time_limit <= 0:
         raise typer.BadParameter("counts >= 0, --batch-size and concurrencies >= 1, --time-limit > 0")
+    if disk_probe is not None and not disk_probe.is_dir():
+        raise typer.BadParameter(f"{disk_probe}: not a directory", param_hint="--disk-probe")
     for given in (url, redis_url, None if (database_url or "sqlite").startswith("sqlite") else database_url):
         if given:
             try:
@@ -146,7 +151,7 @@ def load(
                         time_limit_s=time_limit, drain=drain, drain_timeout_s=drain_timeout,
                         database_url=database_url, url=url,
                         api_key=api_key or os.environ.get("KEVLAYA_API_KEY") or "kl_load_admin_key",
-                        redis_url=redis_url)
+                        redis_url=redis_url, disk_probe=disk_probe)
     result = run_load(config)
     result["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
     # what else shaped the figures: the service's settings from the environment (no secrets) and the machine

@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import httpx
 
+from modellab.bench.disk_probe import DiskProbe
+
 log = logging.getLogger("kevlaya.load")
 API_KEY = "kl_load_admin_key"
 
@@ -59,6 +61,7 @@ class LoadConfig:
     api_key: str = API_KEY
     redis_url: str | None = None
     settings: dict[str, str] = field(default_factory=dict)  # extra KEVLAYA_* for the API it starts
+    disk_probe: Path | None = None  # a directory on the database's disk, to time its flushes meanwhile
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -80,6 +83,7 @@ class Phase:
     job_ids: list[str] = field(default_factory=list)
     rate: float | None = None  # requests/s sent on schedule (open loop); None: as fast as answered
     writes: dict[str, Any] | None = None  # the API's own figures for its database writes during the phase
+    disk: dict[str, Any] | None = None  # --disk-probe: the disk's flush times during the phase
 
     def figures(self) -> dict[str, Any]:
         ok = len(self.latencies_ms)
@@ -93,6 +97,7 @@ class Phase:
                for q in (50, 95, 99)},
             "max_ms": round(max(self.latencies_ms), 2) if self.latencies_ms else None,
             "database_writes": self.writes,
+            "disk_flushes": self.disk,
         }
 
 
@@ -174,7 +179,7 @@ def write_figures(before: dict[float, float], after: dict[float, float], slow_s:
             "slowest_at_most_s": slowest}
 
 
-async def submit_all(config: LoadConfig, base_url: str) -> list[Phase]:
+async def submit_all(config: LoadConfig, base_url: str, probe: DiskProbe | None = None) -> list[Phase]:
     """Both phases on keep-alive connections. The client is aiohttp: httpx costs several times more CPU per
     request, and the generator shares the machine's cores with the API it measures (RELIABILITY.md, Load)."""
     headers = {"Authorization": f"Bearer {config.api_key}"}
@@ -190,10 +195,12 @@ async def submit_all(config: LoadConfig, base_url: str) -> list[Phase]:
         sizes = [(config.warmup, 1, config.concurrency), (config.singles, 1, config.concurrency),
                  (config.batches, config.batch_size, config.batch_concurrency)]
         for phase, (count, size, concurrency) in zip(phases, sizes):
-            before = await write_buckets(client)
+            before, started = await write_buckets(client), probe.mark() if probe else 0
             await run_phase(client, phase, count, size, concurrency, deadline)
             if after := await write_buckets(client):
                 phase.writes = write_figures(before, after)
+            if probe:
+                phase.disk = probe.figures(started, probe.mark())
     return phases
 
 
@@ -308,10 +315,17 @@ def check_drain(database_url: str, redis_url: str, accepted: list[str], timeout_
     }
 
 
+def submit_and_probe(config: LoadConfig, base_url: str) -> list[Phase]:
+    if config.disk_probe is None:
+        return asyncio.run(submit_all(config, base_url))
+    with DiskProbe(config.disk_probe) as probe:
+        return asyncio.run(submit_all(config, base_url, probe))
+
+
 def run_load(config: LoadConfig) -> dict[str, Any]:
     if config.url:
         require_loopback(config.url)
-        phases = asyncio.run(submit_all(config, config.url.rstrip("/")))
+        phases = submit_and_probe(config, config.url.rstrip("/"))
         result: dict[str, Any] = {"target": config.url}
         if config.drain and config.database_url and config.redis_url:
             # someone else's worker drains it; only the bookkeeping is checked
@@ -320,7 +334,7 @@ def run_load(config: LoadConfig) -> dict[str, Any]:
     else:
         with LoadService(config) as service:
             log.info("API at %s on %s", service.base_url, service.database_url.split("://")[0])
-            phases = asyncio.run(submit_all(config, service.base_url))
+            phases = submit_and_probe(config, service.base_url)
             service.processes.check_alive("api")
             result = {"target": f"started: kevlaya api on {make_kind(service.database_url)}"}
             if config.drain:
@@ -350,10 +364,16 @@ def table(result: dict[str, Any]) -> str:
                      f"{f['submits_per_s'] or 0:>11.1f}{f['jobs_per_s'] or 0:>10.1f}"
                      f"{f['p50_ms'] or 0:>9.1f}{f['p95_ms'] or 0:>9.1f}{f['p99_ms'] or 0:>9.1f}")
     for name in ("warmup", "single", "batch"):
+        parts = []
         if (writes := result[name].get("database_writes")) and writes["commits"]:
             slowest = writes["slowest_at_most_s"]
-            lines.append(f"{name}: {writes['commits']} database commits, {writes['over_50ms']} over 50 ms, the "
-                         f"slowest {'≤ ' + format(slowest * 1000, 'g') + ' ms' if slowest else 'over 5 s'}")
+            parts.append(f"{writes['commits']} database commits, {writes['over_50ms']} over 50 ms, the slowest "
+                         f"{'≤ ' + format(slowest * 1000, 'g') + ' ms' if slowest else 'over 5 s'}")
+        if (disk := result[name].get("disk_flushes")) and disk["flushes"]:
+            parts.append(f"{disk['flushes']} disk flushes, p99 {disk['p99_ms']} ms, max {disk['max_ms']} ms, "
+                         f"{disk['over_50ms']} over 50 ms")
+        if parts:
+            lines.append(f"{name}: {'; '.join(parts)}")
     if drain := result.get("drain"):
         lines.append(f"drain: {drain['jobs']} jobs in {drain['seconds']} s by {drain['batches']} batches; "
                      f"exactly once: {'yes' if drain['exactly_once'] else 'NO'} {json.dumps(drain['problems'])}")
