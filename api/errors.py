@@ -24,6 +24,10 @@ class ApiError(Exception):
         super().__init__(message)
         self.status_code, self.code, self.message, self.headers = status_code, code, message, headers
 
+    def __reduce__(self) -> tuple[type[ApiError], tuple[int, str, str, dict[str, str] | None]]:
+        # pickled whole: the job writer's process sends its errors to the API (api/writer_process.py)
+        return ApiError, (self.status_code, self.code, self.message, self.headers)
+
 
 def unauthorized(message: str) -> ApiError:
     return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
@@ -123,24 +127,40 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return JSONResponse(status_code=exc.status_code, content=error_body(code, message), headers=headers)
 
 
-def _is_unavailable(exc: sa_exc.DBAPIError) -> bool:
+def database_unavailable(exc: BaseException) -> bool:
     # OperationalError covers "cannot connect", "server closed the connection", "database is locked";
     # a dropped connection can also surface as InterfaceError or an invalidated connection.
-    return isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) or exc.connection_invalidated
+    return isinstance(exc, sa_exc.TimeoutError) or (isinstance(exc, sa_exc.DBAPIError) and (
+        isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) or exc.connection_invalidated))
+
+
+def _unavailable_error() -> ApiError:
+    return ApiError(503, "database_unavailable", "the database is unavailable; retry later",
+                    headers={"Retry-After": RETRY_AFTER_S})
+
+
+def _internal_error() -> ApiError:
+    return ApiError(500, "internal", "internal server error")
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """The answer an exception gets, as the handlers below would give it (for errors raised in another process)."""
+    if isinstance(exc, ApiError):
+        return exc
+    return _unavailable_error() if database_unavailable(exc) else _internal_error()
 
 
 async def _database_error(request: Request, exc: Exception) -> JSONResponse:
-    if isinstance(exc, sa_exc.TimeoutError) or (isinstance(exc, sa_exc.DBAPIError) and _is_unavailable(exc)):
+    if database_unavailable(exc):
         # The driver's message names hosts and ports: it goes to the log, not to the client.
         log.error("database unavailable during %s %s: %s", request.method, request.url.path, exc)
-        return JSONResponse(status_code=503, headers={"Retry-After": RETRY_AFTER_S},
-                            content=error_body("database_unavailable", "the database is unavailable; retry later"))
+        return await _api_error(request, _unavailable_error())
     return await _unexpected_error(request, exc)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("unexpected error during %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(status_code=500, content=error_body("internal", "internal server error"))
+    return await _api_error(request, _internal_error())
 
 
 def install_error_handlers(app: FastAPI) -> None:

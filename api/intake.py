@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from api.errors import ApiError
 from api.job_writer import JobWriter
 from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
-from api.submission import Stored
+from api.submission import Accepted
+from api.writer_process import WriterProcess
 from shared.models import ApiKey
 from shared.schemas import JobCreate
 from shared.settings import Settings
@@ -18,7 +19,7 @@ from shared.settings import Settings
 class Intake:
     settings: Settings
     budget: PromptBudget | None  # None: the tokenizer could not be read, prompts are not counted (logged)
-    writer: JobWriter
+    writer: JobWriter | WriterProcess  # KEVLAYA_API_WRITER: a thread of this process, or a process of its own
 
     def check(self, request: JobCreate, field_prefix: str = "", names: FieldNames = JOB_FIELDS) -> None:
         """422 naming the field when the request is over a limit (characters, new tokens, the context)."""
@@ -35,5 +36,5 @@ class Intake:
         if self.budget is not None:
             self.budget.check(request, field_prefix, names)
 
-    async def store(self, key: ApiKey, requests: list[JobCreate]) -> list[Stored]:
+    async def store(self, key: ApiKey, requests: list[JobCreate]) -> list[Accepted]:
         return await self.writer.store(key, requests)

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -28,8 +29,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import RETRY_AFTER_S, ApiError, unauthorized
-from api.metrics import ApiMetrics
-from api.submission import Stored, check_queue, insert_jobs, resolve, store_jobs
+from api.submission import Accepted, Stored, check_queue, insert_jobs, resolve, store_jobs
 from api.wakeups import WakeupPublisher
 from shared.db import new_session
 from shared.keys import is_revoked_at
@@ -47,17 +47,22 @@ class Submission:
 
 
 class JobWriter:
-    def __init__(self, wakeups: WakeupPublisher, metrics: ApiMetrics | None = None, max_unit_jobs: int = 4096):
-        self.wakeups, self.metrics, self.max_unit_jobs = wakeups, metrics, max_unit_jobs
+    def __init__(self, wakeups: WakeupPublisher, on_unit: Callable[[int, float], None] | None = None,
+                 max_unit_jobs: int = 4096):
+        # on_unit(submits, seconds): called for each unit that inserted rows, with how long its insert took
+        self.wakeups, self.on_unit, self.max_unit_jobs = wakeups, on_unit, max_unit_jobs
         self._handed: queue.SimpleQueue[Submission | None] = queue.SimpleQueue()  # None: stop
         self._thread: threading.Thread | None = None
         self._closed = False
         self._lock = threading.Lock()
 
-    async def store(self, key: ApiKey, requests: list[JobCreate]) -> list[Stored]:
+    async def store(self, key: ApiKey, requests: list[JobCreate]) -> list[Accepted]:
         """Each request's job (an existing one for a known idempotency key, else a new one, now committed) and
         whether it was created now. Raises what the unit raised: ApiError (401, 503) or the database's error."""
-        return await asyncio.wrap_future(self.hand_over(key, requests))
+        return [Accepted.of(stored) for stored in await asyncio.wrap_future(self.hand_over(key, requests))]
+
+    async def aclose(self, timeout_s: float) -> None:
+        await asyncio.to_thread(self.close, timeout_s)
 
     def hand_over(self, key: ApiKey, requests: list[JobCreate]) -> Future[list[Stored]]:
         submission = Submission(key, requests)
@@ -146,8 +151,8 @@ class JobWriter:
         if new:
             started = time.perf_counter()
             insert_jobs(session, new)
-            if self.metrics is not None:
-                self.metrics.note_unit(len(unit), time.perf_counter() - started)
+            if self.on_unit is not None:
+                self.on_unit(len(unit), time.perf_counter() - started)
         return answers, new
 
     def _store_alone(self, session: Session, submission: Submission) -> None:

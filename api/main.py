@@ -24,6 +24,7 @@ from api.prompt_budget import PromptBudget
 from api.routes import chat, health, jobs, metrics, models, stats, status_page
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
+from api.writer_process import WriterProcess
 from shared.settings import Settings, get_settings
 
 
@@ -76,11 +77,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # objects, and at a thousand submits a second the default ran a pass per request or two.
     thresholds = gc.get_threshold()
     gc.set_threshold(20_000, 50, 100)
+    writer = app.state.intake.writer
+    if isinstance(writer, WriterProcess):
+        await writer.start()  # a child that cannot start shows in the log now, not at the first submit
     yield
     await notices.close()  # the long-polls' Redis subscription
     # What was handed to the writer is stored, and what was stored gets its wake-up before the process ends
     # (else the sweeper would publish it, a while later).
-    await run_in_threadpool(app.state.intake.writer.close, 30.0)
+    await writer.aclose(30.0)
     await run_in_threadpool(app.state.wakeups.flush, 5.0)
     gc.set_threshold(*thresholds)
     gc.unfreeze()  # an app started again in this process (tests) must not keep this one's objects for good
@@ -108,8 +112,11 @@ def create_app() -> FastAPI:
     app.state.metrics.start_at_zero([*app.routes, *(route for router in routers for route in router.routes)])
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)  # outermost: refused bodies count too
     # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
-    app.state.wakeups = WakeupPublisher(settings.max_batch)
-    app.state.intake = Intake(settings, PromptBudget.load(settings), JobWriter(app.state.wakeups, app.state.metrics))
+    app.state.wakeups = WakeupPublisher(settings.max_batch)  # the thread writer's; the process has its own
+    on_unit = app.state.metrics.note_unit
+    writer = (WriterProcess(on_unit) if settings.api_writer == "process"
+              else JobWriter(app.state.wakeups, on_unit))
+    app.state.intake = Intake(settings, PromptBudget.load(settings), writer)
     app.state.key_cache = KeyCache()
 
     def openapi() -> dict[str, Any]:

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from shared.models import Job
-from shared.schemas import JobAccepted, JobError, JobOut, JobResult, JobStage, JobTimings, JobTokens
+from shared.schemas import JobError, JobOut, JobResult, JobStage, JobTimings, JobTokens
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -90,10 +90,6 @@ def children_of(session: Session, jobs: list[Job]) -> dict[uuid.UUID, list[Job]]
 def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
     children = children_of(session, jobs)
     return [job_out(job, children.get(job.id)) for job in jobs]
-
-
-def job_accepted(job: Job) -> JobAccepted:
-    return JobAccepted(id=job.id, status=job.status, adapter=job.requested_adapter, created_at=job.created_at)
 
 
 def encode_cursor(job: Job) -> str:

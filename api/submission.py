@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from fastapi.concurrency import run_in_threadpool
@@ -20,7 +21,7 @@ from api.wakeups import WakeupPublisher
 from shared.db import new_session, one_writer
 from shared.models import ApiKey, Job, JobStatus
 from shared.queue import QueueUnavailable, ping_queue
-from shared.schemas import JobCreate, JobOut
+from shared.schemas import JobAccepted, JobCreate, JobOut
 from shared.settings import get_settings
 
 log = logging.getLogger("kevlaya.api")
@@ -82,6 +83,25 @@ def enqueue(session: Session, jobs: list[Job], wakeups: WakeupPublisher) -> None
 
 
 Stored = tuple[Job, bool]  # a request's job, and whether it was created now
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """What a submit learns of each of its jobs from the job writer: few fields, cheap to send between processes."""
+
+    id: uuid.UUID
+    status: str
+    requested_adapter: str
+    created_at: datetime
+    created: bool  # stored by this submit; else found by its idempotency key
+
+    @classmethod
+    def of(cls, stored: Stored) -> Accepted:
+        job, created = stored
+        return cls(job.id, job.status, job.requested_adapter, job.created_at, created)
+
+    def answer(self) -> JobAccepted:
+        return JobAccepted(id=self.id, status=self.status, adapter=self.requested_adapter, created_at=self.created_at)
 
 
 def resolve(session: Session, key: ApiKey, requests: list[JobCreate],

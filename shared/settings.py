@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     database_url: str = "sqlite:///./kevlaya.db"
     api_key: SecretStr | None = Field(default=None, description="bootstrap admin key")
     api_workers: int = Field(default=1, ge=1, description="API processes (uvicorn workers) on the one port")
+    api_writer: Literal["process", "thread"] = Field(
+        default="process", description="where each API process stores its submits: process, a child process with "
+        "its own interpreter lock (faster under load); thread, a thread of the API process (one process less)")
     db_pool_size: int = Field(default=40, ge=1, description="database connections kept per process")
     sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
         default="FULL", description="FULL: a commit survives power loss; NORMAL (WAL): survives a crash of the "

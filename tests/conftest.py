@@ -241,10 +241,15 @@ def start_process(tmp_path: Path) -> Iterator[callable]:
 
 
 @pytest.fixture
-def client(service_env: dict[str, str]) -> Iterator[TestClient]:
+def client(service_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
     """The app in this process, on this test's database and Redis. The server's own answer is what is tested,
-    also for unexpected errors, so they are not re-raised here."""
+    also for unexpected errors, so they are not re-raised here. Its job writer is a thread of this process, so
+    tests can reach it (hooks on this process's engine, a database switched mid-test); the writer process is
+    what the API processes of the other tests run (tests/test_job_writer.py tests it on its own)."""
     from api.main import create_app
+
+    monkeypatch.setenv("KEVLAYA_API_WRITER", "thread")
+    get_settings.cache_clear()
 
     with TestClient(create_app(), raise_server_exceptions=False) as test_client:
         yield test_client

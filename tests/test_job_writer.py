@@ -3,6 +3,9 @@ stored in one commit, each gets its own answer, and what must not be stored is n
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -13,14 +16,16 @@ import pytest
 from sqlalchemy import event, select
 
 from api import job_writer
+from api.errors import ApiError
 from api.job_writer import JobWriter
 from api.metrics import ApiMetrics
-from api.submission import new_job
+from api.submission import Accepted, new_job
+from api.writer_process import WriterProcess
 from shared import db
 from shared.keys import create_key
 from shared.models import ApiKey, Job
 from shared.schemas import JobCreate
-from tests.conftest import AUTH, job_count
+from tests.conftest import AUTH, free_port, job_count
 
 
 class NotingPublisher:
@@ -53,7 +58,7 @@ def held_writer(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[JobWriter, No
 
     monkeypatch.setattr(job_writer, "check_queue", check_queue)
     publisher = NotingPublisher()
-    writer = JobWriter(publisher, ApiMetrics())  # type: ignore[arg-type]
+    writer = JobWriter(publisher)  # type: ignore[arg-type]
     writer.hand_over(_key_nobody_holds(), [])  # the first unit: held
     assert first_unit.wait(10)
     yield writer, publisher, release
@@ -86,11 +91,21 @@ def test_submits_handed_over_together_are_stored_in_one_commit(keys, held_writer
     assert [rows[answers[n][0][0].id].input for n in range(20)] == [f"job {n}" for n in range(20)]
     assert rows[answers[1][0][0].id].api_key_id == keys[1].id  # each job is its own submitter's
     assert {noted.id for noted in publisher.noted} == set(ids)  # and gets its wake-up
-    # /metrics tells the same: one commit, of 21 submits (the held unit wrote nothing), and how long it took
-    registry = writer.metrics.registry
-    assert registry.get_sample_value("kevlaya_submit_unit_submits_count") == 1
-    assert registry.get_sample_value("kevlaya_submit_unit_submits_sum") == 21
-    assert registry.get_sample_value("kevlaya_submit_write_seconds_count") == 1
+
+
+def test_each_insert_is_measured_with_its_submits(keys):
+    """/metrics has every unit that inserted rows: how many submits it stored and how long its insert took."""
+    metrics = ApiMetrics()
+    writer = JobWriter(NotingPublisher(), metrics.note_unit)  # type: ignore[arg-type]
+    futures = [writer.hand_over(keys[0], [job(n)]) for n in range(5)]
+    futures.append(writer.hand_over(keys[1], [job(5), job(6)]))  # one submit of two jobs: one submit
+    for future in futures:
+        future.result(30)
+    writer.close(30)
+    registry = metrics.registry
+    units = registry.get_sample_value("kevlaya_submit_unit_submits_count")
+    assert registry.get_sample_value("kevlaya_submit_unit_submits_sum") == 6 and 1 <= units <= 6
+    assert registry.get_sample_value("kevlaya_submit_write_seconds_count") == units
     assert 0 < registry.get_sample_value("kevlaya_submit_write_seconds_sum") < 30
 
 
@@ -246,3 +261,87 @@ def test_api_processes_on_one_sqlite_file_take_turns_at_writing(tmp_path):
     outputs = [writer.communicate(timeout=120) for writer in writers]
     assert [writer.returncode for writer in writers] == [0, 0], outputs
     assert [out.strip() for out, _ in outputs] == ["0", "0"], outputs
+
+
+# -- the writer in a process of its own (KEVLAYA_API_WRITER=process, what `kevlaya api` runs) ----------------
+
+def run(coroutine):  # noqa: ANN001, ANN201
+    return asyncio.run(coroutine)
+
+
+def test_the_writer_process_stores_each_submit_and_answers_it(keys):
+    units: list[tuple[int, float]] = []
+
+    async def submit_all() -> list[list[Accepted]]:
+        writer = WriterProcess(on_unit=lambda submits, seconds: units.append((submits, seconds)))
+        await writer.start()
+        try:
+            singles = [writer.store(keys[n % 2], [job(n)]) for n in range(20)]
+            batch = writer.store(keys[0], [job(100), job(101, "again")])
+            answers = await asyncio.gather(*singles, batch)
+            again = await writer.store(keys[0], [job(102, "again")])  # the idempotency key's job, not a new one
+        finally:
+            await writer.aclose(30)
+        return [*answers, again]
+
+    answers = run(submit_all())
+    ids = [accepted.id for answer in answers[:-1] for accepted in answer]
+    assert len(set(ids)) == 22 and all(accepted.created for answer in answers[:-1] for accepted in answer)
+    [again] = answers[-1]
+    assert not again.created and again.id == answers[-2][1].id
+    with db.new_session() as session:
+        rows = {row.id: row for row in session.scalars(select(Job))}
+    assert set(rows) == set(ids)
+    assert [rows[answers[n][0].id].input for n in range(20)] == [f"job {n}" for n in range(20)]
+    assert rows[answers[1][0].id].api_key_id == keys[1].id
+    assert sum(submits for submits, _ in units) == 21 and all(0 < seconds < 30 for _, seconds in units)
+
+
+def test_the_writer_process_answers_with_the_errors_the_thread_would(keys, service_env, monkeypatch):
+    with db.session_scope() as session:
+        session.get(ApiKey, keys[1].id).revoked_at = datetime.now(timezone.utc)
+
+    async def revoked_then_broker_down() -> tuple[BaseException, BaseException]:
+        writer = WriterProcess()
+        try:
+            with pytest.raises(ApiError) as revoked:
+                await writer.store(keys[1], [job(1)])
+        finally:
+            await writer.aclose(30)
+        monkeypatch.setenv("KEVLAYA_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+        writer = WriterProcess()
+        try:
+            with pytest.raises(ApiError) as refused:
+                await writer.store(keys[0], [job(2)])
+        finally:
+            await writer.aclose(30)
+        return revoked.value, refused.value
+
+    revoked, refused = run(revoked_then_broker_down())
+    assert (revoked.status_code, revoked.message) == (401, "API key revoked")
+    assert (refused.status_code, refused.code, refused.headers) == (503, "queue_unavailable", {"Retry-After": "5"})
+    assert job_count() == 0
+
+
+def test_a_writer_process_that_dies_fails_its_submits_with_503_and_starts_again(keys):
+    async def kill_then_submit() -> tuple[BaseException, list[Accepted]]:
+        writer = WriterProcess()
+        await writer.start()
+        child = writer._process
+        os.kill(child.pid, signal.SIGSTOP)  # the submit below waits in the child's socket
+        held = asyncio.create_task(writer.store(keys[0], [job(1)]))
+        await asyncio.sleep(0.2)
+        os.kill(child.pid, signal.SIGKILL)
+        with pytest.raises(ApiError) as stopped:
+            await held
+        try:
+            return stopped.value, await writer.store(keys[0], [job(2)])  # a new child
+        finally:
+            assert writer._process is not child
+            await writer.aclose(30)
+
+    stopped, [stored] = run(kill_then_submit())
+    assert (stopped.status_code, stopped.code) == (503, "writer_unavailable")
+    assert "idempotency_key" in stopped.message
+    with db.new_session() as session:
+        assert [row.input for row in session.scalars(select(Job))] == ["job 2"] and stored.created

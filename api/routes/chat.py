@@ -120,9 +120,9 @@ def _completion(job: JobOut, model: str) -> ChatCompletion:
 async def chat_completions(request: ChatRequest, key: SubmitterKey, intake: IntakeDep) -> ChatCompletion:
     job_request = request.to_job()
     intake.check(job_request, names=CHAT_FIELDS)
-    [(job, _)] = await intake.store(key, [job_request])
+    [accepted] = await intake.store(key, [job_request])
     timeout_s = intake.settings.chat_timeout_s
-    finished = await wait_finished(key, job.id, timeout_s)
+    finished = await wait_finished(key, accepted.id, timeout_s)
     if finished.status == "succeeded":
         return _completion(finished, request.model)
     if finished.status == "failed":

@@ -18,7 +18,7 @@ from api.deps import (
     reject_unknown_query_parameters,
 )
 from api.errors import AUTH_ERRORS, ApiError, error_responses
-from api.presenters import decode_cursor, encode_cursor, job_accepted, jobs_out
+from api.presenters import decode_cursor, encode_cursor, jobs_out
 from api.submission import get_visible, visible_to, wait_finished
 from shared import lifecycle
 from shared.db import one_writer
@@ -53,11 +53,11 @@ _SUBMIT_RESPONSES = {
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted, responses=_SUBMIT_RESPONSES)
 async def submit_job(request: JobCreate, key: SubmitterKey, intake: IntakeDep, response: Response) -> JobAccepted:
     intake.check(request)
-    [(job, created)] = await intake.store(key, [request])
-    if not created:
+    [accepted] = await intake.store(key, [request])
+    if not accepted.created:
         response.status_code = status.HTTP_200_OK
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return job_accepted(job)
+    response.headers["Location"] = f"/v1/jobs/{accepted.id}"
+    return accepted.answer()
 
 
 @router.post("/batch", status_code=status.HTTP_202_ACCEPTED, response_model=JobBatchAccepted,
@@ -73,7 +73,7 @@ async def submit_jobs(request: JobBatchCreate, key: SubmitterKey, intake: Intake
 
     await run_in_threadpool(check_each)  # up to max_batch_submit prompts to count: not on the event loop
     stored = await intake.store(key, request.jobs)
-    return JobBatchAccepted(jobs=[job_accepted(job) for job, _ in stored])
+    return JobBatchAccepted(jobs=[accepted.answer() for accepted in stored])
 
 
 @router.get("", response_model=JobPage, responses=error_responses(400, 422, *AUTH_ERRORS))
