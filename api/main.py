@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,6 +24,7 @@ from api.routes import chat, health, jobs, metrics, models, stats, status_page
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
 from api.writer_process import WriterProcess
+from shared.collector import settled_collector
 from shared.settings import Settings, get_settings
 
 
@@ -68,26 +68,16 @@ def telemetry_config() -> TelemetryConfig | None:
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    # What is loaded by now (modules, the tokenizer, the app) lives as long as the app: moved out of the
-    # collector's sight, a full collection no longer walks it. Those walks were most of the slowest answers'
-    # time under load (RELIABILITY.md, Load). Garbage is collected first, so none of it is kept for good.
-    gc.collect()
-    gc.freeze()
-    # A young-generation pass every 20,000 allocations, not every 700: a submit allocates a few hundred
-    # objects, and at a thousand submits a second the default ran a pass per request or two.
-    thresholds = gc.get_threshold()
-    gc.set_threshold(20_000, 50, 100)
-    writer = app.state.intake.writer
-    if isinstance(writer, WriterProcess):
-        await writer.start()  # a child that cannot start shows in the log now, not at the first submit
-    yield
-    await notices.close()  # the long-polls' Redis subscription
-    # What was handed to the writer is stored, and what was stored gets its wake-up before the process ends
-    # (else the sweeper would publish it, a while later).
-    await writer.aclose(30.0)
-    await run_in_threadpool(app.state.wakeups.flush, 5.0)
-    gc.set_threshold(*thresholds)
-    gc.unfreeze()  # an app started again in this process (tests) must not keep this one's objects for good
+    with settled_collector():
+        writer = app.state.intake.writer
+        if isinstance(writer, WriterProcess):
+            await writer.start()  # a child that cannot start shows in the log now, not at the first submit
+        yield
+        await notices.close()  # the long-polls' Redis subscription
+        # What was handed to the writer is stored, and what was stored gets its wake-up before the process ends
+        # (else the sweeper would publish it, a while later).
+        await writer.aclose(30.0)
+        await run_in_threadpool(app.state.wakeups.flush, 5.0)
 
 
 def create_app() -> FastAPI:

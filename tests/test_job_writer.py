@@ -345,3 +345,19 @@ def test_a_writer_process_that_dies_fails_its_submits_with_503_and_starts_again(
     assert "idempotency_key" in stopped.message
     with db.new_session() as session:
         assert [row.input for row in session.scalars(select(Job))] == ["job 2"] and stored.created
+
+
+def test_the_writer_process_keeps_what_it_loaded_out_of_the_collectors_sight(keys, capfd):
+    """Else a full collection walks every module the child imported, in the middle of a unit's insert."""
+    async def one_submit() -> None:
+        writer = WriterProcess()
+        try:
+            await writer.store(keys[0], [job(1)])
+        finally:
+            await writer.aclose(30)
+
+    run(one_submit())
+    ready = [line for line in capfd.readouterr().err.splitlines() if "job writer ready" in line]
+    assert len(ready) == 1
+    frozen = int(ready[0].split(", ")[-1].split()[0])
+    assert frozen > 10_000, ready
