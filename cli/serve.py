@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -19,6 +20,21 @@ def _exec_celery(args: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "celery", *args])
 
 
+def api_log_config(log_format: str) -> dict[str, Any]:
+    """uvicorn's own logging, plus the service's loggers (`kevlaya.*`) on stderr in KEVLAYA_LOG_FORMAT. Given to
+    uvicorn, so every API process it starts applies it; without it those loggers had no handler, their INFO
+    lines were lost and their warnings printed bare."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    formatter = "shared.logs.JsonFormatter" if log_format == "json" else "shared.logs.TextFormatter"
+    config["formatters"]["kevlaya"] = {"()": formatter}
+    config["handlers"]["kevlaya"] = {"formatter": "kevlaya", "class": "logging.StreamHandler",
+                                     "stream": "ext://sys.stderr"}
+    config["loggers"]["kevlaya"] = {"handlers": ["kevlaya"], "level": "INFO", "propagate": False}
+    return config
+
+
 def api(reload: Annotated[bool, typer.Option(help="restart on code changes (development)")] = False) -> None:
     """Serve the REST API on KEVLAYA_API_HOST:KEVLAYA_API_PORT."""
     import uvicorn
@@ -28,7 +44,7 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
     settings = get_settings()
     uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
                 reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
-                log_level="info", http=BoundedHeadProtocol)
+                log_level="info", log_config=api_log_config(settings.log_format), http=BoundedHeadProtocol)
 
 
 def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:

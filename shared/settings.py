@@ -162,7 +162,8 @@ class Settings(BaseSettings):
     worker_metrics_host: str = Field(default="127.0.0.1", description="address of the worker's /metrics server")
     worker_metrics_port: int = Field(default=9109, ge=0, le=65535,
                                      description="the worker's Prometheus port; 0 disables it")
-    log_format: Literal["text", "json"] = Field(default="text", description="worker log lines: text or JSON")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="log lines of the worker and of the API's own loggers: text or JSON")
     flower_db: str | None = Field(default=None, description="Flower keeps its task history in this file")
 
     # Benchmarks only: every job generates exactly its max_new_tokens (end-of-sequence is ignored), so two

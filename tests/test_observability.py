@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -88,6 +89,11 @@ def test_metrics_and_logs_after_a_real_run_and_a_silent_worker(env, api, start_p
     # the job writer's commits: each of the six submits in one of them, each commit timed
     assert value(served, "kevlaya_submit_unit_submits_sum") == 6
     assert 1 <= value(served, "kevlaya_submit_write_seconds_count") == value(served, "kevlaya_submit_unit_submits_count")
+    # the API's own loggers reach its log, formatted (before, they had no handler: INFO lost, warnings bare)
+    [api_process] = [p for p in start_process.started if p.log_path.name.startswith("api-")]
+    api_log = api_process.log_path.read_text(errors="replace")
+    assert re.search(r"^\S+ \S+ INFO kevlaya\.api: job writer started \(process \d+\)$", api_log, re.MULTILINE), \
+        api_log[:3000]
     # the dashboard's queries use only series these two scrapes have
     assert dashboard_metric_names() <= set(work) | set(served), dashboard_metric_names() - set(work) - set(served)
 
