@@ -62,7 +62,12 @@ class JobWriter:
         return [Accepted.of(stored) for stored in await asyncio.wrap_future(self.hand_over(key, requests))]
 
     async def aclose(self, timeout_s: float) -> None:
-        await asyncio.to_thread(self.close, timeout_s)
+        await asyncio.to_thread(self.shut_down, timeout_s)
+
+    def shut_down(self, timeout_s: float) -> None:
+        """Close, then see the wake-ups of what was stored published (else the sweeper would, a while later)."""
+        self.close(timeout_s)
+        self.wakeups.flush(5.0)
 
     def hand_over(self, key: ApiKey, requests: list[JobCreate]) -> Future[list[Stored]]:
         submission = Submission(key, requests)

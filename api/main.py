@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.concurrency import run_in_threadpool
 from fastapi.openapi.utils import get_openapi
 from fastapi.telemetry import TelemetryConfig
 
@@ -74,10 +73,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await writer.start()  # a child that cannot start shows in the log now, not at the first submit
         yield
         await notices.close()  # the long-polls' Redis subscription
-        # What was handed to the writer is stored, and what was stored gets its wake-up before the process ends
-        # (else the sweeper would publish it, a while later).
+        # What was handed to the writer is stored, and what was stored gets its wake-up before the process ends.
         await writer.aclose(30.0)
-        await run_in_threadpool(app.state.wakeups.flush, 5.0)
 
 
 def create_app() -> FastAPI:
@@ -102,10 +99,9 @@ def create_app() -> FastAPI:
     app.state.metrics.start_at_zero([*app.routes, *(route for router in routers for route in router.routes)])
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)  # outermost: refused bodies count too
     # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
-    app.state.wakeups = WakeupPublisher(settings.max_batch)  # the thread writer's; the process has its own
     on_unit = app.state.metrics.note_unit
     writer = (WriterProcess(on_unit) if settings.api_writer == "process"
-              else JobWriter(app.state.wakeups, on_unit))
+              else JobWriter(WakeupPublisher(settings.max_batch), on_unit))
     app.state.intake = Intake(settings, PromptBudget.load(settings), writer)
     app.state.key_cache = KeyCache()
 

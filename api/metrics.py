@@ -21,7 +21,6 @@ from shared.stats import queue_depth
 
 log = logging.getLogger("kevlaya.api")
 
-WRITE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 UNMATCHED = "unmatched"  # any path no route serves: one label value, not one per path a scanner tries
 
 
@@ -68,7 +67,8 @@ class ApiMetrics:
                                       registry=self.registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.unit_write = Histogram("kevlaya_submit_write_seconds",
                                     "Time the database took to insert and commit one unit of submits",
-                                    registry=self.registry, buckets=WRITE_BUCKETS)
+                                    registry=self.registry,
+                                    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.registry.register(LiveStateCollector())
 
     def note_unit(self, submits: int, write_s: float) -> None:

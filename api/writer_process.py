@@ -18,6 +18,7 @@ A child that dies fails the submits it held with 503 (they may or may not be sto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
@@ -87,7 +88,8 @@ class WriterProcess:
         if self._closed:
             raise ApiError(503, "shutting_down", "the API is shutting down, nothing was stored; retry",
                            headers={"Retry-After": RETRY_AFTER_S})
-        await self.start()  # at once when it runs; again after a child died
+        if self._reading is None or self._reading.done():
+            await self.start()  # again after a child died
         submit_id = next(self._ids)
         answer = self._pending[submit_id] = asyncio.get_running_loop().create_future()
         assert self._writer is not None
@@ -132,7 +134,7 @@ class WriterProcess:
                 else:
                     waiting.set_result(answer)
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+            return  # the child's end closed: it stopped (the finally below answers what it held)
         finally:
             if not self._closed:
                 log.error("job writer (process %s) stopped; %d submit(s) answered 503; it starts again for the "
@@ -158,14 +160,10 @@ def serve(connection: socket.socket) -> None:
 
     def send(message: Any) -> None:
         data = frame(message)
-        with sending:
-            try:
-                connection.sendall(data)
-            except OSError:  # the API went away; its submits have nobody to answer
-                pass
+        with sending, contextlib.suppress(OSError):  # OSError: the API went away, nobody waits for answers
+            connection.sendall(data)
 
-    wakeups = WakeupPublisher(get_settings().max_batch)
-    writer = JobWriter(wakeups, on_unit=lambda submits, seconds: send(("unit", submits, seconds)))
+    writer = JobWriter(WakeupPublisher(get_settings().max_batch), on_unit=lambda submits, seconds: send(("unit", submits, seconds)))
     handed: dict[int, Future[list[Stored]]] = {}
 
     def answer(submit_id: int, done: Future[list[Stored]]) -> None:
@@ -189,8 +187,7 @@ def serve(connection: socket.socket) -> None:
         submit_id, key_id, requests = message
         handed[submit_id] = future = writer.hand_over(ApiKey(id=key_id), requests)
         future.add_done_callback(lambda done, submit_id=submit_id: answer(submit_id, done))
-    writer.close(30.0)  # what was handed over is stored and answered
-    wakeups.flush(5.0)
+    writer.shut_down(30.0)  # what was handed over is stored, answered and announced
 
 
 def main() -> None:
