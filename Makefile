@@ -6,6 +6,8 @@ TORCH  ?= torch==2.13.0
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Test processes: most tests wait on real servers and worker processes, so more than the cores pay.
+TEST_WORKERS ?= 4
 
 .PHONY: run test lint install clean
 
@@ -23,7 +25,7 @@ run: $(STAMP)
 	$(BIN)/kevlaya run
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

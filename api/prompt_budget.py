@@ -50,9 +50,9 @@ def context_length(config: dict) -> int | None:
 class PromptBudget:
     def __init__(self, tokenizer, context_tokens: int, settings: Settings):  # noqa: ANN001
         self.tokenizer, self.settings = tokenizer, settings
-        # The continuous engine gives each job a slot of KEVLAYA_ENGINE_WINDOW_TOKENS: a job over it never runs.
-        window = settings.engine_window_tokens if settings.engine == "continuous" else None
-        if window is not None and window < context_tokens:
+        # Each job gets a slot of KEVLAYA_ENGINE_WINDOW_TOKENS: a job over it never runs.
+        window = settings.engine_window_tokens
+        if window < context_tokens:
             self.context_tokens, self.limit_name = window, "the worker's window (KEVLAYA_ENGINE_WINDOW_TOKENS) of"
         else:
             self.context_tokens, self.limit_name = context_tokens, "the model's context of"

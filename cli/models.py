@@ -158,8 +158,8 @@ def evaluate(
     import shlex
 
     from modellab.evaluation import MODES, agreement, load_scenarios, plot, run_evaluation, table
-    from worker.model_loading import uses_nf4
-    from worker.runtime import AdapterRuntime
+    from modellab.reference import ReferenceRuntime
+    from worker.model.loading import uses_nf4
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not chosen or any(m not in MODES for m in chosen):
@@ -171,13 +171,13 @@ def evaluate(
     logging.basicConfig(level=logging.WARNING)
     settings = get_settings()
     items = load_scenarios(scenarios, limit)
-    runtime = AdapterRuntime.load(settings)
+    runtime = ReferenceRuntime.load(settings)
     report = run_evaluation(runtime, settings, items, chosen, batch_size)
     if compare_precision:
         nf4 = uses_nf4(runtime.device, settings.quantization)
         other = settings.model_copy(update={"quantization": "none" if nf4 else "nf4"})
         del runtime
-        second = run_evaluation(AdapterRuntime.load(other), other, items, ("laya", "kev"), batch_size)
+        second = run_evaluation(ReferenceRuntime.load(other), other, items, ("laya", "kev"), batch_size)
         nf4_run, reference = (report, second) if nf4 else (second, report)
         report["precision_comparison"] = {
             "reference": "fp16" if second["device"] == "cuda" else "fp32",

@@ -38,7 +38,7 @@ from modellab.training import (
 )
 from shared.manifest import MANIFEST_NAME, write_manifest
 from shared.settings import ADAPTERS
-from worker.model_loading import resolve_device
+from worker.model.loading import resolve_device
 
 log = logging.getLogger("kevlaya.training")
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from modellab.decision_data import Scenario, render_prompt, score_decision
+from modellab.reference import GenerationRequest, ReferenceRuntime
+from shared.lifecycle import JobOutcome
 from shared.settings import Settings
-from worker.cascade import needs_escalation
-from worker.claims import JobOutcome
-from worker.outcomes import job_outcome
-from worker.runtime import AdapterRuntime, GenerationRequest
+from worker.ledger.cascade import needs_escalation
+from worker.ledger.outcomes import job_outcome
 
 MODES = ("base", "laya", "kev", "auto")
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
@@ -60,7 +60,7 @@ def load_scenarios(path: Path, limit: int | None = None) -> list[tuple[str, Scen
 
 
 class Evaluator:
-    def __init__(self, runtime: AdapterRuntime, settings: Settings, batch_size: int = 1):
+    def __init__(self, runtime: ReferenceRuntime, settings: Settings, batch_size: int = 1):
         self.runtime, self.settings, self.batch_size = runtime, settings, batch_size
 
     def answers(self, mode: str, scenarios: list[tuple[str, Scenario]], progress: bool = True) -> list[Answer]:
@@ -83,7 +83,7 @@ class Evaluator:
             batch = self.runtime.run_base_only(requests) if mode == "base" else self.runtime.run_batch(requests)
             latency_ms = (time.perf_counter() - started) * 1000
             for (scenario_id, scenario), result in zip(chunk, batch.results, strict=True):
-                outcome = job_outcome(result, "decision", switch_ms=0.0)
+                outcome = job_outcome(result, "decision")
                 decision = outcome.decision or {}
                 answers.append(Answer(
                     id=scenario_id, label=scenario.label, decision=decision.get("decision"),
@@ -142,7 +142,7 @@ def calibration(answers: list[Answer], bins: int = 10) -> dict[str, object]:
     return {"n": len(rated), "ece": ece if rated else None, "bins": table}
 
 
-def run_evaluation(runtime: AdapterRuntime, settings: Settings, scenarios: list[tuple[str, Scenario]],
+def run_evaluation(runtime: ReferenceRuntime, settings: Settings, scenarios: list[tuple[str, Scenario]],
                    modes: tuple[str, ...] = MODES, batch_size: int = 1) -> dict[str, object]:
     evaluator = Evaluator(runtime, settings, batch_size)
     answers: dict[str, list[Answer]] = {}

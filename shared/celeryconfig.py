@@ -35,10 +35,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
         "result_backend_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
         "broker_connection_retry_on_startup": True,
-        # Periodic sweep: re-queue expired leases and re-publish queued jobs whose wake-up message was lost.
-        "beat_schedule": {
-            "sweep": {"task": "kevlaya.sweep", "schedule": settings.sweep_interval_s},
-        },
         "worker_send_task_events": True,  # Flower
         "task_send_sent_event": True,
     }

@@ -72,11 +72,14 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None]
 
 
-class Batch(Base):
+class ClaimGroup(Base):
+    """Jobs one worker claimed together (the engine's claim for its free slots): the `batches` table, and the
+    `batch_id` of a job in the API."""
+
     __tablename__ = "batches"
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
-    adapters: Mapped[str] = mapped_column(String(32))  # "kev", "laya" or "kev,laya"
+    adapters: Mapped[str] = mapped_column(String(32))  # "kev" or "laya" ("kev,laya": rows of older versions)
     size: Mapped[int] = mapped_column(Integer, default=0)
     mixed: Mapped[bool] = mapped_column(Boolean, default=False)
     switch_ms: Mapped[float | None] = mapped_column(Float)
@@ -84,7 +87,7 @@ class Batch(Base):
     decode_ms: Mapped[float | None] = mapped_column(Float)
     tokens: Mapped[int | None] = mapped_column(Integer)
     peak_vram_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    oom_splits: Mapped[int | None] = mapped_column(Integer)  # out-of-memory splits inside this batch
+    oom_splits: Mapped[int | None] = mapped_column(Integer)  # 0: an out-of-memory gives rows back to the queue instead
     worker: Mapped[str] = mapped_column(String(200))
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]

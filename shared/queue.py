@@ -13,7 +13,6 @@ from shared.celeryconfig import celery_config
 from shared.settings import get_settings
 
 RUN_TASK = "kevlaya.run_queued"
-SWEEP_TASK = "kevlaya.sweep"
 
 
 class QueueUnavailable(RuntimeError):

@@ -26,7 +26,7 @@ class AdapterProfile(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     system_prompt: str
     reserved_slots: int = Field(
-        default=0, ge=0, description="continuous engine: slots kept free for this role's jobs (at most a quarter "
+        default=0, ge=0, description="slots kept free for this role's jobs (at most a quarter "
         "of the slots), so another role's backlog never makes it wait for a row to finish")
 
     # A default temperature must be runnable too: (0, 0.01) makes sampling overflow.
@@ -89,36 +89,32 @@ class Settings(BaseSettings):
     )
     verify_manifests: bool = True
 
-    # Scheduler (docs/architecture.md §4)
-    max_batch: int = Field(default=16, ge=1)
-    batch_window_ms: int = Field(default=5, ge=0)
-    max_wait_ms: int = Field(default=2000, ge=0)
-    max_consecutive_batches: int = Field(default=8, ge=1)
-    mixed_batches: bool = False
-    engine: Literal["batch", "continuous"] = Field(
-        default="continuous", description="batch: static batches through generate; continuous: one decode step at a "
-        "time over every job in flight, both adapters per step, slots refilled between steps (docs/architecture.md §14)")
+    # Engine (docs/architecture.md §4, §14)
+    max_batch: int = Field(default=16, ge=1, description="rows decoded at once, besides the reserved slots")
+    max_wait_ms: int = Field(
+        default=2000, ge=0, description="fairness bound: an adapter whose oldest job has waited longer takes the "
+        "next free slots first, and its claimed jobs are neither reordered nor paced")
     engine_window_tokens: int = Field(
-        default=1024, ge=16, description="continuous engine: the most tokens (prompt + new) one job may hold; each "
+        default=1024, ge=16, description="the most tokens (prompt + new) one job may hold; each "
         "slot reserves this much key/value cache")
     engine_prefill_tokens: int = Field(
-        default=2048, ge=1, description="continuous engine: prompt tokens prefilled between two decode steps at "
+        default=2048, ge=1, description="prompt tokens prefilled between two decode steps at "
         "most, counted padded (jobs × longest prompt; one job always goes), so a burst of new jobs does not freeze "
         "the rows already decoding; the worker measures a prefill of this size at start when it sizes the slots")
     engine_cuda_graphs: bool = Field(
-        default=True, description="continuous engine on CUDA: capture the decode step as CUDA graphs (one per "
+        default=True, description="on CUDA: capture the decode step as CUDA graphs (one per "
         "batch-size bucket) and replay them; ignored on the CPU")
     engine_workspace_gb: float = Field(
-        default=0.5, ge=0, description="continuous engine on CUDA: first estimate of the memory kept free for "
+        default=0.5, ge=0, description="on CUDA: first estimate of the memory kept free for "
         "activations beside the weights and the key/value cache; the worker then measures the real workspace "
         "(graphs captured, the largest prefill run) and takes slots away until it fits the budget")
     engine_prefill_share: float = Field(
-        default=0.1, gt=0, le=1, description="continuous engine: while a row of a role with reserved slots (Laya) "
+        default=0.1, gt=0, le=1, description="while a row of a role with reserved slots (Laya) "
         "decodes, the prefills of other roles' jobs take at most this share of the time, so a wave of Kev prompts "
         "stretches a Laya answer by at most 1 / (1 - share); their jobs wait in their slots meanwhile (a job held "
         "past KEVLAYA_MAX_WAIT_MS is not held back). 1 = no pacing")
     engine_switch_interval_ms: float = Field(
-        default=0.5, gt=0, le=100, description="continuous engine: how long the decode loop waits at most for the "
+        default=0.5, gt=0, le=100, description="how long the decode loop waits at most for the "
         "interpreter lock while the worker's other threads (the result writer, lease renewals) hold it "
         "(sys.setswitchinterval). Python's 5 ms default lets a busy writer stretch every lock hand-back of a "
         "decode step to 5 ms")

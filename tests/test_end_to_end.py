@@ -9,18 +9,12 @@ import pytest
 from sqlalchemy import func, select
 
 from shared.db import session_scope
-from shared.models import Batch, Job
+from shared.models import ClaimGroup, Job
 from tests.conftest import TEXT, start_worker, submit, wait_finished, wait_until
 
 pytestmark = pytest.mark.integration
 
-def adapter_switches() -> int:
-    with session_scope() as session:
-        sequence = session.scalars(select(Batch.adapters).where(Batch.size > 0).order_by(Batch.started_at)).all()
-    return sum(1 for a, b in zip(sequence, sequence[1:]) if a != b)
-
-
-def test_forty_alternating_jobs_all_succeed_with_few_adapter_switches(env, api, start_process):
+def test_forty_alternating_jobs_all_succeed_each_claim_group_on_one_adapter(env, api, start_process):
     job_ids = [submit(api, "kev" if i % 2 == 0 else "laya", f"Option A costs {i}, option B costs {40 - i}. Pick.",
                       max_new_tokens=8)
                for i in range(40)]
@@ -35,9 +29,15 @@ def test_forty_alternating_jobs_all_succeed_with_few_adapter_switches(env, api, 
         assert all(timings[k] is not None and timings[k] >= 0 for k in ("queue_ms", "prefill_ms", "decode_ms", "total_ms"))
         assert timings["total_ms"] >= timings["queue_ms"]
         assert job["attempts"] == 1 and job["batch_id"] is not None
-    assert adapter_switches() <= 4
     with session_scope() as session:
-        assert session.scalar(select(func.sum(Batch.size)).where(Batch.finished_at.is_not(None))) == 40
+        assert session.scalar(select(func.sum(ClaimGroup.size)).where(ClaimGroup.finished_at.is_not(None))) == 40
+        groups = session.scalars(select(ClaimGroup)).all()
+    assert {g.adapters for g in groups} == {"kev", "laya"} and not any(g.mixed for g in groups)
+    by_group = {}
+    for job in jobs:  # jobs claimed together are of one adapter: a claim never mixes roles
+        by_group.setdefault(job["batch_id"], set()).add(job["adapter"])
+    assert all(len(adapters) == 1 for adapters in by_group.values())
+    assert len(by_group) < 40  # consecutive queued jobs of an adapter are claimed together
 
 
 def test_a_worker_killed_mid_batch_loses_nothing_and_runs_nothing_twice(env, api, start_process):
@@ -66,7 +66,7 @@ def test_a_worker_killed_mid_batch_loses_nothing_and_runs_nothing_twice(env, api
         assert job["attempts"] == (2 if job["id"] in killed else 1)
         assert job["batch_id"] != str(abandoned_batch)  # the result comes from the re-run, once
     with session_scope() as session:
-        assert session.get(Batch, abandoned_batch).finished_at is None
+        assert session.get(ClaimGroup, abandoned_batch).finished_at is None
 
 
 def test_redis_down_gives_503_and_no_orphan_then_queued_jobs_run_when_it_returns(env, api, start_process, redis_server):

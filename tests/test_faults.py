@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 
 from shared.db import session_scope
 from shared.heartbeat import live_workers
-from shared.models import ApiKey, Batch, Job, JobStatus
+from shared.models import ApiKey, ClaimGroup, Job, JobStatus
 from shared.queue import publish_wakeup
 from tests.conftest import (
     AUTH,
@@ -409,10 +409,9 @@ def stored_job(adapter: str, job_input: object, params: dict) -> str:
     return str(job.id)
 
 
-# Static batches: each poison is claimed with exactly three batch-mates. The continuous engine's claims follow its
-# free slots instead; its poison job is covered in tests/test_slot_engine.py.
-@pytest.mark.parametrize("env", [{"KEVLAYA_ENGINE": "batch"}], indirect=True, ids=["batch-engine"])
-def test_a_poison_job_in_every_batch_fails_alone_and_its_batch_mates_succeed(env, api, start_process):
+def test_poison_jobs_among_good_ones_fail_alone_and_the_others_succeed(env, api, start_process):
+    """Each poison is queued behind three good jobs of its adapter, and the worker holds four rows: every poison is
+    claimed beside good jobs, fails alone with its code, and every good job succeeds on its first attempt."""
     # Over the context on the worker only: its Laya system prompt is longer than the API's (a changed setting
     # rolled out to the workers first). The API's own answer says how many new tokens would just fit there.
     long_input = "Options: " + " ".join(f"option {i} costs {i * 7 % 13}." for i in range(75))
@@ -423,12 +422,12 @@ def test_a_poison_job_in_every_batch_fails_alone_and_its_batch_mates_succeed(env
     poisons = {
         "over the context on the worker": ("laya", lambda: submit(api, "laya", long_input, max_new_tokens=fits),
                                            "invalid_input"),
-        "params the runtime cannot use": ("laya", lambda: stored_job(
-            "laya", "a stored job", {**TEXT, "max_new_tokens": 4, "temperature": "warm"}), "internal"),
+        "params the worker cannot use": ("laya", lambda: stored_job(
+            "laya", "a stored job", {**TEXT, "max_new_tokens": 4, "temperature": "warm"}), "invalid_input"),
         "input that is not messages": ("kev", lambda: stored_job(
             "kev", {"messages": [{"role": "user"}]}, {**TEXT, "max_new_tokens": 4}), "invalid_input"),
-        "kev params the runtime cannot use": ("kev", lambda: stored_job(
-            "kev", "a stored job", {**TEXT, "max_new_tokens": "four"}), "internal"),
+        "kev params the worker cannot use": ("kev", lambda: stored_job(
+            "kev", "a stored job", {**TEXT, "max_new_tokens": "four"}), "invalid_input"),
     }
     job_ids, expected = [], {}
     for n, (what, (adapter, make, code)) in enumerate(poisons.items()):
@@ -436,7 +435,7 @@ def test_a_poison_job_in_every_batch_fails_alone_and_its_batch_mates_succeed(env
         poison = make()
         job_ids.append(poison)
         expected[poison] = ("failed", code, what)
-    worker_env = {**env, "KEVLAYA_MAX_BATCH": "4",  # every batch: three jobs and the poison claimed after them
+    worker_env = {**env, "KEVLAYA_MAX_BATCH": "4",
                   "KEVLAYA_LAYA__SYSTEM_PROMPT": "You are Laya. " + "Decide fast and answer in JSON. " * 12}
     start_worker(start_process, worker_env, api)
     wait_until(lambda: ledger_problems() == [] and all(
@@ -446,12 +445,8 @@ def test_a_poison_job_in_every_batch_fails_alone_and_its_batch_mates_succeed(env
     by_id = {str(j.id): j for j in rows}
     for job_id, (_, code, what) in expected.items():
         assert by_id[job_id].error_code == code and by_id[job_id].error_message, (what, by_id[job_id].error_message)
-    batches: dict[uuid.UUID, list[Job]] = {}
-    for job_id in job_ids:
-        assert by_id[job_id].attempts == 1
-        batches.setdefault(by_id[job_id].batch_id, []).append(by_id[job_id])
-    assert len(batches) == len(poisons)  # each poison was claimed with its three batch-mates, and failed alone
-    assert sorted(sum(j.status == "failed" for j in jobs) for jobs in batches.values()) == [1] * len(poisons)
+    assert all(by_id[job_id].attempts == 1 for job_id in job_ids)
+    assert [by_id[j].status for j in job_ids if j not in expected] == ["succeeded"] * 3 * len(poisons)
     assert "invalid_input" in api.get(f"/v1/jobs/{job_ids[3]}").json()["error"]["code"]
 
 
@@ -497,7 +492,7 @@ def test_two_workers_share_one_queue_and_one_killed_mid_batch_runs_nothing_twice
     rows = assert_every_job_ended_once(job_ids, notices)
     assert workers[1].process.poll() is None
     with session_scope() as session:
-        batches = {b.id: b for b in session.scalars(select(Batch)).all()}
+        batches = {b.id: b for b in session.scalars(select(ClaimGroup)).all()}
     by_id = {str(j.id): j for j in rows}
     assert {b.worker for b in batches.values()} == set(names)  # both were busy (they held leases at once)
     for job_id in job_ids:

@@ -67,6 +67,69 @@ def test_imports_go_one_way(package: str):
     assert not wrong, f"{package}/ may import only {sorted(allowed)}:\n" + "\n".join(wrong)
 
 
+# Inside worker/: what each room may import from the project (itself always; `shared` always, except where said).
+# Imports only go down: tasks -> engine -> {ledger, decoder, model, memory} -> generation; the decoder knows
+# neither the ledger nor the database (docs/architecture.md §2).
+WORKER_ROOMS = {
+    "worker.tasks": {"worker.engine", "worker.ledger", "worker.model", "worker.metrics", "shared"},
+    "worker.engine": {"worker.ledger", "worker.decoder", "worker.model", "worker.memory", "worker.metrics",
+                      "worker.generation", "shared"},
+    "worker.ledger": {"worker.generation", "shared"},
+    "worker.decoder": {"worker.model.tokens", "worker.generation"},
+    "worker.model": {"worker.memory", "worker.generation", "shared.manifest", "shared.schemas", "shared.settings"},
+    "worker.memory": {"worker.decoder"},  # type hints only (under TYPE_CHECKING)
+    "worker.metrics": {"worker.generation", "worker.ledger", "shared"},
+    "worker.generation": set(),
+}
+# What the decoder must never reach, directly or not: the job ledger, the database and Celery.
+DECODER_NEVER = ("worker.ledger", "worker.engine", "worker.tasks", "shared.db", "shared.models", "shared.queue",
+                 "sqlalchemy", "celery")
+
+
+def room(module: str) -> str | None:
+    return next((r for r in sorted(WORKER_ROOMS, key=len, reverse=True)
+                 if module == r or module.startswith(r + ".")), None)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_every_worker_module_has_a_room():
+    assert [rel(p) for p in source_files("worker") if module_name(p) != "worker" and room(module_name(p)) is None] == []
+
+
+def test_inside_the_worker_imports_only_go_down():
+    wrong = []
+    for path in source_files("worker"):
+        own = room(module_name(path))
+        if own is None:
+            continue
+        for line, module in imported_modules(path):
+            if module.split(".")[0] not in PACKAGES or room(module) == own:
+                continue
+            if not any(module == allowed or module.startswith(allowed + ".") for allowed in WORKER_ROOMS[own]):
+                wrong.append(f"{rel(path)}:{line} imports {module}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_decoder_reaches_neither_the_ledger_nor_the_database():
+    """Followed through every project module the decoder imports, and theirs."""
+    by_name = {module_name(p): p for package in PACKAGES for p in source_files(package)}
+    seen, todo, reached = set(), [m for m in by_name if m.startswith("worker.decoder")], []
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in by_name:
+            continue
+        seen.add(name)
+        for _line, module in imported_modules(by_name[name]):
+            if any(module == never or module.startswith(never + ".") for never in DECODER_NEVER):
+                reached.append(f"{name} imports {module}")
+            todo += [module, module.rsplit(".", 1)[0]]
+    assert not reached, "\n".join(reached)
+
+
 def assignments(name: str) -> list[str]:
     """Every file (and line) in the packages that binds `name` at any level."""
     found = []
@@ -103,4 +166,4 @@ def test_the_lora_presets_are_defined_in_one_place():
 
 
 def test_the_nf4_config_has_one_home():
-    assert calls("BitsAndBytesConfig") == {"worker/quantization.py"}
+    assert calls("BitsAndBytesConfig") == {"worker/model/quantization.py"}

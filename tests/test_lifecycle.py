@@ -18,9 +18,9 @@ from shared.lifecycle import IllegalTransition, JobOutcome
 from shared.models import Job, JobStatus
 from shared.settings import Settings
 from tests.conftest import Notices
-from tests.test_claims import add_jobs, plan
-from worker.cascade import escalate
-from worker.claims import claim_batch
+from tests.test_claims import add_jobs
+from worker.ledger.cascade import escalate
+from worker.ledger.claims import claim_group
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def escalated_auto_job() -> tuple[uuid.UUID, uuid.UUID]:
         parent = Job(adapter="laya", requested_adapter="auto", input="Options: A cost 1; B cost 2.", params={})
         session.add(parent)
     with session_scope() as session:
-        batch, [claimed] = claim_batch(session, plan("laya"), "w1", lease_s=30)
+        batch, [claimed] = claim_group(session, "laya", 100, "w1", lease_s=30)
         laya = JobOutcome(status=JobStatus.SUCCEEDED, result_text="not sure", prompt_tokens=5, completion_tokens=3,
                           prefill_ms=1.0, decode_ms=2.0)
         kev = escalate(session, claimed, batch.id, laya)
@@ -54,23 +54,24 @@ def expire_all_leases() -> None:
                         .values(lease_expires_at=datetime.now(timezone.utc) - timedelta(seconds=1)))
 
 
-def test_a_kev_stage_failed_by_a_batch_exception_settles_its_parent(service_env, tiny_model: dict[str, Path],
-                                                                    notices):
-    from worker.engine import BatchEngine
-    from worker.runtime import AdapterRuntime
+def test_a_kev_stage_that_fails_settles_its_parent(service_env, tiny_model: dict[str, Path], notices):
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
 
     parent_id, kev_id = escalated_auto_job()
-    with session_scope() as session:  # stored params the runtime cannot use make the (one-job) batch raise
+    with session_scope() as session:  # stored params the worker cannot use fail the Kev stage
         session.execute(update(Job).where(Job.id == kev_id).values(params={"temperature": "warm"}))
     settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
                         kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])})
-    engine = BatchEngine(AdapterRuntime.load(settings), settings)
-
-    assert engine.run_one(plan("kev")) == 1
+    engine = Engine(load_model(settings), settings)
+    try:
+        assert engine.drain(30) == 1
+    finally:
+        engine.decoder.close()
 
     kev, parent = row(kev_id), row(parent_id)
-    assert kev.status == "failed" and kev.error_code == "internal" and "TypeError" in kev.error_message
-    assert parent.status == "failed" and parent.error_code == "internal"
+    assert kev.status == "failed" and kev.error_code == "invalid_input" and "TypeError" in kev.error_message
+    assert parent.status == "failed" and parent.error_code == kev.error_code
     assert parent.error_message == kev.error_message and parent.finished_at is not None
     assert parent.completion_tokens == 3  # the Laya stage's tokens still count
     assert notices.collect() == Counter({str(kev_id): 1, str(parent_id): 1})
@@ -80,7 +81,7 @@ def test_a_kev_stage_that_exhausts_its_attempts_settles_its_parent(service_env, 
     parent_id, kev_id = escalated_auto_job()
     for _ in range(3):
         with session_scope() as session:
-            claim_batch(session, plan("kev"), "w-dies", lease_s=30)
+            claim_group(session, "kev", 100, "w-dies", lease_s=30)
         expire_all_leases()
         with session_scope() as session:
             lifecycle.expire_leases(session, max_attempts=3)
@@ -130,7 +131,7 @@ def test_a_stranded_job_fails_once_it_has_used_its_attempts(service_env, notices
 def test_only_allowed_transitions_happen(service_env, notices):
     [queued, running] = add_jobs(["kev", "laya"])
     with session_scope() as session:
-        batch, [job] = claim_batch(session, plan("laya"), "w1", lease_s=30)
+        batch, [job] = claim_group(session, "laya", 100, "w1", lease_s=30)
     with session_scope() as session:
         assert not lifecycle.cancel(session, running)  # running: not cancellable
         assert lifecycle.cancel(session, queued)
@@ -147,7 +148,7 @@ def test_only_allowed_transitions_happen(service_env, notices):
 def test_a_rolled_back_finish_announces_nothing(service_env, notices):
     add_jobs(["kev"])
     with session_scope() as session:
-        batch, [job] = claim_batch(session, plan("kev"), "w1", lease_s=30)
+        batch, [job] = claim_group(session, "kev", 100, "w1", lease_s=30)
     with pytest.raises(RuntimeError), session_scope() as session:
         lifecycle.finish(session, job, batch.id, JobOutcome(status="succeeded"))
         raise RuntimeError("the commit never happens")
@@ -158,7 +159,7 @@ def test_a_rolled_back_finish_announces_nothing(service_env, notices):
 def test_concurrent_settlers_settle_a_parent_once(service_env, notices):
     parent_id, kev_id = escalated_auto_job()
     with session_scope() as session:
-        batch, [kev] = claim_batch(session, plan("kev"), "w1", lease_s=30)
+        batch, [kev] = claim_group(session, "kev", 100, "w1", lease_s=30)
     barrier = threading.Barrier(2)
 
     def finish_stage() -> None:

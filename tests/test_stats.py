@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from shared.db import get_engine, session_scope
 from shared.keys import create_key
-from shared.models import Batch, Job
+from shared.models import ClaimGroup, Job
 from shared.stats import LATENCIES, Window, compute_stats, parse_window
 from tests.conftest import AUTH
 
@@ -27,7 +27,7 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[low] + (h - low) * (ordered[high] - ordered[low])
 
 
-def stored_rows(now: datetime) -> tuple[list[Job], list[Batch]]:
+def stored_rows(now: datetime) -> tuple[list[Job], list[ClaimGroup]]:
     rng = random.Random(7)
     jobs, batches = [], []
     for i in range(120):
@@ -61,7 +61,7 @@ def stored_rows(now: datetime) -> tuple[list[Job], list[Batch]]:
             ("kev", 4, 40, 0.0, "w:1"), ("kev", 2, 10, 0.0, "w:1"), ("laya", 8, 64, 3.5, "w:1"),
             ("kev", 6, 30, 2.5, "w:1"), ("kev,laya", 3, 12, 0.0, "w:1"),
             ("laya", 1, 5, 0.0, "c:2"), ("kev", 1, 20, 0.0, "c:2"), ("laya", 1, 5, 0.0, "c:2")]):
-        batches.append(Batch(adapters=adapters, size=size, mixed="," in adapters, worker=worker, tokens=tokens,
+        batches.append(ClaimGroup(adapters=adapters, size=size, mixed="," in adapters, worker=worker, tokens=tokens,
                              switch_ms=switch_ms, prefill_ms=10.0, decode_ms=90.0, oom_splits=k % 2,
                              started_at=now - timedelta(seconds=100 - k * 10)))
     return jobs, batches

@@ -1,3 +1,6 @@
-"""The GPU worker: Celery glue, the batch scheduler, and the model runtime (base + LoRA adapters).
+"""The GPU worker, by role: `tasks.py` (Celery glue), `engine/` (the drain loop), `ledger/` (claims, leases,
+outcomes), `decoder/` (the slot decoder), `model/` (loading), `memory.py` (the VRAM budget). Imports only go down
+(docs/architecture.md §2).
 
-Only the serving path lives here; offline model work (training, evaluation, benchmarks) is in `modellab/`."""
+Only the serving path lives here; offline model work (training, evaluation, benchmarks, the reference runtime) is
+in `modellab/`."""

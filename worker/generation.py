@@ -1,11 +1,14 @@
-"""What the engine hands the model runtime and gets back: plain data, no torch, so the Celery parent process and
-the job-outcome logic can use it without initialising CUDA before the worker child is forked."""
+"""What the engine hands the decoder and gets back: plain data, no torch, so the Celery parent process and the
+job ledger can use it without initialising CUDA before the worker child is forked."""
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 from dataclasses import dataclass, field
+
+log = logging.getLogger("kevlaya.decoder")
 
 
 @dataclass
@@ -34,7 +37,7 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     token_spans: list[tuple[int, int]] = field(default_factory=list)
-    first_token_ms: float | None = None  # from the start of its batch to this row's first token
+    first_token_ms: float | None = None  # from when the row was handed to the decoder to its first token
 
     def span_probability(self, start: int, end: int) -> float | None:
         """Probability the model gave to the tokens that produced text[start:end], or None if unknown."""
@@ -42,12 +45,9 @@ class GenerationResult:
         return math.exp(sum(overlapping)) if overlapping else None
 
 
-@dataclass
-class BatchOutcome:
-    results: list[GenerationResult]  # same order as the requests
-    switch_ms: float  # time spent in set_adapter for this batch
-    prefill_ms: float
-    decode_ms: float
-    tokens: int  # completion tokens
-    peak_vram_bytes: int | None  # torch.cuda.max_memory_allocated on CUDA, None on CPU
-    oom_splits: int = 0  # how often a group ran out of memory and was split in this batch
+def numerical_error(result: GenerationResult, generated: int) -> None:
+    """Mark `result` as stopped by broken logits (NaN/Inf) after `generated` tokens; its partial text is kept."""
+    result.error_code = "numerical_error"
+    result.error_message = (f"non-finite logits (NaN/Inf) after {generated} generated token(s); the sequence was "
+                            "stopped and its partial text kept")
+    log.error("job %s: %s", result.job_id, result.error_message)

@@ -1,4 +1,4 @@
-"""The worker's own Prometheus registry and its structured log lines, one per batch and one per job.
+"""The worker's own Prometheus registry and its structured log lines, one per claim group and one per job.
 
 The worker child serves the registry on `KEVLAYA_WORKER_METRICS_PORT` once its model is loaded (README:
 Monitoring). Nothing here imports torch at module level: the Celery parent imports this module too."""
@@ -12,19 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from shared.lifecycle import JobOutcome
 from shared.logs import FIELDS
 from shared.models import JobStatus
 from shared.settings import ADAPTERS, Settings
-from worker.outcomes import job_outcome
 
 if TYPE_CHECKING:
-    from shared.models import Batch, Job
-    from worker.generation import BatchOutcome, GenerationResult
-    from worker.scheduler import BatchPlan
+    from shared.lifecycle import JobOutcome
+    from shared.models import ClaimGroup, Job
+    from worker.generation import GenerationResult
+    from worker.ledger.claims import GroupFigures
 
 log = logging.getLogger("kevlaya.worker")
-events = logging.getLogger("kevlaya.events")  # the structured lines: one per batch, one per job
+events = logging.getLogger("kevlaya.events")  # the structured lines: one per claim group, one per job
 
 ERROR_CODES = ("out_of_memory", "numerical_error", "invalid_output", "invalid_input", "adapter_unavailable",
                "internal")
@@ -37,7 +36,7 @@ _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 class WorkerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.queue_wait = Histogram("kevlaya_job_queue_wait_seconds", "From submission to the claim by a batch",
+        self.queue_wait = Histogram("kevlaya_job_queue_wait_seconds", "From submission to the claim into a slot",
                                     ["adapter"], buckets=_SECONDS, registry=r)
         self.ttft = Histogram("kevlaya_job_time_to_first_token_seconds", "From submission to the job's first token",
                               ["adapter"], buckets=_SECONDS, registry=r)
@@ -49,13 +48,12 @@ class WorkerMetrics:
         self.jobs = Counter("kevlaya_jobs_finished", "Jobs run to a final status", ["adapter", "status"], registry=r)
         self.failures = Counter("kevlaya_job_failures", "Failed jobs by error code", ["adapter", "code"], registry=r)
         self.completion_tokens = Counter("kevlaya_completion_tokens", "Tokens generated", ["adapter"], registry=r)
-        self.batches = Counter("kevlaya_batches", "Batches run, by their adapters", ["adapters"], registry=r)
-        self.batch_size = Histogram("kevlaya_batch_size", "Jobs per batch", ["adapters"],
+        self.groups = Counter("kevlaya_claim_groups", "Claim groups (jobs claimed together into free slots), by "
+                              "adapter", ["adapters"], registry=r)
+        self.group_size = Histogram("kevlaya_claim_group_size", "Jobs per claim group", ["adapters"],
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.switches = Counter("kevlaya_adapter_switches", "Batches that had to switch the active adapter",
-                                registry=r)
-        self.oom_splits = Counter("kevlaya_oom_splits", "Batches split in half after running out of memory",
-                                  registry=r)
+        self.oom_give_backs = Counter("kevlaya_oom_give_backs", "Jobs given back to the queue unrun after an "
+                                      "out-of-memory in a step or a prefill", registry=r)
         self.numerical = Counter("kevlaya_numerical_aborts", "Rows stopped for NaN/Inf logits", ["adapter"],
                                  registry=r)
         self.escalations = Counter("kevlaya_escalations", "auto jobs Laya was unsure of, sent to Kev", registry=r)
@@ -63,7 +61,7 @@ class WorkerMetrics:
             "kevlaya_engine_phase_seconds", "Continuous engine, time per phase: claim (look at the queue, claim, "
             "tokenise), prefill (one prompt group), step (one decode step), store (one transaction of results, on "
             "the writer thread)", ["phase"], buckets=_PHASE, registry=r)
-        self.rows_in_flight = Gauge("kevlaya_rows_in_flight", "Jobs in the batch being generated now", registry=r)
+        self.rows_in_flight = Gauge("kevlaya_rows_in_flight", "Jobs holding a slot now", registry=r)
         self.up = Gauge("kevlaya_worker_up", "1 while this worker process serves", registry=r)
         self.model_loaded = Gauge("kevlaya_worker_model_loaded", "1 when the model and adapters are loaded",
                                   registry=r)
@@ -71,7 +69,7 @@ class WorkerMetrics:
             kind: Gauge(f"kevlaya_gpu_memory_{kind}_bytes", help_, registry=r)
             for kind, help_ in (("allocated", "GPU memory held by tensors (0 on a CPU)"),
                                 ("reserved", "GPU memory held by the allocator (0 on a CPU)"),
-                                ("peak", "Most GPU memory allocated since the last batch began (0 on a CPU)"),
+                                ("peak", "Most GPU memory allocated so far (0 on a CPU)"),
                                 ("budget", "The VRAM budget this worker caps itself to (KEVLAYA_VRAM_BUDGET_GB)"))
         }
         # Known label values start at zero, so a rate() or a dashboard panel has a series before the first event.
@@ -84,8 +82,8 @@ class WorkerMetrics:
                 self.jobs.labels(adapter, status)
             for code in ERROR_CODES:
                 self.failures.labels(adapter, code)
-            self.batches.labels(adapter)
-            self.batch_size.labels(adapter)
+            self.groups.labels(adapter)
+            self.group_size.labels(adapter)
         for phase in ENGINE_PHASES:
             self.engine_phase.labels(phase)
         self.up.set(1)
@@ -107,65 +105,32 @@ class WorkerMetrics:
             self.memory[kind.removesuffix("_bytes")].set(value)
         return figures
 
-    # -- batches -----------------------------------------------------------------------------------------------
+    # -- jobs and claim groups ----------------------------------------------------------------------------------
 
-    def batch_started(self, size: int) -> None:
-        self.rows_in_flight.set(size)
-
-    def batch_finished(self, plan: BatchPlan, batch: Batch, jobs: list[Job], outcome: BatchOutcome, *,
-                       escalated: int, lost: int) -> None:
-        """Count and log a batch the engine has stored. An `auto` job sent on to Kev counts here as its Laya
-        stage, with the stage's own status, as /v1/stats counts it."""
-        self.rows_in_flight.set(0)
-        by_id = {r.job_id: r for r in outcome.results}
-        for job in jobs:
-            if job.id in by_id:
-                self.job_finished(job, by_id[job.id], outcome.switch_ms)
-            else:  # a stored job the worker could not read: failed before it reached the model
-                self.job_finished(job, JobOutcome(status=JobStatus.FAILED, error_code="invalid_input"), 0.0)
-        self.batch_closed(batch, len(jobs), outcome, mixed=plan.mixed, switch=plan.switch, escalated=escalated,
-                          lost=lost)
-
-    def job_finished(self, job: Job, result: GenerationResult | JobOutcome, switch_ms: float) -> None:
-        """A job stored with its generation's result, or with an outcome decided before it reached the model."""
+    def job_finished(self, job: Job, outcome: JobOutcome, result: GenerationResult | None) -> None:
+        """A job stored with its outcome; `result` is the generation behind it, None when it failed before it
+        reached the model. An `auto` job sent on to Kev counts as its Laya stage, as /v1/stats counts it."""
         now = datetime.now(timezone.utc)
-        if isinstance(result, JobOutcome):
-            self._job(job, result.status, result.error_code, None, None, None, None, now)
+        if result is None:
+            self._job(job, outcome.status, outcome.error_code, None, None, None, None, now)
             return
-        final = job_outcome(result, job.params.get("output", "decision"), switch_ms)
-        self._job(job, final.status, final.error_code, result.first_token_ms, result.decode_ms,
+        self._job(job, outcome.status, outcome.error_code, result.first_token_ms, result.decode_ms,
                   result.prompt_tokens, result.completion_tokens, now)
 
-    def batch_closed(self, batch: Batch, size: int, outcome: BatchOutcome, *, mixed: bool, switch: bool,
-                     escalated: int, lost: int) -> None:
-        """A batch (continuous engine: the jobs admitted together) whose every job has been stored."""
-        self.batches.labels(batch.adapters).inc()
-        self.batch_size.labels(batch.adapters).observe(size)
-        if switch:
-            self.switches.inc()
-        self.oom_splits.inc(outcome.oom_splits)
+    def group_closed(self, group: ClaimGroup, size: int, figures: GroupFigures, *, escalated: int,
+                     lost: int) -> None:
+        """A claim group whose every job has been stored."""
+        self.groups.labels(group.adapters).inc()
+        self.group_size.labels(group.adapters).observe(size)
         self.escalations.inc(escalated)
-        events.info("batch finished", extra={FIELDS: {
-            "event": "batch", "batch_id": str(batch.id), "adapters": batch.adapters, "size": size,
-            "mixed": mixed, "switch": switch, "switch_ms": round(outcome.switch_ms, 3),
-            "prefill_ms": round(outcome.prefill_ms, 3), "decode_ms": round(outcome.decode_ms, 3),
-            "tokens": outcome.tokens, "peak_vram_bytes": outcome.peak_vram_bytes, "oom_splits": outcome.oom_splits,
-            "escalated": escalated, "lost_leases": lost, "worker": batch.worker,
+        events.info("claim group finished", extra={FIELDS: {
+            "event": "claim_group", "batch_id": str(group.id), "adapter": group.adapters, "size": size,
+            "prefill_ms": round(figures.prefill_ms, 3), "decode_ms": round(figures.decode_ms, 3),
+            "tokens": figures.tokens, "peak_vram_bytes": figures.peak_vram_bytes, "escalated": escalated,
+            "lost_leases": lost, "worker": group.worker,
         }})
-        if outcome.peak_vram_bytes is not None:
-            self.memory["peak"].set(outcome.peak_vram_bytes)
-
-    def batch_failed(self, batch: Batch, jobs: list[Job], error: str) -> None:
-        """The runtime raised: every job of the batch failed with `internal`."""
-        self.rows_in_flight.set(0)
-        now = datetime.now(timezone.utc)
-        self.batches.labels(batch.adapters).inc()
-        self.batch_size.labels(batch.adapters).observe(len(jobs))
-        for job in jobs:
-            self._job(job, JobStatus.FAILED, "internal", None, None, None, None, now)
-        events.info("batch failed", extra={FIELDS: {
-            "event": "batch", "batch_id": str(batch.id), "adapters": batch.adapters, "size": len(jobs),
-            "error": error, "worker": batch.worker}})
+        if figures.peak_vram_bytes is not None:
+            self.memory["peak"].set(figures.peak_vram_bytes)
 
     def _job(self, job: Job, status: str, error_code: str | None, first_token_ms: float | None,
              decode_ms: float | None, prompt_tokens: int | None, completion_tokens: int | None,

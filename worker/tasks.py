@@ -17,15 +17,14 @@ from shared.heartbeat import beat
 from shared.logs import configure_logging
 from shared.queue import RUN_TASK, celery_app, publish_wakeup
 from shared.settings import ADAPTERS, Settings, get_settings
-from worker.claims import stale_queued_adapters
-from worker.engine import BatchEngine, worker_name
+from worker.engine.loop import Engine
+from worker.ledger.claims import stale_queued_adapters, worker_name
 from worker.metrics import METRICS, serve_metrics
-from worker.slot_engine import SlotEngine
 
 log = logging.getLogger("kevlaya.worker")
 app = celery_app()
 
-_engine: BatchEngine | SlotEngine | None = None
+_engine: Engine | None = None
 _load_error: str | None = None
 _stop = threading.Event()
 
@@ -46,11 +45,11 @@ def _load_model(sender: str | None = None, **_kwargs: object) -> None:
     settings = get_settings()
     threading.Thread(target=_background_loop, name="heartbeat-sweeper", daemon=True).start()
     try:
-        from worker.runtime import AdapterRuntime  # torch is imported only in the worker child
+        from worker.model.loading import load_model  # torch is imported only in the worker child
 
-        runtime = AdapterRuntime.load(settings)
-        _engine = SlotEngine(runtime, settings) if settings.engine == "continuous" else BatchEngine(runtime, settings)
-        log.info("engine: %s", settings.engine)
+        _engine = Engine(load_model(settings), settings)
+        log.info("engine ready: %d slot(s) of %d tokens on %s", _engine.decoder.limit, _engine.decoder.window,
+                 _engine.loaded.device)
         METRICS.model_loaded.set(1)
     except Exception as exc:
         _load_error = f"{exc.__class__.__name__}: {exc}"
@@ -103,7 +102,7 @@ def sweep() -> None:
 
 
 def _background_loop() -> None:
-    """Heartbeat and sweep on a timer, beside the batches (tasks run one at a time in this process)."""
+    """Heartbeat and sweep on a timer, beside the engine's loop (tasks run one at a time in this process)."""
     settings = get_settings()
     interval = min(settings.sweep_interval_s, settings.heartbeat_ttl_s / 3)
     while True:
@@ -127,24 +126,20 @@ def _status() -> dict[str, object]:
     memory = METRICS.memory_snapshot(get_settings().vram_budget_gb)
     if _engine is None:
         return {"model_loaded": False, "error": _load_error, "memory": memory}
-    runtime = _engine.runtime
-    status: dict[str, object] = {
+    return {
         "model_loaded": True,
         "memory": memory,
-        "device": runtime.device,
-        "unavailable_adapters": runtime.unavailable,
+        "device": _engine.loaded.device,
+        "unavailable_adapters": _engine.loaded.unavailable,
         "draining": _engine.draining.is_set(),
+        "slots": _engine.decoder.limit,  # every adapter is served at once; what counts is the slots
+        "window_tokens": _engine.decoder.window,
     }
-    if isinstance(_engine, SlotEngine):  # every adapter is active at once; what counts is the slots
-        status.update(engine="continuous", slots=_engine.decoder.limit, window_tokens=_engine.decoder.window)
-    else:
-        status.update(engine="batch", active_adapter=runtime.active_adapter)
-    return status
 
 
 @app.task(name=RUN_TASK, acks_late=True)
 def run_queued(job_id: str | None, adapter: str) -> int:
-    """Wake-up for job `job_id` on `adapter`: run batches (not only that job) until the queue is empty."""
+    """Wake-up for job `job_id` on `adapter`: serve jobs (not only that job) until the queue is empty."""
     if _engine is None:
         # This worker has stopped consuming (or is about to): give the wake-up back for one that can serve it.
         # The pause keeps a message that comes straight back here from spinning before the cancel lands.

@@ -32,16 +32,13 @@ def bench(
         help="growing loads for the fit phase, e.g. 4,8,16 (256-token prompts, 128 new tokens; default for "
              "llama-2-7b: 4,8,16, else none)")] = None,
     max_batch: Annotated[int, typer.Option(help="KEVLAYA_MAX_BATCH for the service")] = 16,
-    engines: Annotated[str, typer.Option(
-        help="the worker engines to run the service with, one after the other in this run: batch, continuous")]
-        = "batch,continuous",
-    cuda_graphs: Annotated[bool, typer.Option(help="the continuous engine captures its decode step (CUDA only)")]
+    cuda_graphs: Annotated[bool, typer.Option(help="the worker captures its decode step (CUDA only)")]
         = True,
     window_tokens: Annotated[Optional[int], typer.Option(
-        help="KEVLAYA_ENGINE_WINDOW_TOKENS for the continuous engine: the tokens one slot holds (default: the "
+        help="KEVLAYA_ENGINE_WINDOW_TOKENS: the tokens one slot holds (default: the "
              "service's default)", min=16)] = None,
     prefill_tokens: Annotated[Optional[int], typer.Option(
-        help="KEVLAYA_ENGINE_PREFILL_TOKENS for the continuous engine: padded prompt tokens prefilled between two "
+        help="KEVLAYA_ENGINE_PREFILL_TOKENS: padded prompt tokens prefilled between two "
              "steps, and the prefill measured at start (default: the service's default)", min=1)] = None,
     seed: Annotated[int, typer.Option(help="the seed of the model weights and the workload")] = 0,
     workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (model, database, logs)")] = None,
@@ -67,9 +64,6 @@ def bench(
         loads = tuple(int(x) for x in (fit or ("4,8,16" if shape == "llama-2-7b" else "")).split(",") if x.strip())
     except ValueError:
         raise typer.BadParameter("a comma-separated list of job counts, e.g. 4,8,16", param_hint="--fit") from None
-    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
-    if not chosen or set(chosen) - {"batch", "continuous"} or len(set(chosen)) != len(chosen):
-        raise typer.BadParameter("a comma-separated list of batch and continuous", param_hint="--engines")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the progress
     scratch = workdir or Path(tempfile.mkdtemp(prefix="kevlaya-bench-"))
@@ -78,7 +72,7 @@ def bench(
                          jobs=jobs, prompt_tokens=(prompt_min, prompt_max),
                          new_tokens={"kev": kev_tokens, "laya": laya_tokens}, recipe_per_adapter=recipe_jobs,
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url,
-                         engines=chosen, cuda_graphs=cuda_graphs, window_tokens=window_tokens,
+                         cuda_graphs=cuda_graphs, window_tokens=window_tokens,
                          prefill_tokens=prefill_tokens)
     command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
                          else ["python", "-m", "modellab.bench", *sys.argv[1:]])

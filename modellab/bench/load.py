@@ -242,8 +242,8 @@ class LoadService:
         self.processes.start("worker", {
             "KEVLAYA_BASE_MODEL": str(model["base"]), "KEVLAYA_KEV__PATH": str(model["kev"]),
             "KEVLAYA_LAYA__PATH": str(model["laya"]), "KEVLAYA_DEVICE": "cpu",
-            # large batches of one new token: the drain checks bookkeeping, not the model
-            "KEVLAYA_MAX_BATCH": "256", "KEVLAYA_BATCH_WINDOW_MS": "0"})
+            # many slots of one new token: the drain checks bookkeeping, not the model
+            "KEVLAYA_MAX_BATCH": "256"})
 
     def __exit__(self, *_exc: object) -> None:
         self.processes.stop()
@@ -256,7 +256,7 @@ def check_drain(database_url: str, redis_url: str, accepted: list[str], timeout_
     from sqlalchemy import create_engine, func, select
     from sqlalchemy.orm import Session
 
-    from shared.models import Batch, Job, JobStatus
+    from shared.models import ClaimGroup, Job, JobStatus
     from shared.notify import FINISHED_CHANNEL
 
     engine = create_engine(database_url)
@@ -288,7 +288,7 @@ def check_drain(database_url: str, redis_url: str, accepted: list[str], timeout_
         collect()
         with Session(engine) as session:
             rows = session.execute(select(Job.id, Job.status, Job.attempts, Job.batch_id, Job.parent_job_id)).all()
-            batches = {b.id: b for b in session.scalars(select(Batch))}
+            batches = {b.id: b for b in session.scalars(select(ClaimGroup))}
     finally:
         subscriber.close()
         engine.dispose()

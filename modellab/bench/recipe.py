@@ -10,15 +10,15 @@ from typing import Any
 import torch
 
 from modellab.bench.workload import BenchJob
-from worker.runtime import AdapterRuntime
+from modellab.reference import ReferenceRuntime
 
 
-def _synchronize(runtime: AdapterRuntime) -> None:
+def _synchronize(runtime: ReferenceRuntime) -> None:
     if runtime.device == "cuda":
         torch.cuda.synchronize()
 
 
-def run_job(runtime: AdapterRuntime, job: BenchJob) -> float:
+def run_job(runtime: ReferenceRuntime, job: BenchJob) -> float:
     """Seconds for one job: switch to its adapter, generate exactly its tokens (greedy)."""
     _synchronize(runtime)
     started = time.perf_counter()
@@ -33,7 +33,7 @@ def run_job(runtime: AdapterRuntime, job: BenchJob) -> float:
     return time.perf_counter() - started
 
 
-def time_recipe(runtime: AdapterRuntime, jobs: list[BenchJob], per_adapter: int) -> dict[str, Any]:
+def time_recipe(runtime: ReferenceRuntime, jobs: list[BenchJob], per_adapter: int) -> dict[str, Any]:
     """Time the first `per_adapter` jobs of each adapter, then scale to the whole workload: one job at a time
     takes the same time whatever else is queued, so the mean per adapter is all that matters."""
     run_job(runtime, jobs[0])  # warm-up: first-call allocations and kernel selection are not the scheme's cost

@@ -13,7 +13,7 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    seed, engines = result["seed_scheme"], result["engines"]
+    seed, engines = result["seed_scheme"], {"service": result["service"]}
     names = list(engines)
 
     def row(label: str, recipe: str, cell: Callable[[dict[str, Any]], str]) -> tuple[str, ...]:
@@ -33,8 +33,7 @@ def table(result: dict[str, Any]) -> str:
         row("peak allocated GiB", "", lambda e: _fmt(e["peak_allocated_gib"])),
         row("slots / jobs in flight at most", "", lambda e: f"{e.get('slots', '—')} / {e.get('most_in_flight', '—')}"),
         row("OOM events / failed jobs", "", lambda e: f"{e['oom_events']} / {e['failed_jobs']}"),
-        row("batches / mean size / switches", "",
-            lambda e: f"{e['batches']} / {e['mean_batch_size']:.1f} / {e['switches']}"),
+        row("claim groups / mean size", "", lambda e: f"{e['claim_groups']} / {e['mean_group_size']:.1f}"),
     ]
     loads = [f["load"] for f in next(iter(engines.values())).get("fit", [])]
     for index, load in enumerate(loads):
@@ -56,10 +55,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    engines = {name: e for name, e in result["engines"].items() if "jobs_per_s" in e}
+    engines = {name: e for name, e in {"service": result["service"]}.items() if "jobs_per_s" in e}
     fig, (throughput, latency, memory) = plt.subplots(1, 3, figsize=(15, 4.2))
     fig.suptitle(f"kevlaya bench: {result['shape']} on {result['gpu']}, cap {result['vram_budget_gb']} GiB")
-    throughput.bar(["recipe\n(one at a time)", *(f"{name}\nengine" for name in engines)],
+    throughput.bar(["recipe\n(one at a time)", *engines],
                    [result["seed_scheme"]["jobs_per_s"], *(e["jobs_per_s"] for e in engines.values())],
                    color=["#999999", "#3366cc", "#cc6633"][:len(engines) + 1])
     throughput.set_ylabel("jobs/s")
@@ -79,7 +78,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     memory.axhline(result["vram_budget_gb"], color="red", linestyle="--", label="cap")
     memory.set_ylim(0, result["vram_budget_gb"] * 1.1)
     memory.set_xlabel("seconds into the service run")
-    memory.set_ylabel("peak allocated per batch, GiB")
+    memory.set_ylabel("peak allocated per claim group, GiB")
     memory.set_title("memory over time")
     memory.legend()
     fig.tight_layout()

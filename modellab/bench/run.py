@@ -1,6 +1,6 @@
-"""The benchmark's phases, in order: build the model, time the recipe's scheme and profile the runtime in this
-process, then drive the whole service once per engine (throughput, Laya latency idle and under Kev load,
-growing-load fit), so the engines are compared within one run."""
+"""The benchmark's phases, in order: build the model, time the recipe's scheme and profile the decoder in this
+process, then drive the whole service (throughput, Laya latency idle and under Kev load, growing-load fit), so
+the recipe and the service are compared within one run."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from modellab.bench.recipe import time_recipe
 from modellab.bench.service import BatchRow, JobRow, Service
 from modellab.bench.workload import BenchJob, make_jobs
 from modellab.model_factory import build_random_model
+from modellab.reference import GenerationRequest, ReferenceRuntime
 from shared.settings import Settings
-from worker.model_loading import resolve_device
-from worker.runtime import AdapterRuntime, GenerationRequest
+from worker.model.loading import resolve_device
 
 log = logging.getLogger("kevlaya.bench")
 
@@ -47,8 +47,7 @@ class BenchConfig:
     fit_loads: tuple[int, ...] = ()
     max_batch: int = 16
     redis_url: str | None = None
-    engines: tuple[str, ...] = ("batch", "continuous")
-    cuda_graphs: bool = True  # for the continuous engine on CUDA
+    cuda_graphs: bool = True  # capture the decode step on CUDA
     window_tokens: int | None = None  # KEVLAYA_ENGINE_WINDOW_TOKENS; None: the service's default
     prefill_tokens: int | None = None  # KEVLAYA_ENGINE_PREFILL_TOKENS; None: the service's default
 
@@ -69,19 +68,15 @@ def most_in_flight(rows: list[JobRow]) -> int:
     return most
 
 
-def batch_figures(batches: list[BatchRow], rows: list[JobRow], engine: str = "batch") -> dict[str, Any]:
-    """What the worker did for `rows`: batches (continuous engine: jobs claimed together), adapter switches (none
-    there: a row carries its adapter), memory, out-of-memory events."""
-    sequence = [b.adapters for b in batches]
-    oom_alone = sum(r.error_code == "out_of_memory" for r in rows)
-    peaks = [b.peak_vram_bytes for b in batches if b.peak_vram_bytes is not None]
+def group_figures(groups: list[BatchRow], rows: list[JobRow]) -> dict[str, Any]:
+    """What the worker did for `rows`: claim groups (jobs claimed together), memory, out-of-memory failures."""
+    peaks = [b.peak_vram_bytes for b in groups if b.peak_vram_bytes is not None]
     return {
-        "batches": len(batches),
-        "mean_batch_size": statistics.fmean(b.size for b in batches) if batches else 0.0,
-        "switches": sum(a != b for a, b in zip(sequence, sequence[1:])) if engine == "batch" else 0,
+        "claim_groups": len(groups),
+        "mean_group_size": statistics.fmean(b.size for b in groups) if groups else 0.0,
         "peak_allocated_gib": max(peaks) / 2**30 if peaks else None,
         "most_in_flight": most_in_flight(rows),
-        "oom_events": sum(b.oom_splits or 0 for b in batches) + oom_alone,
+        "oom_events": sum(r.error_code == "out_of_memory" for r in rows),
         "failed_jobs": sum(r.status != "succeeded" for r in rows),
     }
 
@@ -94,35 +89,29 @@ def _requests(jobs: list[BenchJob]) -> list[GenerationRequest]:
 
 
 def runtime_phase(config: BenchConfig, settings: Settings, jobs: list[BenchJob]) -> dict[str, Any]:
-    """The recipe's scheme and the profiler, in this process, on the runtime the worker also loads: batch 1 for
-    the recipe, a full Kev batch for each engine (the continuous one through its decoder, as the worker
-    builds it)."""
-    runtime = AdapterRuntime.load(settings)
-    profiles: dict[str, Any] = {}
+    """The recipe's scheme and the profiler, in this process, on the model the worker also loads: batch 1 through
+    `generate` for the recipe, a full Kev batch through the slot decoder, as the worker builds it."""
+    runtime = ReferenceRuntime.load(settings)
     try:
         recipe = time_recipe(runtime, jobs, config.recipe_per_adapter)
         log.info("recipe's scheme: %.3f jobs/s (%s)", recipe["jobs_per_s"], recipe["method"])
         kev = _requests([j for j in jobs if j.adapter == "kev"][:config.max_batch])
         recipe["profile"] = decode_busy_fraction(runtime.run_batch, runtime.device, kev[:1])
-        if "batch" in config.engines:
-            profiles["batch"] = decode_busy_fraction(runtime.run_batch, runtime.device, kev)
-        if "continuous" in config.engines:
-            from worker.slot_engine import build_decoder
+        from worker.engine.loop import build_decoder
 
-            decoder = build_decoder(runtime, settings.model_copy(update={
-                "engine": "continuous", "engine_cuda_graphs": config.cuda_graphs}))
-            try:
-                profiles["continuous"] = decode_busy_fraction(decoder.run, runtime.device, kev)
-            finally:
-                decoder.close()
-                del decoder
-        log.info("GPU busy during decode: batch 1 %s; %d Kev rows %s", recipe["profile"], len(kev), profiles)
+        decoder = build_decoder(runtime.loaded, settings.model_copy(update={"engine_cuda_graphs": config.cuda_graphs}))
+        try:
+            profile = decode_busy_fraction(decoder.run, runtime.device, kev)
+        finally:
+            decoder.close()
+            del decoder
+        log.info("GPU busy during decode: batch 1 %s; %d Kev rows %s", recipe["profile"], len(kev), profile)
     finally:
         del runtime
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return {"recipe": recipe, "profiles": profiles}
+    return {"recipe": recipe, "profile": profile}
 
 
 class KevLoad:
@@ -188,41 +177,38 @@ def _memory(service: Service, since: datetime) -> list[dict[str, Any]]:
 
 
 def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob], laya_jobs: list[BenchJob],
-                  fit_jobs: dict[int, list[BenchJob]], figures: dict[str, Any], save: Callable[[], None],
-                  engine: str) -> None:
+                  fit_jobs: dict[int, list[BenchJob]], figures: dict[str, Any], save: Callable[[], None]) -> None:
     """Fills `figures` phase by phase and calls `save` after each, so a run cut short keeps what it measured."""
     rng = random.Random(config.seed)
-    env = {**env, "KEVLAYA_ENGINE": engine, "KEVLAYA_ENGINE_CUDA_GRAPHS": str(config.cuda_graphs).lower()}
-    with Service(config.workdir / f"service-{engine}", env, config.redis_url) as service:
+    env = {**env, "KEVLAYA_ENGINE_CUDA_GRAPHS": str(config.cuda_graphs).lower()}
+    with Service(config.workdir / "service", env, config.redis_url) as service:
         service.wait(service.submit([jobs[0].body(), jobs[1].body()]))  # warm-up, as the recipe had
         started = service.batches()[-1].started_at
         rows = service.wait(service.submit([j.body() for j in jobs]))
-        batches = [b for b in service.batches(since=started) if b.id in {r.batch_id for r in rows}]
-        figures.update(jobs_per_s=len(rows) / _seconds(rows), **batch_figures(batches, rows, engine),
+        groups = [b for b in service.batches(since=started) if b.id in {r.batch_id for r in rows}]
+        figures.update(jobs_per_s=len(rows) / _seconds(rows), **group_figures(groups, rows),
                        memory_over_time=_memory(service, started))
-        if "slots" in (status := service.worker_status(engine)):  # the continuous engine's, as sized at start
-            figures["slots"] = status["slots"]
-        log.info("service, %s engine: %.3f jobs/s, %d batches", engine, figures["jobs_per_s"], len(batches))
+        figures["slots"] = service.worker_status().get("slots")  # as the worker sized them at start
+        log.info("service: %.3f jobs/s, %d claim groups", figures["jobs_per_s"], len(groups))
         save()
 
         laya_latencies(service, laya_jobs, rng, figures, "idle")
         save()
         kev = next(j for j in jobs if j.adapter == "kev")
         with KevLoad(service, kev, depth=2 * config.max_batch):
-            time.sleep(2.0)  # let the first Kev batch start
-            phases = service.engine_phases() if engine == "continuous" else {}
+            time.sleep(2.0)  # let the first Kev rows start
+            phases = service.engine_phases()
             laya_latencies(service, laya_jobs, rng, figures, "under_kev_load")
-            if phases:
-                figures["engine_phases_under_kev_load"] = engine_phases(phases, service.engine_phases())
+            figures["engine_phases_under_kev_load"] = engine_phases(phases, service.engine_phases())
             save()
 
         figures["fit"] = []
         for load, load_jobs in fit_jobs.items():
             since = service.batches()[-1].started_at
             fit_rows = service.wait(service.submit([j.body() for j in load_jobs]))
-            fit_batches = [b for b in service.batches(since=since) if b.id in {r.batch_id for r in fit_rows}]
+            fit_groups = [b for b in service.batches(since=since) if b.id in {r.batch_id for r in fit_rows}]
             figures["fit"].append({"load": load, "jobs_per_s": len(fit_rows) / _seconds(fit_rows),
-                                   **batch_figures(fit_batches, fit_rows, engine)})
+                                   **group_figures(fit_groups, fit_rows)})
             log.info("fit at load %d: %s", load, figures["fit"][-1])
             save()
         figures["memory_over_time"] = _memory(service, started)
@@ -279,9 +265,9 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                      "prefill_tokens": config.prefill_tokens or settings.engine_prefill_tokens,
                      "prompt_tokens_seen": [min(j.prompt_tokens for j in jobs), max(j.prompt_tokens for j in jobs)]},
         "gpu_busy_method": "PyTorch profiler: CUDA kernel time over wall time of 16 decode steps (prefill removed "
-                           "by a one-token run), in the bench process on the same runtime code and cap; an engine "
-                           "= a full Kev batch (max_batch rows) through run_batch or the continuous decoder, "
-                           "seed = batch 1 through run_batch",
+                           "by a one-token run), in the bench process on the same model code and cap; the service "
+                           "= a full Kev batch (max_batch rows) through the slot decoder, seed = batch 1 through "
+                           "generate (modellab/reference.py)",
         "cuda_graphs": config.cuda_graphs,
         # service settings from the environment, which the service's processes inherit, and the engine's settings
         # as the service reads them (defaults included)
@@ -290,24 +276,18 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     }
     measured = runtime_phase(config, settings, jobs)
     result["seed_scheme"] = measured["recipe"]
-    result["engines"] = engines = {
-        engine: {"gpu_busy_fraction": (measured["profiles"].get(engine) or {}).get("busy_fraction"),
-                 "profile": measured["profiles"].get(engine)} for engine in config.engines}
+    result["service"] = service = {"gpu_busy_fraction": (measured["profile"] or {}).get("busy_fraction"),
+                                   "profile": measured["profile"]}
 
     def checkpoint() -> None:
-        for figures in engines.values():
-            if "jobs_per_s" in figures:
-                figures["speedup_vs_seed"] = figures["jobs_per_s"] / result["seed_scheme"]["jobs_per_s"]
-        # The issue's flat keys: the engine the service runs by default (else the first one run) is "the service".
-        served = engines.get(Settings.model_fields["engine"].default) or next(iter(engines.values()))
-        result["service"] = served
-        result["speedup_vs_seed"] = served.get("speedup_vs_seed")
+        if "jobs_per_s" in service:
+            service["speedup_vs_seed"] = service["jobs_per_s"] / result["seed_scheme"]["jobs_per_s"]
+        result["speedup_vs_seed"] = service.get("speedup_vs_seed")
         result["bench_seconds"] = time.perf_counter() - started
         save(result)
 
     checkpoint()
-    for engine, figures in engines.items():
-        service_phase(config, env, jobs, laya_jobs, fit_jobs, figures, checkpoint, engine)
+    service_phase(config, env, jobs, laya_jobs, fit_jobs, service, checkpoint)
     result["complete"] = True
     checkpoint()
     return result

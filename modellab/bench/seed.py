@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Engine, insert
 
-from shared.models import Batch, Job
+from shared.models import ClaimGroup, Job
 
 FAILURES = (("invalid_output", 0.6), ("out_of_memory", 0.15), ("numerical_error", 0.1), ("internal", 0.15))
 PROMPT = ("Options: A cost {a} risk low days 12 quality 6; B cost {b} risk high days 5 quality 8; C cost {c} risk "
@@ -145,7 +145,7 @@ def seed_jobs(engine: Engine, count: int, hours: float = 24, seed: int = 0,
     def write(connection: Any) -> None:
         nonlocal jobs, batches
         if buffer["batch"]:
-            connection.execute(insert(Batch), buffer["batch"])
+            connection.execute(insert(ClaimGroup), buffer["batch"])
             batches += len(buffer["batch"])
         if buffer["job"]:
             connection.execute(insert(Job), buffer["job"])

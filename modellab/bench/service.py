@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 from shared.migrate import upgrade
-from shared.models import Batch, Job, JobStatus
+from shared.models import ClaimGroup, Job, JobStatus
 from shared.redis_server import answers, start_redis_server
 
 log = logging.getLogger("kevlaya.bench")
@@ -140,16 +140,15 @@ class Service:
             time.sleep(0.5)
         raise RuntimeError(f"the service was not ready after {timeout:.0f}s:\n{self.processes.log_tail('worker')}")
 
-    def worker_status(self, engine: str) -> dict[str, Any]:
-        """The heartbeat of this run's `engine` worker (slots, window, GPU memory), as the status page sees it;
-        a worker of an earlier phase may still have one alive in a shared Redis."""
+    def worker_status(self) -> dict[str, Any]:
+        """The heartbeat of this run's worker (slots, window, GPU memory), as the status page sees it."""
         response = self.client.get("/v1/stats/live")
         response.raise_for_status()
         workers = (response.json()["workers"] or {}).values()
-        return next((w for w in workers if w.get("engine") == engine), {})
+        return next((w for w in workers if w.get("model_loaded")), {})
 
     def engine_phases(self) -> dict[str, tuple[float, float]]:
-        """The worker's continuous-engine phase totals so far, from its /metrics: {phase: (count, seconds)}."""
+        """The worker's engine phase totals so far, from its /metrics: {phase: (count, seconds)}."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
@@ -205,9 +204,9 @@ class Service:
 
     def batches(self, since: datetime | None = None) -> list[BatchRow]:
         with Session(self.engine) as session:
-            query = select(Batch).order_by(Batch.started_at)
+            query = select(ClaimGroup).order_by(ClaimGroup.started_at)
             if since is not None:
-                query = query.where(Batch.started_at >= since)
+                query = query.where(ClaimGroup.started_at >= since)
             return [BatchRow(id=str(b.id), adapters=b.adapters, size=b.size, started_at=b.started_at,
                              finished_at=b.finished_at, peak_vram_bytes=b.peak_vram_bytes, oom_splits=b.oom_splits)
                     for b in session.scalars(query)]

@@ -31,8 +31,8 @@ from modellab.training.data import (
 from modellab.training.loop import LoopSettings, make_report, run_loop, seed_everything
 from modellab.training.scoring import score_decisions
 from shared.manifest import write_manifest
-from worker.model_loading import resolve_device
-from worker.quantization import nf4_config
+from worker.model.loading import resolve_device
+from worker.model.quantization import nf4_config
 
 log = logging.getLogger("kevlaya.training")
 

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from modellab.training.config import PretrainConfig, TrainReport
 from modellab.training.data import block_batches
 from modellab.training.loop import LoopSettings, make_report, run_loop, seed_everything
-from worker.model_loading import resolve_device
+from worker.model.loading import resolve_device
 
 log = logging.getLogger("kevlaya.training")
 

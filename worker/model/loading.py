@@ -1,5 +1,6 @@
 """Loading the model: the base (NF4 on CUDA, under the VRAM budget) with every adapter that verifies and loads,
-and its tokenizer. What is loaded is then served by the batch runtime or the continuous decoder."""
+and its tokenizer. The engine serves what is loaded through its slot decoder; `modellab/reference.py` through
+`generate`."""
 
 from __future__ import annotations
 
@@ -15,18 +16,51 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from shared.manifest import verify_manifest
 from shared.settings import ADAPTERS, Settings
-from worker.library_features import require_library_features
-from worker.quantization import nf4_config
+from worker.generation import GenerationRequest
+from worker.memory import cap_process_memory
+from worker.model.library_features import require_library_features
+from worker.model.quantization import nf4_config
+from worker.model.tokens import check_request
 
 log = logging.getLogger("kevlaya.runtime")
 
 
 @dataclass
 class LoadedModel:
+    """The base with every adapter that loaded: what the worker serves, and what it refuses and why."""
+
     model: torch.nn.Module  # a PeftModel holding the adapters that loaded, or the bare base when none did
     tokenizer: PreTrainedTokenizerBase  # left padding, a pad token
     device: str
     unavailable: dict[str, str]  # adapter -> why it is not served
+
+    @property
+    def adapters(self) -> set[str]:
+        loaded = set(self.model.peft_config) if isinstance(self.model, PeftModel) else set()
+        return loaded - self.unavailable.keys()
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Every token that ends an answer; the tokenizer's first (it is the one forced onto a broken row)."""
+        eos = self.model.generation_config.eos_token_id
+        ids = [self.tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])]
+        return list(dict.fromkeys(i for i in ids if i is not None))
+
+    @property
+    def context(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def refusal(self, adapter: str) -> str | None:
+        """Why `adapter` cannot be served, or None; never fall back to the bare base model."""
+        if adapter in self.adapters:
+            return None
+        if adapter in self.unavailable:
+            return self.unavailable[adapter]
+        return f"unknown adapter {adapter!r}; this worker serves {', '.join(sorted(self.adapters)) or 'none'}"
+
+    def check(self, request: GenerationRequest) -> tuple[int, str | None]:
+        """The request's prompt tokens, and why it cannot run on this model (or None)."""
+        return check_request(self.tokenizer, self.context, request, torch.device("cpu"))
 
 
 def resolve_device(setting: str) -> str:
@@ -48,11 +82,7 @@ def load_base(path: str, device: str, vram_budget_gb: float, quantization: str =
     compute_dtype = torch.float16 if device == "cuda" else torch.float32
     placement = {"": 0} if device == "cuda" else {"": "cpu"}
     if device == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        budget = vram_budget_gb * 2**30
-        if budget < total:
-            # Emulate the target card on a bigger one, so over-budget code fails here too (docs/architecture.md §5).
-            torch.cuda.set_per_process_memory_fraction(budget / total, 0)
+        cap_process_memory(vram_budget_gb)
     if not nf4:
         return AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=placement)
     return AutoModelForCausalLM.from_pretrained(

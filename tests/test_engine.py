@@ -1,4 +1,4 @@
-"""The continuous engine in a real worker process (Celery, Redis, SQL, transformers + peft on the tiny model):
+"""The engine in a real worker process (Celery, Redis, SQL, transformers + peft on the tiny model):
 jobs take slots as they free up, a Laya job does not wait for the Kev jobs ahead of it, nothing runs twice."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import func, select
@@ -13,94 +14,17 @@ from sqlalchemy import func, select
 from shared import lifecycle
 from shared.db import session_scope
 from shared.heartbeat import live_workers
-from shared.models import Batch, Job
+from shared.models import ClaimGroup, Job
 from tests.conftest import TEXT, start_worker, submit, wait_finished, wait_until
-from worker.admission import SlotBudget, kv_bytes_per_token
-from worker.scheduler import QueueSnapshot, SchedulingPolicy, plan_slots
-
-POLICY = SchedulingPolicy(max_batch=8, max_wait_ms=2000, max_consecutive_batches=8)
-EXPECTED = {"kev": 256, "laya": 64}
-
-
-def test_free_slots_go_to_the_shortest_jobs_unless_someone_waited_too_long():
-    both = QueueSnapshot(queued={"kev": 10, "laya": 3}, oldest_wait_ms={"kev": 500, "laya": 10})
-    assert plan_slots(both, 5, POLICY, EXPECTED) == [("laya", 3), ("kev", 2)]
-    assert plan_slots(both, 2, POLICY, EXPECTED) == [("laya", 2)]
-    starving = QueueSnapshot(queued={"kev": 10, "laya": 3}, oldest_wait_ms={"kev": 2500, "laya": 10})
-    assert plan_slots(starving, 4, POLICY, EXPECTED) == [("kev", 4)]  # the fairness bound comes first
-    assert plan_slots(QueueSnapshot({}, {}), 4, POLICY, EXPECTED) == []
-
-
-def test_reserved_slots_stay_free_for_their_adapter_while_another_backlog_starves():
-    starving_kev = QueueSnapshot(queued={"kev": 40}, oldest_wait_ms={"kev": 9000})
-    reserve = {"laya": 2}
-    # Laya holds nothing: two of the free slots stay free for it, the starving Kev backlog takes the rest
-    assert plan_slots(starving_kev, 5, POLICY, EXPECTED, reserve, {"kev": 27}) == [("kev", 3)]
-    assert plan_slots(starving_kev, 2, POLICY, EXPECTED, reserve, {"kev": 30}) == []
-    # Laya already holds one slot: only one more stays free for it
-    assert plan_slots(starving_kev, 2, POLICY, EXPECTED, reserve, {"kev": 29, "laya": 1}) == [("kev", 1)]
-    # A Laya job arriving then takes a kept slot at once, although Kev waited far longer
-    both = QueueSnapshot(queued={"kev": 40, "laya": 1}, oldest_wait_ms={"kev": 9000, "laya": 5})
-    assert plan_slots(both, 2, POLICY, EXPECTED, reserve, {"kev": 30}) == [("laya", 1)]
-    # More Laya than its reservation: beyond it, Laya competes like anyone (the starving backlog first)
-    many = QueueSnapshot(queued={"kev": 40, "laya": 9}, oldest_wait_ms={"kev": 9000, "laya": 5})
-    assert plan_slots(many, 4, POLICY, EXPECTED, reserve, {"kev": 28}) == [("kev", 2), ("laya", 2)]
-    # Nobody reserved: as before
-    assert plan_slots(both, 2, POLICY, EXPECTED, {}, {"kev": 30}) == [("kev", 2)]
-
-
-def test_a_reservation_is_at_most_a_quarter_of_the_slots():
-    from shared.settings import Settings
-    from worker.slot_engine import reserved_slots
-
-    settings = Settings(_env_file=None)
-    assert settings.laya.reserved_slots == 4 and settings.kev.reserved_slots == 0
-    assert reserved_slots(settings, ["kev", "laya"], 32) == {"laya": 4}
-    assert reserved_slots(settings, ["kev", "laya"], 8) == {"laya": 2}
-    assert reserved_slots(settings, ["kev", "laya"], 3) == {}
-    kev_too = Settings(_env_file=None, kev={"reserved_slots": 1})
-    assert reserved_slots(kev_too, ["kev", "laya"], 16) == {"kev": 1, "laya": 4}
-
-
-def test_slots_come_from_the_budget_arithmetic():
-    # Qwen2.5-3B: 36 layers, 2 key/value heads of 128, fp16: 36 KiB per token
-    per_token = kv_bytes_per_token(36, 2, 128, 2)
-    assert per_token == 36 * 1024
-    budget = SlotBudget(budget_bytes=int(5.5 * 2**30), resident_bytes=int(1.94 * 2**30),
-                        workspace_bytes=2**29, kv_per_token=per_token, window=1024)
-    spare = int(5.5 * 2**30) - int(1.94 * 2**30) - 2**29
-    assert budget.slots(1000) == spare // (per_token * 1024) == 87  # 3.06 GiB of 36 MiB slots
-    assert budget.slots(16) == 16
-    # Llama-2-7B: 32 layers × 32 heads × 128 → 512 KiB per token; 3.9 GiB resident in a 5 GiB budget
-    seven = SlotBudget(budget_bytes=5 * 2**30, resident_bytes=int(3.9 * 2**30), workspace_bytes=2**28,
-                       kv_per_token=kv_bytes_per_token(32, 32, 128, 2), window=256)
-    assert seven.slots(16) == 6 and "6 slot(s) of 256 tokens" in seven.explain(16)
-    assert SlotBudget(2**30, 2**30, 0, per_token, 1024).slots(16) == 0
-
-
-def test_a_measured_peak_over_the_budget_takes_slots_away_until_sizing_ends():
-    gib = 2**30
-    budget = SlotBudget(  # Llama-2-7B, 384-token slots: 0.1875 GiB each
-        budget_bytes=5 * gib, resident_bytes=int(3.69 * gib), workspace_bytes=gib // 4,
-        kv_per_token=kv_bytes_per_token(32, 32, 128, 2), window=384)
-    assert budget.slots(5) == 5  # the 0.25 GiB estimate
-    assert budget.after_measuring(5, 5 * gib) == 5  # a peak at the budget fits: keep them
-    # A peak of 5.07 GiB means a 0.44 GiB workspace: 0.87 GiB left for slots, four of them
-    over = int(5.07 * gib)
-    assert budget.after_measuring(5, over) == 4
-    assert budget.after_measuring(5, 5 * gib + 1) == 4  # at least one fewer, however small the excess
-    assert budget.after_measuring(5, None) == 4  # out of memory while measuring: one fewer, measured again
-    assert budget.after_measuring(1, None) == 0  # nothing holds: the worker stops with the arithmetic
-    assert budget.after_measuring(5, 9 * gib) == 0
 
 
 @pytest.fixture
-def continuous_env(env):  # noqa: ANN001, ANN201
-    return {**env, "KEVLAYA_ENGINE": "continuous", "KEVLAYA_MAX_BATCH": "4", "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}
+def slot_env(env):  # noqa: ANN001, ANN201
+    return {**env, "KEVLAYA_MAX_BATCH": "4", "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}
 
 
 @pytest.mark.integration
-def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, start_process):
+def test_jobs_of_both_adapters_all_succeed_through_slots(slot_env, api, start_process):
     """30 jobs queued before the worker starts: 4 slots, at most ~2 prompts prefilled between two steps."""
     job_ids = [submit(api, ("kev", "laya")[i % 2], f"Option A costs {i}, option B costs {30 - i}. Pick.",
                       max_new_tokens=4 + i % 7) for i in range(30)]
@@ -108,11 +32,11 @@ def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, st
     too_long = submit(api, "kev", "Within the API's window, over the worker's.", max_new_tokens=700)
     # random weights never give Laya a confident decision: both escalate, and their Kev stages take slots too
     cascades = [submit(api, "auto", f"Pick A or B, case {i}.", max_new_tokens=4) for i in range(2)]
-    start_worker(start_process, {**continuous_env, "KEVLAYA_ENGINE_PREFILL_TOKENS": "64",
+    start_worker(start_process, {**slot_env, "KEVLAYA_ENGINE_PREFILL_TOKENS": "64",
                                  "KEVLAYA_ENGINE_WINDOW_TOKENS": "768"}, api)
     [worker] = live_workers().values()  # its heartbeat says how it serves (the status page shows it)
     # KEVLAYA_MAX_BATCH=4 rows for any role, plus one slot reserved for Laya (a quarter of 4)
-    assert (worker["engine"], worker["slots"], worker["window_tokens"]) == ("continuous", 5, 768)
+    assert (worker["slots"], worker["window_tokens"]) == (5, 768)
     refused = wait_finished(api, [too_long])[0]
     assert refused["status"] == "failed" and refused["error"]["code"] == "invalid_input"
     assert "KEVLAYA_ENGINE_WINDOW_TOKENS" in refused["error"]["message"]
@@ -128,14 +52,14 @@ def test_jobs_of_both_adapters_all_succeed_through_slots(continuous_env, api, st
         assert job["tokens"]["prompt"] > 0 and 1 <= job["tokens"]["completion"] <= job["params"]["max_new_tokens"]
         assert all(job["timings"][k] is not None for k in ("queue_ms", "prefill_ms", "decode_ms", "total_ms"))
     with session_scope() as session:
-        finished = session.scalar(select(func.sum(Batch.size)).where(Batch.finished_at.is_not(None)))
+        finished = session.scalar(select(func.sum(ClaimGroup.size)).where(ClaimGroup.finished_at.is_not(None)))
         assert finished == 35  # every claim group closed with all its jobs stored (2 Laya + 2 Kev stages)
 
 
 @pytest.mark.integration
-def test_a_laya_job_does_not_wait_for_the_kev_jobs_in_flight(continuous_env, api, start_process):
+def test_a_laya_job_does_not_wait_for_the_kev_jobs_in_flight(slot_env, api, start_process):
     # Exact lengths (end-of-sequence ignored): the random tiny model must not end the Kev jobs early.
-    start_worker(start_process, {**continuous_env, "KEVLAYA_IGNORE_EOS": "true",
+    start_worker(start_process, {**slot_env, "KEVLAYA_IGNORE_EOS": "true",
                                  "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}, api)
     kev = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=600) for i in range(3)]
 
@@ -156,10 +80,10 @@ def test_a_laya_job_does_not_wait_for_the_kev_jobs_in_flight(continuous_env, api
 
 
 @pytest.mark.integration
-def test_a_laya_job_takes_its_reserved_slot_while_a_starving_kev_backlog_waits(continuous_env, api, start_process):
+def test_a_laya_job_takes_its_reserved_slot_while_a_starving_kev_backlog_waits(slot_env, api, start_process):
     """Every slot but Laya's reserved one holds a Kev job and more Kev jobs wait past the fairness bound: the
     reserved slot stays free, and a Laya job arriving takes it at once instead of after a Kev row finishes."""
-    start_worker(start_process, {**continuous_env, "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_MAX_WAIT_MS": "0"}, api)
+    start_worker(start_process, {**slot_env, "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_MAX_WAIT_MS": "0"}, api)
     kev = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=600) for i in range(8)]
 
     def statuses() -> dict[str, str]:
@@ -182,8 +106,8 @@ def test_a_laya_job_takes_its_reserved_slot_while_a_starving_kev_backlog_waits(c
 
 
 @pytest.mark.integration
-def test_a_worker_killed_mid_decode_loses_nothing_and_runs_nothing_twice(continuous_env, api, start_process):
-    long_jobs = {**continuous_env, "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}
+def test_a_worker_killed_mid_decode_loses_nothing_and_runs_nothing_twice(slot_env, api, start_process):
+    long_jobs = {**slot_env, "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}
     worker = start_worker(start_process, long_jobs, api)
     job_ids = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=600) for i in range(6)]
 
@@ -205,7 +129,7 @@ def test_a_released_job_is_queued_again_without_counting_an_attempt(service_env)
     from datetime import datetime, timezone
 
     with session_scope() as session:
-        batch = Batch(id=uuid.uuid4(), adapters="kev", mixed=False, worker="w", started_at=datetime.now(timezone.utc))
+        batch = ClaimGroup(id=uuid.uuid4(), adapters="kev", mixed=False, worker="w", started_at=datetime.now(timezone.utc))
         job = Job(adapter="kev", requested_adapter="kev", input="x", params=TEXT)
         session.add_all([batch, job])
         session.flush()
@@ -225,17 +149,17 @@ def test_out_of_memory_in_a_step_puts_the_newest_jobs_back_and_every_job_still_r
     import torch
 
     from shared.settings import Settings
-    from worker.runtime import AdapterRuntime
-    from worker.slot_engine import SlotEngine
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
                         kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
                         ignore_eos=True)
     with session_scope() as session:
         jobs = [Job(adapter=a, requested_adapter=a, input=f"Question {i}?", params={**TEXT, "max_new_tokens": 12})
                 for i, a in enumerate(["kev", "laya", "kev", "laya"])]
         session.add_all(jobs)
-    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    engine = Engine(load_model(settings), settings)
     fired = []
 
     def out_of_memory_once(module, args):  # noqa: ANN001, ANN202
@@ -243,7 +167,7 @@ def test_out_of_memory_in_a_step_puts_the_newest_jobs_back_and_every_job_still_r
             fired.append(True)
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by the test)")
 
-    embed = engine.runtime.model.get_input_embeddings()
+    embed = engine.loaded.model.get_input_embeddings()
     handle = embed.register_forward_pre_hook(out_of_memory_once)
     try:
         assert engine.drain(60) == 6  # four claims, then the two given back are claimed again
@@ -253,24 +177,73 @@ def test_out_of_memory_in_a_step_puts_the_newest_jobs_back_and_every_job_still_r
     assert fired and engine.decoder.limit == 3
     with session_scope() as session:
         stored = session.scalars(select(Job)).all()
-        batches = session.scalars(select(Batch)).all()
+        batches = session.scalars(select(ClaimGroup)).all()
     assert [(j.status, j.attempts, j.completion_tokens) for j in stored] == [("succeeded", 1, 12)] * 4
     assert sum(b.size for b in batches) == 6 and all(b.finished_at is not None for b in batches)
+
+
+@pytest.mark.parametrize("where", ["prefill", "step"])
+def test_a_job_that_runs_out_of_memory_alone_fails_instead_of_going_back_to_the_queue(service_env, tiny_model,
+                                                                                      where):
+    """Giving rows back to the queue after an out-of-memory only helps while others share the memory: a job that
+    runs out of memory with nothing beside it fails `out_of_memory` (before, it went back, was claimed again and
+    ran out of memory again, forever). The job queued after it still runs."""
+    import torch
+
+    from shared.settings import Settings
+    from worker.engine.loop import Engine
+    from worker.ledger.settle import generation_request
+    from worker.model.loading import load_model
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=1,
+                        ignore_eos=True)
+    with session_scope() as session:
+        huge = Job(adapter="kev", requested_adapter="kev", input="A very long question " * 20,
+                   params={**TEXT, "max_new_tokens": 6})
+        session.add(huge)
+        session.flush()
+        small = Job(adapter="kev", requested_adapter="kev", input="Short?", params={**TEXT, "max_new_tokens": 6},
+                    created_at=huge.created_at + timedelta(seconds=1))
+        session.add(small)
+        session.flush()
+        requests = [generation_request(job, settings) for job in (huge, small)]
+    engine = Engine(load_model(settings), settings)
+    huge_tokens, small_tokens = (engine.loaded.check(r)[0] for r in requests)
+    assert huge_tokens > small_tokens + 20
+
+    def out_of_memory_for_the_huge_job(module, args):  # noqa: ANN001, ANN202
+        width = args[0].shape[1]
+        if where == "prefill" and width > (huge_tokens + small_tokens) / 2 or where == "step" and width == 1 and any(
+                row.request.job_id == huge.id for row in engine.decoder.rows):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    handle = engine.loaded.model.get_input_embeddings().register_forward_pre_hook(out_of_memory_for_the_huge_job)
+    try:
+        assert engine.drain(30) == 2
+    finally:
+        handle.remove()
+        engine.decoder.close()
+    with session_scope() as session:
+        failed, ran = session.get(Job, huge.id), session.get(Job, small.id)
+    assert (failed.status, failed.error_code, failed.attempts) == ("failed", "out_of_memory", 1)
+    assert "even when run alone" in failed.error_message
+    assert (ran.status, ran.completion_tokens) == ("succeeded", 6)
 
 
 def test_a_reservation_shrinks_with_the_slots_an_out_of_memory_left(service_env, tiny_model):
     """After out-of-memory errors shrank the decoder to one slot, Laya's reservation must not keep that slot
     from a Kev backlog: the Kev jobs still run."""
     from shared.settings import Settings
-    from worker.runtime import AdapterRuntime
-    from worker.slot_engine import SlotEngine
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
                         kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4)
     with session_scope() as session:
         session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Question {i}?",
                              params={**TEXT, "max_new_tokens": 4}) for i in range(3)])
-    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    engine = Engine(load_model(settings), settings)
     engine.decoder.limit = 1  # what repeated out-of-memory give-backs leave
     try:
         assert engine.drain(5) == 3
@@ -285,10 +258,10 @@ def test_a_job_the_engine_cannot_run_fails_alone_and_its_batch_mates_finish(serv
     way to the decoder: that job fails `invalid_input`, alone; the others claimed with it finish (the drain
     raised and stopped before)."""
     from shared.settings import Settings
-    from worker.runtime import AdapterRuntime
-    from worker.slot_engine import SlotEngine
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
                         kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4)
     with session_scope() as session:
         jobs = [Job(id=uuid.uuid4(), adapter="kev", requested_adapter="kev", input=f"Question {i}?",
@@ -296,7 +269,7 @@ def test_a_job_the_engine_cannot_run_fails_alone_and_its_batch_mates_finish(serv
                 for i in range(3)]
         poisoned = jobs[1].id
         session.add_all(jobs)
-    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    engine = Engine(load_model(settings), settings)
     try:
         assert engine.drain(60) == 3
     finally:
@@ -313,11 +286,11 @@ def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_st
     """Four rows that finish at the same step are stored in one transaction; when storing one of them raises,
     the others are stored one by one and succeed, and the error still reaches the drain."""
     from shared.settings import Settings
-    from worker import slot_engine
-    from worker.runtime import AdapterRuntime
-    from worker.slot_engine import SlotEngine
+    from worker.engine import writer
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
                         kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
                         ignore_eos=True)
     with session_scope() as session:
@@ -325,18 +298,18 @@ def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_st
                     params={**TEXT, "max_new_tokens": 5}) for i, a in enumerate(["kev", "laya", "kev", "laya"])]
         session.add_all(jobs)
     broken = jobs[2].id
-    settle = slot_engine.settle_job
+    settle = writer.settle_job
 
     def settle_or_break(session, job, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         if job.id == broken:
             raise RuntimeError("the database refused this row (injected by the test)")
         return settle(session, job, *args, **kwargs)
 
-    monkeypatch.setattr(slot_engine, "settle_job", settle_or_break)
-    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    monkeypatch.setattr(writer, "settle_job", settle_or_break)
+    engine = Engine(load_model(settings), settings)
     groups = []
-    write = engine._write
-    monkeypatch.setattr(engine, "_write", lambda items: groups.append(len(items)) or write(items))
+    write = engine.writer._write
+    monkeypatch.setattr(engine.writer, "_write", lambda items: groups.append(len(items)) or write(items))
     try:
         with pytest.raises(RuntimeError, match="injected by the test"):
             engine.drain(30)
@@ -356,12 +329,12 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
     import threading
 
     from shared.settings import Settings
-    from worker import slot_engine
+    from worker.engine import writer
+    from worker.engine.loop import Engine
     from worker.metrics import ENGINE_PHASES, METRICS
-    from worker.runtime import AdapterRuntime
-    from worker.slot_engine import SlotEngine
+    from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
                         kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
                         ignore_eos=True, engine_switch_interval_ms=0.25)
     with session_scope() as session:
@@ -369,17 +342,17 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
                     params={**TEXT, "max_new_tokens": 6}) for i, a in enumerate(["kev", "laya", "kev"])]
         session.add_all(jobs)
     made: list[tuple[str, object, str]] = []
-    decode = slot_engine.decode_with_spans
+    decode = writer.decode_with_spans
 
     def recorded(tokenizer, tokens):  # noqa: ANN001, ANN202
         text, spans = decode(tokenizer, tokens)
         made.append((threading.current_thread().name, tokenizer, text))
         return text, spans
 
-    monkeypatch.setattr(slot_engine, "decode_with_spans", recorded)
+    monkeypatch.setattr(writer, "decode_with_spans", recorded)
     before = {p: METRICS.engine_phase.labels(p)._sum.get() for p in ENGINE_PHASES}
     switch_interval = sys.getswitchinterval()
-    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    engine = Engine(load_model(settings), settings)
     try:
         assert sys.getswitchinterval() == pytest.approx(0.00025)
         assert engine.drain(30) == 3
@@ -387,7 +360,7 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
         engine.decoder.close()
         sys.setswitchinterval(switch_interval)
     assert len(made) == 3 and all(name.startswith("result-writer") for name, _, _ in made)
-    assert all(tokenizer is engine.text_tokenizer is not engine.runtime.tokenizer for _, tokenizer, _ in made)
+    assert all(tokenizer is engine.writer.tokenizer is not engine.loaded.tokenizer for _, tokenizer, _ in made)
     with session_scope() as session:
         stored = sorted(j.result_text for j in session.scalars(select(Job)).all())
     assert stored == sorted(text for _, _, text in made) and all(stored)
@@ -400,10 +373,10 @@ def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(
     of decoding before the next one (share 0.25: 3 d), so the Laya row spends at most a quarter of its time
     waiting for them."""
     from shared.settings import Settings
-    from worker.runtime import AdapterRuntime
-    from worker.slot_engine import SlotEngine
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu", engine="continuous",
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
                         kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
                         ignore_eos=True, engine_prefill_tokens=1, engine_prefill_share=0.25)
     with session_scope() as session:
@@ -411,9 +384,9 @@ def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(
                         params={**TEXT, "max_new_tokens": 40}))
         session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Weigh option {i}.",
                              params={**TEXT, "max_new_tokens": 80}) for i in range(4)])
-    engine = SlotEngine(AdapterRuntime.load(settings), settings)
+    engine = Engine(load_model(settings), settings)
     prefills: list[tuple[float, float, list[str], bool]] = []
-    admit = engine.decoder.admit
+    admit = engine.decoder.prefill
 
     def timed(requests, admitted_at=None):  # noqa: ANN001, ANN202
         laya_decoding = any(engine.decoder.adapters[r.adapter] == "laya" for r in engine.decoder.rows)
@@ -423,7 +396,7 @@ def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(
         finally:
             prefills.append((started, time.monotonic(), [r.adapter for r in requests], laya_decoding))
 
-    monkeypatch.setattr(engine.decoder, "admit", timed)
+    monkeypatch.setattr(engine.decoder, "prefill", timed)
     try:
         assert engine.drain(60) == 5
     finally:

@@ -1,5 +1,5 @@
-"""The model libraries must have the features the runtime relies on; an older release fails at start-up with
-a message that says what to install, not with a TypeError in the middle of the first batch."""
+"""The model libraries must have the features the worker relies on; an older release fails at start-up with
+a message that says what to install, not with a TypeError in the middle of the first job."""
 
 from __future__ import annotations
 

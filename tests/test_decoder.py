@@ -1,4 +1,4 @@
-"""The continuous decoder on the shipped demo model: the same answers as today's per-adapter `generate`, with
+"""The slot decoder on the shipped demo model: the same answers as the reference runtime's per-adapter `generate`, with
 Kev and Laya rows in the same steps, slots refilled while other rows decode, and per-row sampling."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ import uuid
 import pytest
 import torch
 
+from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
-from worker.continuous import SlotDecoder
+from worker.decoder.sampling import RowSampling, choose, nucleus
+from worker.decoder.slot_decoder import SlotDecoder
 from worker.generation import GenerationRequest, GenerationResult
-from worker.runtime import AdapterRuntime
-from worker.sampling import RowSampling, choose, nucleus
+from worker.memory import after_step_out_of_memory
 
 PROMPTS = [
     "Should we ship on Friday?",
@@ -24,12 +25,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def runtime() -> AdapterRuntime:
-    return AdapterRuntime.load(Settings(_env_file=None, device="cpu"))
+def runtime() -> ReferenceRuntime:
+    return ReferenceRuntime.load(Settings(_env_file=None, device="cpu"))
 
 
 @pytest.fixture
-def decoder(runtime: AdapterRuntime):  # noqa: ANN201
+def decoder(runtime: ReferenceRuntime):  # noqa: ANN201
     def make(slots: int = 4, window: int = 256, **options: object) -> SlotDecoder:
         made = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=slots, window=window,
                            eos_ids=runtime.eos_ids, **options)
@@ -64,7 +65,7 @@ def assert_same_answers(expected: list[GenerationResult], got: list[GenerationRe
 
 @pytest.mark.parametrize("static_steps", [False, True], ids=["eager-steps", "static-steps"])
 @pytest.mark.parametrize("slots, window", [(10, 256), (3, 256), (2, 96)], ids=["all-at-once", "refilled", "compacted"])
-def test_greedy_answers_equal_per_adapter_generate(runtime: AdapterRuntime, decoder, slots: int, window: int,
+def test_greedy_answers_equal_per_adapter_generate(runtime: ReferenceRuntime, decoder, slots: int, window: int,
                                                    static_steps: bool) -> None:
     """Both adapters share every step; with fewer slots than jobs queued jobs take freed slots mid-run, and with a
     window barely above the longest job the block is shifted right for long prompts and compacted left. Static
@@ -75,7 +76,7 @@ def test_greedy_answers_equal_per_adapter_generate(runtime: AdapterRuntime, deco
     assert_same_answers(expected, decoder(slots, window, static_steps=static_steps).run(requests))
 
 
-def test_the_throwaway_prefill_measured_at_start_leaves_no_trace(runtime: AdapterRuntime, decoder) -> None:
+def test_the_throwaway_prefill_measured_at_start_leaves_no_trace(runtime: ReferenceRuntime, decoder) -> None:
     """The worker runs its largest prefill into an empty decoder to measure memory; the jobs after it get the
     same answers as without it, and every slot is free."""
     requests = mixed_requests()[:4]
@@ -85,20 +86,20 @@ def test_the_throwaway_prefill_measured_at_start_leaves_no_trace(runtime: Adapte
     assert measured.free == 4 and not measured.rows
     assert_same_answers(expected, measured.run(requests))
     busy = decoder(slots=2)
-    busy.admit(requests[:1])
+    busy.prefill(requests[:1])
     with pytest.raises(ValueError, match="no rows in flight"):
         busy.throwaway_prefill(rows=1, width=16)
 
 
-def test_a_freed_slot_is_taken_while_a_long_row_decodes(runtime: AdapterRuntime, decoder) -> None:
+def test_a_freed_slot_is_taken_while_a_long_row_decodes(runtime: ReferenceRuntime, decoder) -> None:
     long, short, queued = request("kev", PROMPTS[3], 60), request("laya", PROMPTS[0], 3), request("laya", PROMPTS[2], 4)
     expected = {r.job_id: runtime.run_batch([r]).results[0] for r in (long, short, queued)}
     engine = decoder(slots=2)
-    done = {r.job_id: r for r in engine.admit([long, short])}
+    done = {r.job_id: r for r in engine.prefill([long, short])}
     while short.job_id not in done:
         done.update({r.job_id: r for r in engine.step()})
     assert engine.free == 1 and long.job_id not in done  # the short row left; the long one still decodes
-    done.update({r.job_id: r for r in engine.admit([queued])})
+    done.update({r.job_id: r for r in engine.prefill([queued])})
     while queued.job_id not in done:
         done.update({r.job_id: r for r in engine.step()})
     assert long.job_id not in done  # the queued job came and went while the long one kept going
@@ -108,7 +109,7 @@ def test_a_freed_slot_is_taken_while_a_long_row_decodes(runtime: AdapterRuntime,
                         [done[r.job_id] for r in (long, short, queued)])
 
 
-def test_a_seeded_job_samples_as_it_would_alone(runtime: AdapterRuntime, decoder) -> None:
+def test_a_seeded_job_samples_as_it_would_alone(runtime: ReferenceRuntime, decoder) -> None:
     """Rows with other temperatures, top-p and seeds (and unseeded ones) share its steps; its tokens are the ones
     `generate` draws for it alone with the same seed."""
     seeded = request("laya", PROMPTS[1], 24, temperature=0.8, top_p=0.9, seed=7)
@@ -121,7 +122,7 @@ def test_a_seeded_job_samples_as_it_would_alone(runtime: AdapterRuntime, decoder
     assert together.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-4)
 
 
-def test_a_row_with_broken_logits_fails_alone(runtime: AdapterRuntime, decoder) -> None:
+def test_a_row_with_broken_logits_fails_alone(runtime: ReferenceRuntime, decoder) -> None:
     requests = [request("kev", PROMPTS[0], 12), request("laya", PROMPTS[1], 12), request("kev", PROMPTS[2], 12)]
     clean = [runtime.run_batch([r]).results[0] for r in requests]
     engine = decoder(slots=3)
@@ -144,15 +145,16 @@ def test_a_row_with_broken_logits_fails_alone(runtime: AdapterRuntime, decoder) 
     assert_same_answers([clean[0], clean[2]], [results[0], results[2]])
 
 
-def test_out_of_memory_gives_back_the_newest_rows_and_admits_fewer(runtime: AdapterRuntime, decoder) -> None:
+def test_out_of_memory_gives_back_the_newest_rows_and_admits_fewer(runtime: ReferenceRuntime, decoder) -> None:
     first = [request("kev", PROMPTS[0], 30), request("laya", PROMPTS[1], 30)]
     later = [request("kev", PROMPTS[2], 30), request("laya", PROMPTS[3], 30)]
     expected = [runtime.run_batch([r]).results[0] for r in first]
     engine = decoder(slots=4)
-    engine.admit(first)
+    engine.prefill(first)
     engine.step()
-    engine.admit(later)
-    given_back = engine.give_back_newest(2)
+    engine.prefill(later)
+    count, engine.limit = after_step_out_of_memory(len(engine.rows))
+    given_back = engine.drop_newest(count)
     assert {r.job_id for r in given_back} == {r.job_id for r in later}
     assert [row.request.job_id for row in engine.rows] == [r.job_id for r in first]
     assert engine.limit == 3 and engine.free == 1
@@ -165,7 +167,7 @@ def test_out_of_memory_gives_back_the_newest_rows_and_admits_fewer(runtime: Adap
 def test_a_row_that_cannot_fit_the_window_is_refused_before_anything_runs(decoder) -> None:
     engine = decoder(slots=2, window=48)
     with pytest.raises(ValueError, match="window of 48"):
-        engine.admit([request("kev", PROMPTS[3], 40)])
+        engine.prefill([request("kev", PROMPTS[3], 40)])
     assert engine.rows == [] and engine.free == 2
 
 

@@ -1,4 +1,4 @@
-"""The key/value cache of the continuous decoder: one preallocated block of `slots × window` tokens per layer.
+"""The key/value block of the slot decoder: one preallocated block of `slots × window` tokens per layer.
 
 Rows live in slots 0..n-1 (kept contiguous, so a step runs on a prefix of the block) and share one timeline of
 columns: every row's last cached token is at column `t - 1`, so one decode step writes every row's new token at
@@ -77,7 +77,7 @@ def kv_shape(config: object) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-class SlotCache:
+class KVBlock:
     def __init__(self, config: object, slots: int, window: int, dtype: torch.dtype, device: torch.device):
         layers, kv_heads, head_dim = kv_shape(config)
         self.slots, self.window = slots, window

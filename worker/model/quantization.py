@@ -1,4 +1,4 @@
-"""The 4-bit NF4 base model: one definition for serving (`runtime.py`) and QLoRA training (`modellab/training`)."""
+"""The 4-bit NF4 base model: one definition for serving (`loading.py`) and QLoRA training (`modellab/training`)."""
 
 from __future__ import annotations
 

@@ -1,99 +1,30 @@
-"""Adapter-affinity batching (docs/architecture.md §4). Pure: decides *what* runs next from plain data, never touches
-the model or the database, so it can be tested exhaustively."""
+"""Who takes a free slot, and which claimed jobs are prefilled when (docs/architecture.md §4). Pure: decides from
+plain data, never touches the model or the database, so it can be tested exhaustively."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from shared.settings import Settings
+from worker.ledger.claims import QueueSnapshot
 
 
-@dataclass(frozen=True)
-class QueueSnapshot:
-    """What is waiting, per adapter: how many jobs and how long the oldest has waited."""
-
-    queued: dict[str, int]
-    oldest_wait_ms: dict[str, float]
-
-    def waiting(self) -> list[str]:
-        return sorted((a for a, n in self.queued.items() if n > 0), key=lambda a: -self.oldest_wait_ms[a])
+def reserved_slots(settings: Settings, adapters: Iterable[str], rows: int) -> dict[str, int]:
+    """Each adapter's `reserved_slots`, at most a quarter of `rows`, so a reservation never starves the rest."""
+    reserved = {a: min(settings.adapter_profile(a).reserved_slots, rows // 4) for a in sorted(adapters)}
+    return {a: n for a, n in reserved.items() if n > 0}
 
 
-@dataclass(frozen=True)
-class SchedulingPolicy:
-    max_batch: int
-    max_wait_ms: float
-    max_consecutive_batches: int
-    mixed: bool = False
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    adapters: tuple[str, ...]
-    limit: int
-    switch: bool  # the active adapter changes for this batch
-
-    @property
-    def mixed(self) -> bool:
-        return len(self.adapters) > 1
-
-
-@dataclass
-class SchedulerState:
-    active_adapter: str | None = None
-    consecutive_batches: int = 0
-    switches: int = field(default=0)
-
-    def advance(self, plan: BatchPlan) -> None:
-        """Record that `plan` ran."""
-        if plan.mixed:
-            self.consecutive_batches = 0
-            return
-        adapter = plan.adapters[0]
-        if adapter == self.active_adapter:
-            self.consecutive_batches += 1
-        else:
-            if self.active_adapter is not None:  # the first adapter of a worker is a load, not a switch
-                self.switches += 1
-            self.active_adapter, self.consecutive_batches = adapter, 1
-
-
-def plan_next_batch(snapshot: QueueSnapshot, state: SchedulerState, policy: SchedulingPolicy,
-                    capacity: int | None = None) -> BatchPlan | None:
-    """The next batch: stay on the active adapter unless it is empty, another adapter's oldest job has
-    waited past `max_wait_ms`, or the active one has had `max_consecutive_batches` in a row.
-
-    `capacity` is how many sequences the memory budget admits; the batch never exceeds it."""
-    waiting = snapshot.waiting()
-    if not waiting:
-        return None
-    limit = policy.max_batch if capacity is None else max(1, min(policy.max_batch, capacity))
-    if policy.mixed and len(waiting) > 1:
-        return BatchPlan(adapters=tuple(sorted(waiting)), limit=limit, switch=False)
-
-    active = state.active_adapter
-    others = [a for a in waiting if a != active]
-    if active in waiting:
-        starving = [a for a in others if snapshot.oldest_wait_ms[a] > policy.max_wait_ms]
-        if starving:
-            chosen = starving[0]
-        elif others and state.consecutive_batches >= policy.max_consecutive_batches:
-            chosen = others[0]
-        else:
-            chosen = active
-    else:
-        chosen = waiting[0]  # the adapter whose oldest job has waited longest
-    return BatchPlan(adapters=(chosen,), limit=limit, switch=chosen != active)
-
-
-def plan_slots(snapshot: QueueSnapshot, free: int, policy: SchedulingPolicy, expected_tokens: dict[str, int],
+def plan_slots(snapshot: QueueSnapshot, free: int, max_wait_ms: float, expected_tokens: dict[str, int],
                reserved: Mapping[str, int] | None = None,
                in_flight: Mapping[str, int] | None = None) -> list[tuple[str, int]]:
-    """Who takes the continuous engine's `free` slots, as (adapter, count) in claiming order.
+    """Who takes the `free` slots, as (adapter, count) in claiming order.
 
-    A slot costs nothing to switch, so affinity no longer pays; what matters is who waits. Adapters whose
+    A slot costs nothing to switch, so adapter affinity does not pay; what matters is who waits. Adapters whose
     oldest job has waited past `max_wait_ms` come first (oldest first): the fairness bound. Then the adapter
     with the shortest expected jobs (fewest new tokens), so a fast decider never queues behind a deliberate
-    analyst's backlog (docs/architecture.md §4).
+    analyst's backlog.
 
     `reserved` slots belong to one adapter: while it holds fewer than that (`in_flight`), the difference stays
     free for it even when another adapter's backlog is starving, so its next job starts at the next step
@@ -101,7 +32,7 @@ def plan_slots(snapshot: QueueSnapshot, free: int, policy: SchedulingPolicy, exp
     reserved, in_flight = reserved or {}, in_flight or {}
     unused = {a: max(0, n - in_flight.get(a, 0)) for a, n in reserved.items()}
     waiting = snapshot.waiting()
-    starving = [a for a in waiting if snapshot.oldest_wait_ms[a] > policy.max_wait_ms]
+    starving = [a for a in waiting if snapshot.oldest_wait_ms[a] > max_wait_ms]
     rest = sorted((a for a in waiting if a not in starving), key=lambda a: (expected_tokens.get(a, 0), a))
     plan, left = [], free
     for adapter in starving + rest:
@@ -141,7 +72,7 @@ class PrefillPacer:
     slots) decodes: a prefill of d seconds runs only after d × (1 − share) / share seconds of decoding, counted
     from the previous one or from when latency rows started decoding (d: the last such prefill's length). A wave
     of Kev prompts then stretches a Laya row's decode by at most 1 / (1 − share), instead of by every prefill the
-    wave needs (docs/architecture.md §14). share 1 paces nothing."""
+    wave needs (docs/architecture.md §4). share 1 paces nothing."""
 
     share: float
     next_at: float = 0.0  # time.monotonic() from which the next paced prefill may run

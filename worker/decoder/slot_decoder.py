@@ -2,13 +2,12 @@
 and sampling settings. Between steps new requests are prefilled into free slots; a row that finishes leaves at
 once and its slot is free for the next step (docs/architecture.md §14).
 
-No database or Celery here: the worker engine decides who gets a slot and records what comes out.
+No database or Celery here: the engine (worker/engine/) decides who gets a slot and records what comes out.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,13 +15,13 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
-from worker.generation import GenerationRequest, GenerationResult
-from worker.kv_slots import SlotCache
-from worker.row_lora import NO_ADAPTER, RowLoRA
-from worker.sampling import RowSampling, choose
-from worker.tokens import decode_with_spans, encode_chats
+from worker.decoder.graph_step import CapturedStep
+from worker.decoder.kv_block import KVBlock
+from worker.decoder.row_lora import RowLoRA
+from worker.decoder.sampling import RowSampling, choose
+from worker.generation import GenerationRequest, GenerationResult, numerical_error
+from worker.model.tokens import decode_with_spans, encode_chats
 
-log = logging.getLogger("kevlaya.decoder")
 GENERATE_DEFAULT_TOP_K = 50
 
 
@@ -63,18 +62,18 @@ class SlotDecoder:
         dtype = model.config.dtype if isinstance(model.config.dtype, torch.dtype) else torch.float16
         if self.device.type == "cpu":
             dtype = torch.float32
-        self.kv = SlotCache(model.config, slots, window, dtype, self.device)
+        self.kv = KVBlock(model.config, slots, window, dtype, self.device)
         self.lora = RowLoRA(model, self.adapters)
         self.rows: list[Row] = []  # row i lives in slot i
-        self.limit = slots  # rows admitted at most; lowered when a step runs out of memory
+        self.limit = slots  # rows admitted at most; the engine lowers it after an out-of-memory (worker/memory.py)
         self._order = itertools.count()
-        self._attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-        if self._attention not in ("sdpa", "eager"):
-            raise ValueError(f"attention implementation {self._attention!r}: the decoder builds sdpa/eager masks")
+        self.attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {self.attention!r}: the decoder builds sdpa/eager masks")
         self.static = static_steps or graphs
         if self.static:
             try:
-                self._static = StaticStep(self, capture=graphs)
+                self._static = CapturedStep(self, capture=graphs)
             except BaseException:
                 self.lora.remove()  # a decoder that failed to build leaves the model as it found it
                 raise
@@ -91,13 +90,13 @@ class SlotDecoder:
         """Give the model back its PEFT adapters (the decoder's cache is freed with it)."""
         self.lora.remove()
 
-    # -- admission ---------------------------------------------------------------------------------------------
+    # -- prefill -----------------------------------------------------------------------------------------------
 
     def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
         """Whether a row of this size can ever run here: its prompt and new tokens within one slot's window."""
         return prompt_tokens + max_new_tokens <= self.window
 
-    def admit(self, requests: list[GenerationRequest], admitted_at: float | None = None) -> list[GenerationResult]:
+    def prefill(self, requests: list[GenerationRequest], admitted_at: float | None = None) -> list[GenerationResult]:
         """Prefill `requests` (at most `free`, each known to fit) into free slots; returns the rows that are
         already finished (a one-token answer or broken logits). Raises on a model failure, slots unchanged."""
         if not requests:
@@ -122,7 +121,7 @@ class SlotDecoder:
                for r, length in zip(requests, lengths)]
 
         started = time.perf_counter()
-        logits = self._prefill(ids, present, first, [row.adapter for row in new])
+        logits = self._prefill_block(ids, present, first, [row.adapter for row in new])
         self.rows.extend(new)
         prefill_ms = (time.perf_counter() - started) * 1000
         for row in new:
@@ -141,7 +140,8 @@ class SlotDecoder:
                 row.start += by
             self.kv.t = width
 
-    def _prefill(self, ids: torch.Tensor, present: torch.Tensor, first: int, adapters: list[int]) -> torch.Tensor:
+    def _prefill_block(self, ids: torch.Tensor, present: torch.Tensor, first: int,
+                       adapters: list[int]) -> torch.Tensor:
         """Run a prompt block (rows × width, left-padded where `present` is 0) into slots first, first + 1, ...,
         ending at column `t - 1`; returns each row's last logits."""
         width = ids.shape[1]
@@ -156,13 +156,13 @@ class SlotDecoder:
 
     def throwaway_prefill(self, rows: int, width: int) -> None:
         """Prefill `rows` × `width` placeholder tokens (both adapters) into an empty decoder and forget them: the
-        largest prefill the engine runs, so the worker can measure its memory at start (build_decoder)."""
+        largest prefill the engine runs, so the worker can measure its memory at start (worker/memory.py: fit_slots)."""
         if self.rows:
             raise ValueError("a throwaway prefill needs a decoder with no rows in flight")
         rows, width = min(rows, self.kv.slots), min(width, self.window)
         ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         self._make_room(width)
-        self._prefill(ids, torch.ones_like(ids), 0, [i % len(self.adapters) for i in range(rows)])
+        self._prefill_block(ids, torch.ones_like(ids), 0, [i % len(self.adapters) for i in range(rows)])
 
     # -- decoding ----------------------------------------------------------------------------------------------
 
@@ -193,7 +193,7 @@ class SlotDecoder:
                  adapters: list[int]) -> torch.Tensor:
         """Logits of each row's last position. `allowed`: rows × queries × keys, True where attention may look."""
         mask = allowed[:, None]
-        if self._attention == "eager":  # eager attention adds its mask to the scores
+        if self.attention == "eager":  # eager attention adds its mask to the scores
             mask = torch.zeros(mask.shape, device=self.device).masked_fill(~mask, torch.finfo(torch.float32).min)
         self.lora.select(adapters)
         with torch.inference_mode():
@@ -241,12 +241,11 @@ class SlotDecoder:
             row.start -= by
         self.kv.t -= by
 
-    # -- out of memory -----------------------------------------------------------------------------------------
+    # -- giving rows back -------------------------------------------------------------------------------------
 
-    def give_back_newest(self, count: int) -> list[GenerationRequest]:
-        """Drop the `count` most recently admitted rows (their work is lost, they are not failed) and admit one
-        row fewer from now on than were in flight; returns their requests, to go back in the queue."""
-        self.limit = max(1, len(self.rows) - 1)
+    def drop_newest(self, count: int) -> list[GenerationRequest]:
+        """Drop the `count` most recently admitted rows (their work is lost, they are not failed); returns their
+        requests, to go back in the queue."""
         return self._drop(sorted(self.rows, key=lambda r: r.order, reverse=True)[:count])
 
     def clear(self) -> list[GenerationRequest]:
@@ -270,10 +269,7 @@ class SlotDecoder:
             token_ids=list(row.tokens), token_logprobs=list(row.logprobs), token_spans=spans,
         )
         if row.broken_after is not None:
-            result.error_code = "numerical_error"
-            result.error_message = (f"non-finite logits (NaN/Inf) after {row.broken_after} generated token(s); "
-                                    "the sequence was stopped and its partial text kept")
-            log.error("job %s: %s", row.request.job_id, result.error_message)
+            numerical_error(result, row.broken_after)
         return result
 
     def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -282,99 +278,10 @@ class SlotDecoder:
         while waiting or self.rows:
             if waiting and self.free:
                 batch, waiting = waiting[:self.free], waiting[self.free:]
-                finished = self.admit(batch)
+                finished = self.prefill(batch)
             else:
                 finished = self.step()
             done.update({r.job_id: r for r in finished})
         return [done[r.job_id] for r in requests]
 
 
-_capture_stream: torch.cuda.Stream | None = None
-
-
-def capture_stream() -> torch.cuda.Stream:
-    """One stream for every warm-up and capture in this process: cuBLAS keeps a workspace (32 MiB on Hopper) per
-    stream it has run on, for good, so a new stream per bucket or per rebuilt decoder would pile them up."""
-    global _capture_stream
-    if _capture_stream is None:
-        _capture_stream = torch.cuda.Stream()
-    return _capture_stream
-
-
-class StaticStep:
-    """The decode step with fixed shapes: inputs in preallocated buffers, the whole window read, rows padded to
-    a bucket (1, 2, 4, ... slots) with idle rows that attend only to their own new column. On CUDA each bucket
-    can be captured once as a CUDA graph and replayed, so a step costs one launch instead of thousands
-    (docs/architecture.md §14); elsewhere the same step runs eagerly (the CPU tests use it)."""
-
-    def __init__(self, decoder: SlotDecoder, capture: bool):
-        if decoder._attention != "sdpa":
-            raise ValueError("static decode steps need sdpa attention")
-        self.decoder = decoder
-        slots, window, device = decoder.kv.slots, decoder.window, decoder.device
-        self.buckets = sorted({min(2**i, slots) for i in range(slots.bit_length() + 1)})
-        self.ids = torch.zeros(slots, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
-        self.mask = torch.zeros(slots, 1, 1, window, dtype=torch.bool, device=device)
-        self.column = torch.zeros(1, dtype=torch.long, device=device)
-        self.columns = torch.arange(window)  # host side, for building the mask
-        self.adapters = decoder.lora.new_buffer(slots)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if capture:
-            self._capture()
-
-    def _forward(self, bucket: int) -> torch.Tensor:
-        decoder = self.decoder
-        view = decoder.kv.view
-        view.rows, view.column = slice(0, bucket), self.column
-        decoder.lora.mask = self.adapters[:bucket]
-        try:
-            with torch.inference_mode():
-                output = decoder.model(input_ids=self.ids[:bucket], attention_mask=self.mask[:bucket],
-                                       position_ids=self.positions[:bucket], cache=decoder.kv.cache, use_cache=True,
-                                       logits_to_keep=1)
-        finally:
-            view.column = None
-        return output.logits[:, -1]
-
-    def _capture(self) -> None:
-        """One graph per bucket, sharing one memory pool; captured on idle rows (nothing is in flight yet)."""
-        if self.decoder.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device")
-        self.mask[:, 0, 0, 0] = True
-        pool, side = None, capture_stream()
-        for bucket in self.buckets:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=side):
-                logits = self._forward(bucket)
-            pool = graph.pool()
-            self.graphs[bucket] = (graph, logits)
-        log.info("captured the decode step for %s rows", ", ".join(map(str, self.buckets)))
-
-    def run(self) -> torch.Tensor:
-        """The logits of every row in flight, from one step over the smallest bucket that holds them."""
-        decoder = self.decoder
-        rows, t = decoder.rows, decoder.kv.t
-        n = len(rows)
-        bucket = next(b for b in self.buckets if b >= n)
-        ids = [row.tokens[-1] for row in rows] + [0] * (bucket - n)
-        positions = [row.prompt_tokens + len(row.tokens) - 1 for row in rows] + [0] * (bucket - n)
-        self.ids[:bucket, 0].copy_(torch.tensor(ids))
-        self.positions[:bucket, 0].copy_(torch.tensor(positions))
-        starts = torch.tensor([row.start for row in rows] + [t] * (bucket - n))
-        columns = self.columns[None, :]
-        self.mask[:bucket, 0, 0].copy_((columns >= starts[:, None]) & (columns <= t))
-        self.column.fill_(t)
-        decoder.lora.select_in_place([row.adapter for row in rows] + [NO_ADAPTER] * (bucket - n),
-                                     self.adapters[:bucket])
-        if bucket in self.graphs:
-            graph, logits = self.graphs[bucket]
-            graph.replay()
-        else:
-            logits = self._forward(bucket)
-        return logits[:n]

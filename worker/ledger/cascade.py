@@ -1,4 +1,4 @@
-"""The `auto` cascade (docs/architecture.md §8): Laya answers first; an invalid or unsure answer goes to Kev.
+"""The `auto` cascade (docs/architecture.md §9): Laya answers first; an invalid or unsure answer goes to Kev.
 
 An escalated `auto` job ends up with two children: a finished record of Laya's stage and the Kev job.
 The parent waits (running, without a lease, so expiry never re-queues it); whatever final state the Kev
@@ -6,13 +6,14 @@ stage reaches settles it (`shared.lifecycle.settle_parent`)."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime, timezone
 
 from sqlalchemy.orm import Session
 
 from shared import lifecycle
+from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus
-from worker.claims import JobOutcome
 
 
 def is_cascade_head(job: Job) -> bool:
@@ -26,15 +27,15 @@ def needs_escalation(outcome: JobOutcome, threshold: float) -> bool:
     return confidence is None or confidence < threshold
 
 
-def escalate(session: Session, parent: Job, batch_id, laya: JobOutcome) -> Job | None:  # noqa: ANN001
-    """Record Laya's stage and queue Kev; None when this batch no longer holds the parent's lease."""
-    held = lifecycle.escalate(session, parent, batch_id)
+def escalate(session: Session, parent: Job, group_id: uuid.UUID, laya: JobOutcome) -> Job | None:
+    """Record Laya's stage and queue Kev; None when this claim group no longer holds the parent's lease."""
+    held = lifecycle.escalate(session, parent, group_id)
     if not held:
         return None
     now = datetime.now(timezone.utc)
     stage = Job(
         adapter="laya", requested_adapter="laya", status=laya.status, input=parent.input, params=parent.params,
-        parent_job_id=parent.id, api_key_id=parent.api_key_id, batch_id=batch_id, attempts=parent.attempts,
+        parent_job_id=parent.id, api_key_id=parent.api_key_id, batch_id=group_id, attempts=parent.attempts,
         created_at=parent.created_at, started_at=parent.started_at, finished_at=now,
         result_text=laya.result_text, decision=laya.decision, error_code=laya.error_code,
         error_message=laya.error_message, switch_ms=laya.switch_ms, prefill_ms=laya.prefill_ms,

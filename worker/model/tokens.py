@@ -1,5 +1,5 @@
-"""The tokenizer side of generation, shared by both engines: chats to token ids, whether a request can run at
-all, and token ids back to text with each token's character span."""
+"""The tokenizer side of generation, for the decoder and the reference runtime: chats to token ids, whether a
+request can run at all, and token ids back to text with each token's character span."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 from shared.schemas import MIN_TEMPERATURE
 from worker.generation import GenerationRequest
 
-if TYPE_CHECKING:  # the Celery parent imports this module (through worker.slot_engine) and must not import torch
+if TYPE_CHECKING:  # the Celery parent imports this module (through worker.engine) and must not import torch
     import torch
 
 

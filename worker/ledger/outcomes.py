@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from shared.decision import find_decision
+from shared.lifecycle import JobOutcome
 from shared.models import JobStatus
-from worker.claims import JobOutcome
 from worker.generation import GenerationResult
 
 
-def job_outcome(result: GenerationResult, output: str, switch_ms: float) -> JobOutcome:
+def job_outcome(result: GenerationResult, output: str) -> JobOutcome:
     """`output` is the job's format: "decision" requires a valid decision object, "text" does not."""
     text = result.text.replace("\x00", "\ufffd") if result.text is not None else None  # PostgreSQL refuses NUL
-    timings = dict(switch_ms=switch_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
-                  first_token_ms=result.first_token_ms,
+    # Slots never switch adapters: a row carries its own (docs/architecture.md §14).
+    timings = dict(switch_ms=0.0, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
+                   first_token_ms=result.first_token_ms,
                    prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
     if result.error_code:
         return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code=result.error_code,

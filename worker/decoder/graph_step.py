@@ -1,0 +1,107 @@
+"""The decode step with fixed shapes, so it can be captured as CUDA graphs and replayed (docs/architecture.md §14).
+
+Inputs live in preallocated buffers, the whole window is read, and rows are padded to a bucket (1, 2, 4, ...
+slots) with idle rows that attend only to their own new column. On CUDA each bucket is captured once and
+replayed, so a step costs one launch instead of thousands; elsewhere the same step runs eagerly (the CPU tests
+use it)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.decoder.row_lora import NO_ADAPTER
+
+if TYPE_CHECKING:
+    from worker.decoder.slot_decoder import SlotDecoder
+
+log = logging.getLogger("kevlaya.decoder")
+
+_capture_stream: torch.cuda.Stream | None = None
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """One stream for every warm-up and capture in this process: cuBLAS keeps a workspace (32 MiB on Hopper) per
+    stream it has run on, for good, so a new stream per bucket or per rebuilt decoder would pile them up."""
+    global _capture_stream
+    if _capture_stream is None:
+        _capture_stream = torch.cuda.Stream()
+    return _capture_stream
+
+
+class CapturedStep:
+    """One decoder's fixed-shape step, one graph per bucket when `capture` (CUDA), else run eagerly."""
+
+    def __init__(self, decoder: SlotDecoder, capture: bool):
+        if decoder.attention != "sdpa":
+            raise ValueError("static decode steps need sdpa attention")
+        self.decoder = decoder
+        slots, window, device = decoder.kv.slots, decoder.window, decoder.device
+        self.buckets = sorted({min(2**i, slots) for i in range(slots.bit_length() + 1)})
+        self.ids = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
+        self.mask = torch.zeros(slots, 1, 1, window, dtype=torch.bool, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.columns = torch.arange(window)  # host side, for building the mask
+        self.adapters = decoder.lora.new_buffer(slots)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if capture:
+            self._capture()
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        decoder = self.decoder
+        view = decoder.kv.view
+        view.rows, view.column = slice(0, bucket), self.column
+        decoder.lora.mask = self.adapters[:bucket]
+        try:
+            with torch.inference_mode():
+                output = decoder.model(input_ids=self.ids[:bucket], attention_mask=self.mask[:bucket],
+                                       position_ids=self.positions[:bucket], cache=decoder.kv.cache, use_cache=True,
+                                       logits_to_keep=1)
+        finally:
+            view.column = None
+        return output.logits[:, -1]
+
+    def _capture(self) -> None:
+        """One graph per bucket, sharing one memory pool; captured on idle rows (nothing is in flight yet)."""
+        if self.decoder.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.mask[:, 0, 0, 0] = True
+        pool, side = None, capture_stream()
+        for bucket in self.buckets:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=side):
+                logits = self._forward(bucket)
+            pool = graph.pool()
+            self.graphs[bucket] = (graph, logits)
+        log.info("captured the decode step for %s rows", ", ".join(map(str, self.buckets)))
+
+    def run(self) -> torch.Tensor:
+        """The logits of every row in flight, from one step over the smallest bucket that holds them."""
+        decoder = self.decoder
+        rows, t = decoder.rows, decoder.kv.t
+        n = len(rows)
+        bucket = next(b for b in self.buckets if b >= n)
+        ids = [row.tokens[-1] for row in rows] + [0] * (bucket - n)
+        positions = [row.prompt_tokens + len(row.tokens) - 1 for row in rows] + [0] * (bucket - n)
+        self.ids[:bucket, 0].copy_(torch.tensor(ids))
+        self.positions[:bucket, 0].copy_(torch.tensor(positions))
+        starts = torch.tensor([row.start for row in rows] + [t] * (bucket - n))
+        columns = self.columns[None, :]
+        self.mask[:bucket, 0, 0].copy_((columns >= starts[:, None]) & (columns <= t))
+        self.column.fill_(t)
+        decoder.lora.select_in_place([row.adapter for row in rows] + [NO_ADAPTER] * (bucket - n),
+                                     self.adapters[:bucket])
+        if bucket in self.graphs:
+            graph, logits = self.graphs[bucket]
+            graph.replay()
+        else:
+            logits = self._forward(bucket)
+        return logits[:n]

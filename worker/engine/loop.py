@@ -1,0 +1,280 @@
+"""The engine's loop: between decode steps it claims queued jobs into free slots, prefills them, and hands the
+rows each step finishes to the result writer (docs/architecture.md §3, §14). A job is claimed when it takes a
+slot; jobs claimed together are one claim group (a `batches` row)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, NamedTuple
+
+from shared.db import session_scope
+from shared.models import ClaimGroup, Job
+from shared.settings import Settings
+from worker.engine.policy import PrefillPacer, plan_slots, prefill_group, prefill_order, reserved_slots, unpaced_prefix
+from worker.engine.writer import ResultWriter
+from worker.generation import GenerationRequest, GenerationResult
+from worker.ledger.claims import claim_group, queue_snapshot, worker_name
+from worker.ledger.leases import leases_kept
+from worker.ledger.settle import failed, generation_request, unreadable
+from worker.memory import (
+    GIB,
+    SlotBudget,
+    after_prefill_out_of_memory,
+    after_step_out_of_memory,
+    alone_out_of_memory,
+    fit_slots,
+    is_out_of_memory,
+    kv_bytes_per_token,
+)
+from worker.metrics import METRICS
+
+if TYPE_CHECKING:  # torch is imported only in the worker child
+    from worker.decoder.slot_decoder import SlotDecoder
+    from worker.model.loading import LoadedModel
+
+log = logging.getLogger("kevlaya.worker")
+# After a look at the queue found nothing to claim, the next look waits this long: a step is milliseconds, and a
+# database query per step would cost the decode loop more than the few milliseconds a new job may wait.
+IDLE_POLL_S = 0.02
+
+
+class Claimed(NamedTuple):
+    """A job that holds a slot and waits for its prefill."""
+
+    request: GenerationRequest
+    prompt_tokens: int
+    claimed_at: float  # time.monotonic()
+
+
+def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
+    """A decoder with `max_batch` slots plus the reserved ones, fewer where the memory budget holds fewer (CUDA:
+    worker/memory.py sizes it by arithmetic, then by its measured peak)."""
+    import torch
+
+    from worker.decoder.kv_block import kv_shape
+    from worker.decoder.slot_decoder import SlotDecoder
+
+    window = min(settings.engine_window_tokens, loaded.context or settings.engine_window_tokens)
+    # Reserved slots come on top of max_batch, so a role's backlog keeps max_batch rows when memory allows.
+    wanted = settings.max_batch + sum(reserved_slots(settings, loaded.adapters, settings.max_batch).values())
+    graphs = settings.engine_cuda_graphs and loaded.device == "cuda"
+
+    def build(slots: int) -> SlotDecoder:
+        return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
+                           eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs, texts=False)
+
+    if loaded.device != "cuda":
+        return build(wanted)
+    torch.cuda.empty_cache()  # what loading left cached is not the decoder's to count
+    budget = SlotBudget(
+        budget_bytes=int(settings.vram_budget_gb * GIB), resident_bytes=torch.cuda.memory_allocated(),
+        workspace_bytes=int(settings.engine_workspace_gb * GIB),
+        kv_per_token=kv_bytes_per_token(*kv_shape(loaded.model.config), dtype_bytes=2), window=window)
+    return fit_slots(build, budget, wanted, settings.engine_prefill_tokens)
+
+
+class Engine:
+    """The slots of one worker process and the loop that fills them."""
+
+    def __init__(self, loaded: LoadedModel, settings: Settings):
+        self.loaded, self.settings = loaded, settings
+        self.decoder = build_decoder(loaded, settings)
+        self.expected_tokens = {a: settings.adapter_profile(a).max_new_tokens for a in loaded.adapters}
+        if reserved := self._reserved():
+            log.info("engine: slots reserved per adapter %s of %d", reserved, self.decoder.limit)
+        self.worker = worker_name()
+        self.draining = threading.Event()
+        self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
+        self.pacer = PrefillPacer(settings.engine_prefill_share)
+        self.writer = ResultWriter(loaded.tokenizer, settings, self._peak)
+        # The writer's work must not hold the decode loop at each lock hand-back (settings: engine_switch_interval_ms).
+        sys.setswitchinterval(settings.engine_switch_interval_ms / 1000)
+
+    def drain(self, budget_s: float) -> int:
+        """Claim and decode until nothing is queued or in flight; stop claiming after `budget_s`. Returns the jobs
+        claimed."""
+        self.draining.set()
+        try:
+            with leases_kept(self.writer.live_groups, self.settings.lease_seconds):
+                claimed = self._loop(time.monotonic() + budget_s)
+                self.writer.wait()  # every result stored before the task ends
+        finally:
+            self.draining.clear()
+        return claimed
+
+    def _loop(self, deadline: float) -> int:
+        claimed, next_look = 0, 0.0
+        while True:
+            now = time.monotonic()
+            if now < deadline and now >= next_look and self.decoder.free > len(self.to_prefill):
+                with METRICS.engine_phase.labels("claim").time():
+                    took = self._claim()
+                claimed += took
+                next_look = 0.0 if took else now + IDLE_POLL_S
+            self._prefill_some()
+            if not self.decoder.rows:
+                if not self.to_prefill and (now >= deadline or not self._queued()):
+                    return claimed
+                next_look = 0.0  # nothing in flight: look again at once
+                continue
+            with METRICS.engine_phase.labels("step").time():
+                self._step()
+
+    def _queued(self) -> bool:
+        with session_scope() as session:
+            return bool(queue_snapshot(session).waiting())
+
+    # -- claiming ----------------------------------------------------------------------------------------------
+
+    def _claim(self) -> int:
+        """Claim jobs for the free slots; returns how many were claimed."""
+        free = self.decoder.free - len(self.to_prefill)
+        with session_scope() as session:
+            plan = plan_slots(queue_snapshot(session), free, self.settings.max_wait_ms, self.expected_tokens,
+                              self._reserved(), self._in_flight())
+        claimed = 0
+        for adapter, count in plan:
+            with session_scope() as session:
+                group, jobs = claim_group(session, adapter, count, self.worker, self.settings.lease_seconds)
+            if jobs:
+                claimed += len(jobs)
+                self._start(group, jobs)
+        return claimed
+
+    def _reserved(self) -> dict[str, int]:
+        # From the current limit: after an out-of-memory shrank it, a reservation must not take the last slots.
+        return reserved_slots(self.settings, self.loaded.adapters, min(self.settings.max_batch, self.decoder.limit))
+
+    def _in_flight(self) -> Counter[str]:
+        """Slots each adapter holds or is about to hold (claimed, waiting for its prefill)."""
+        return Counter([self.decoder.adapters[row.adapter] for row in self.decoder.rows]
+                       + [claimed.request.adapter for claimed in self.to_prefill])
+
+    def _start(self, group: ClaimGroup, jobs: list[Job]) -> None:
+        self.writer.add(group, jobs)
+        METRICS.rows_in_flight.set(len(self.decoder.rows) + len(jobs))
+        log.info("claim group %s: %d job(s) on %s take free slots", group.id, len(jobs), group.adapters)
+        for job in jobs:
+            try:  # a row this worker cannot read or check fails alone, never the loop or its group-mates
+                request = generation_request(job, self.settings)
+                tokens, problem = self._check(request)
+            except Exception as exc:
+                self.writer.store([(job.id, unreadable(exc))])
+                continue
+            if problem is not None:
+                self.writer.store([(job.id, failed(*problem))])
+                continue
+            self.to_prefill.append(Claimed(request, tokens, time.monotonic()))
+
+    def _check(self, request: GenerationRequest) -> tuple[int, tuple[str, str] | None]:
+        """The job's prompt tokens, and why it cannot take a slot (it fails alone, with a code) or None."""
+        if reason := self.loaded.refusal(request.adapter):
+            return 0, ("adapter_unavailable", reason)
+        tokens, problem = self.loaded.check(request)
+        if problem is not None:
+            return tokens, ("invalid_input", problem)
+        if not self.decoder.fits(tokens, request.max_new_tokens):
+            return tokens, ("invalid_input", f"the prompt is {tokens} tokens; with max_new_tokens "
+                            f"{request.max_new_tokens} that is over this worker's window of {self.decoder.window} "
+                            "tokens (KEVLAYA_ENGINE_WINDOW_TOKENS)")
+        return tokens, None
+
+    # -- prefill and decode ------------------------------------------------------------------------------------
+
+    def _prefill_some(self) -> None:
+        """Prefill claimed jobs up to KEVLAYA_ENGINE_PREFILL_TOKENS padded tokens (at least one job), so rows
+        already decoding wait one bounded prefill per step, not a whole burst's, and its memory is the one
+        measured at start. While a latency role's row decodes, other roles' jobs are paced (PrefillPacer,
+        KEVLAYA_ENGINE_PREFILL_SHARE)."""
+        now = time.monotonic()
+        waited = [(now - c.claimed_at) * 1000 for c in self.to_prefill]
+        order = prefill_order([c.request.max_new_tokens for c in self.to_prefill], waited, self.settings.max_wait_ms)
+        self.to_prefill, waited = [self.to_prefill[i] for i in order], [waited[i] for i in order]
+        count = prefill_group([c.prompt_tokens for c in self.to_prefill], self.decoder.free,
+                              self.settings.engine_prefill_tokens)
+        roles = set(self._reserved())
+        latency = [c.request.adapter in roles for c in self.to_prefill]
+        if not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles for r in self.decoder.rows)):
+            count = min(count, unpaced_prefix(latency, waited, self.settings.max_wait_ms))
+        chosen = [c.request for c in self.to_prefill[:count]]
+        del self.to_prefill[:count]
+        if not chosen:
+            return
+        handed_at, started = time.perf_counter(), time.monotonic()
+        with METRICS.engine_phase.labels("prefill").time():
+            try:
+                finished = self.decoder.prefill(chosen, handed_at)
+            except Exception as exc:
+                finished = self._prefill_one_by_one(chosen, handed_at, exc)
+        if not all(latency[:count]):
+            self.pacer.ran(started, time.monotonic())
+        self._finished(finished)
+
+    def _prefill_one_by_one(self, requests: list[GenerationRequest], handed_at: float,
+                            error: Exception) -> list[GenerationResult]:
+        """The group's prefill raised: out of memory puts them back in the queue; anything else is retried
+        row by row, so a job that breaks it fails alone (`internal`) and the others still run."""
+        if is_out_of_memory(error):
+            if len(requests) == 1 and not self.decoder.rows:  # alone, it can never run here
+                self._out_of_memory_alone(requests[0])
+                return []
+            self.decoder.limit = after_prefill_out_of_memory(len(self.decoder.rows))
+            log.warning("out of memory prefilling %d job(s); they go back to the queue, at most %d row(s) from now",
+                        len(requests), self.decoder.limit)
+            self.writer.release([r.job_id for r in requests])
+            METRICS.oom_give_backs.inc(len(requests))
+            return []
+        log.exception("prefilling %d job(s) failed; prefilling them one by one to isolate the cause", len(requests),
+                      exc_info=error)
+        finished = []
+        for request in requests:
+            try:
+                finished += self.decoder.prefill([request], handed_at)
+            except Exception as exc:
+                log.exception("job %s fails the decoder even alone", request.job_id)
+                self.writer.store([(request.job_id, failed("internal", f"{exc.__class__.__name__}: {exc}"))])
+        return finished
+
+    def _step(self) -> None:
+        try:
+            finished = self.decoder.step()
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                if len(self.decoder.rows) == 1:  # alone, it can never run here
+                    self._out_of_memory_alone(self.decoder.clear()[0])
+                    return
+                count, self.decoder.limit = after_step_out_of_memory(len(self.decoder.rows))
+                given_back = self.decoder.drop_newest(count)
+                log.warning("out of memory in a step; %d newest job(s) go back to the queue, at most %d row(s) "
+                            "from now", len(given_back), self.decoder.limit)
+                self.writer.release([r.job_id for r in given_back])
+                METRICS.oom_give_backs.inc(len(given_back))
+                return
+            log.exception("a decode step failed; the %d job(s) in flight fail", len(self.decoder.rows))
+            failure = failed("internal", f"{exc.__class__.__name__}: {exc}")
+            self.writer.store([(request.job_id, failure) for request in self.decoder.clear()])
+            return
+        self._finished(finished)
+
+    def _out_of_memory_alone(self, request: GenerationRequest) -> None:
+        """A job that runs out of memory with nothing beside it fails, rather than going back to the queue again."""
+        message = alone_out_of_memory(request.max_new_tokens)
+        log.warning("job %s: %s", request.job_id, message)
+        self.writer.store([(request.job_id, failed("out_of_memory", message))])
+
+    def _finished(self, results: list[GenerationResult]) -> None:
+        self.writer.store([(result.job_id, result) for result in results])  # one transaction for the step's rows
+        METRICS.rows_in_flight.set(len(self.decoder.rows))
+
+    def _peak(self) -> int | None:
+        if self.loaded.device != "cuda":
+            return None
+        import torch
+
+        return torch.cuda.max_memory_allocated()
+
+

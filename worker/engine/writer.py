@@ -1,0 +1,162 @@
+"""The result writer: a thread that stores what the decode loop finished, so the loop never waits on the database
+(docs/architecture.md §14). It also makes each result's text (a decode per token prefix, milliseconds a row) and
+closes a claim group's `batches` row once its last job is stored."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from shared import lifecycle
+from shared.db import session_scope
+from shared.lifecycle import JobOutcome
+from shared.models import ClaimGroup, Job
+from shared.settings import Settings
+from worker.generation import GenerationResult
+from worker.ledger.claims import GroupFigures, close_group
+from worker.ledger.settle import announce_escalations, settle_job
+from worker.metrics import METRICS
+from worker.model.tokens import decode_with_spans
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("kevlaya.worker")
+Result = GenerationResult | JobOutcome
+
+
+@dataclass
+class GroupProgress:
+    """A claim group in flight: its jobs, and how many are stored or were given back to the queue."""
+
+    group: ClaimGroup
+    jobs: dict[uuid.UUID, Job]
+    results: list[GenerationResult] = field(default_factory=list)  # of the jobs that reached the model
+    stored: int = 0
+    escalated: int = 0
+    lost: int = 0
+    released: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.stored + self.released == len(self.jobs)
+
+
+class ResultWriter:
+    """Owns the claim groups in flight. The decode loop hands it results and jobs to give back; it stores them on
+    its own thread, in the order they were handed in."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: Settings,
+                 peak_vram: Callable[[], int | None]):
+        self.settings, self.peak_vram = settings, peak_vram
+        # Its own tokenizer: the decode loop's changes its padding settings while it encodes, which a decode on
+        # this thread must not see.
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-writer")
+        self.groups: dict[uuid.UUID, GroupProgress] = {}  # by group id
+        self.group_of: dict[uuid.UUID, GroupProgress] = {}  # by job id, while the job is held by this worker
+        self.pending: list[Future] = []
+        self._lock = threading.Lock()  # groups are read by the lease thread and written by this one
+
+    def add(self, group: ClaimGroup, jobs: list[Job]) -> None:
+        progress = GroupProgress(group=group, jobs={job.id: job for job in jobs})
+        with self._lock:
+            self.groups[group.id] = progress
+        for job in jobs:
+            self.group_of[job.id] = progress
+
+    def live_groups(self) -> list[uuid.UUID]:
+        with self._lock:
+            return list(self.groups)
+
+    def store(self, items: list[tuple[uuid.UUID, Result]]) -> None:
+        """Store what became of these jobs (by id), in one transaction, off the calling thread."""
+        if not items:
+            return
+        batch = [(self.group_of.pop(job_id), job_id, result) for job_id, result in items]
+        self._submit(self._write, batch)
+
+    def release(self, job_ids: list[uuid.UUID]) -> None:
+        """Give jobs back to the queue unrun (not an attempt); their group closes without them."""
+        by_group: dict[uuid.UUID, list[uuid.UUID]] = {}
+        for job_id in job_ids:
+            by_group.setdefault(self.group_of.pop(job_id).group.id, []).append(job_id)
+        for group_id, ids in by_group.items():
+            with session_scope() as session:
+                released = lifecycle.release(session, ids, group_id)
+            progress = self.groups[group_id]
+            with self._lock:
+                progress.released += len(released)
+                if progress.done:
+                    self._submit(self._close_locked, progress)
+
+    def wait(self) -> None:
+        """Until everything handed in is stored (a drain ends only then)."""
+        try:
+            for future in self.pending:
+                future.result()
+        finally:
+            self.pending.clear()
+
+    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        self.pending.append(self.pool.submit(fn, *args))
+        self.pending = [f for f in self.pending if not f.done() or f.exception() is not None]
+
+    def _write(self, items: list[tuple[GroupProgress, uuid.UUID, Result]]) -> None:
+        """One transaction for all of `items` (one commit for a whole step's rows, so this thread holds the
+        interpreter lock for less of the decode loop's time); if that fails, each alone, so one job that cannot be
+        stored does not take the others with it."""
+        started = time.perf_counter()
+        try:
+            for _progress, _job_id, result in items:
+                if isinstance(result, GenerationResult) and result.text is None:  # the decoder left it to us
+                    result.text, result.token_spans = decode_with_spans(self.tokenizer, result.token_ids)
+            with session_scope() as session:
+                settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings)
+                           for progress, job_id, result in items]
+        except Exception:
+            if len(items) == 1:
+                raise
+            log.exception("storing %d results together failed; storing them one by one", len(items))
+            for item in items:
+                self._write([item])
+            return
+        for (progress, job_id, result), done in zip(items, settled):
+            job = progress.jobs[job_id]
+            METRICS.job_finished(job, done.outcome, result if isinstance(result, GenerationResult) else None)
+            if not done.stored:
+                log.warning("job %s had lost its lease; its result was discarded", job.id)
+            announce_escalations([done.escalated] if done.escalated is not None else [])
+            with self._lock:
+                progress.lost += not done.stored
+                progress.escalated += done.escalated is not None
+                progress.stored += 1
+                if isinstance(result, GenerationResult):
+                    progress.results.append(result)
+                if progress.done:
+                    self._close(progress)
+        METRICS.engine_phase.labels("store").observe(time.perf_counter() - started)
+
+    def _close(self, progress: GroupProgress) -> None:
+        """Store the group row's figures once its last job is stored."""
+        self.groups.pop(progress.group.id, None)
+        results = progress.results
+        figures = GroupFigures(
+            prefill_ms=max((r.prefill_ms for r in results), default=0.0),
+            decode_ms=max((r.decode_ms for r in results), default=0.0),
+            tokens=sum(r.completion_tokens for r in results), peak_vram_bytes=self.peak_vram())
+        with session_scope() as session:
+            close_group(session, progress.group.id, figures)
+        METRICS.group_closed(progress.group, len(progress.jobs), figures, escalated=progress.escalated,
+                             lost=progress.lost)
+
+    def _close_locked(self, progress: GroupProgress) -> None:
+        with self._lock:
+            self._close(progress)

@@ -1,0 +1,108 @@
+"""The job ledger as the worker sees it: snapshot the queue, claim jobs atomically with a lease, renew leases,
+record a claim group's figures; every status change itself goes through `shared.lifecycle` (docs/architecture.md
+§3)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from shared import lifecycle
+from shared.models import ClaimGroup, Job, JobStatus
+
+
+def worker_name() -> str:
+    """This process as a lease owner and in heartbeats: host:pid."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True)
+class QueueSnapshot:
+    """What is waiting, per adapter: how many jobs and how long the oldest has waited."""
+
+    queued: dict[str, int]
+    oldest_wait_ms: dict[str, float]
+
+    def waiting(self) -> list[str]:
+        return sorted((a for a, n in self.queued.items() if n > 0), key=lambda a: -self.oldest_wait_ms[a])
+
+
+@dataclass(frozen=True)
+class GroupFigures:
+    """What a claim group's `batches` row records once its last job is stored."""
+
+    prefill_ms: float
+    decode_ms: float
+    tokens: int
+    peak_vram_bytes: int | None
+
+
+def queue_snapshot(session: Session, now: datetime | None = None) -> QueueSnapshot:
+    now = now or _now()
+    rows = session.execute(
+        select(Job.adapter, func.count(), func.min(Job.created_at))
+        .where(Job.status == JobStatus.QUEUED).group_by(Job.adapter)
+    ).all()
+    queued, oldest = {}, {}
+    for adapter, count, first in rows:
+        if first.tzinfo is None:  # aggregate results bypass the column type on SQLite
+            first = datetime.fromisoformat(str(first)).replace(tzinfo=timezone.utc)
+        queued[adapter], oldest[adapter] = count, (now - first).total_seconds() * 1000
+    return QueueSnapshot(queued=queued, oldest_wait_ms=oldest)
+
+
+def claim_group(session: Session, adapter: str, limit: int, worker: str,
+                lease_s: float) -> tuple[ClaimGroup, list[Job]]:
+    """Move up to `limit` of the oldest queued jobs of `adapter` to `running`, atomically, as one claim group.
+
+    The group's row is written first, so on SQLite this transaction already holds the write lock before it
+    reads; on PostgreSQL `FOR UPDATE SKIP LOCKED` lets concurrent workers take disjoint rows. (A single
+    UPDATE ... IN (SELECT ... LIMIT) is not enough there: the planner may run the subquery more than once.)"""
+    group = ClaimGroup(id=uuid.uuid4(), adapters=adapter, mixed=False, worker=worker, started_at=_now())
+    session.add(group)
+    session.flush()
+    ids = session.scalars(
+        select(Job.id)
+        .where(Job.status == JobStatus.QUEUED, Job.adapter == adapter)
+        .order_by(Job.created_at, Job.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all()
+    jobs = lifecycle.claim(session, ids, group.id, worker, lease_s)
+    group.size = len(jobs)
+    if not jobs:  # another worker was faster: leave no empty group behind
+        session.delete(group)
+    return group, sorted(jobs, key=lambda j: (j.created_at, str(j.id)))
+
+
+def close_group(session: Session, group_id: uuid.UUID, figures: GroupFigures) -> None:
+    session.query(ClaimGroup).filter(ClaimGroup.id == group_id).update({
+        ClaimGroup.switch_ms: 0.0, ClaimGroup.prefill_ms: figures.prefill_ms, ClaimGroup.decode_ms: figures.decode_ms,
+        ClaimGroup.tokens: figures.tokens, ClaimGroup.peak_vram_bytes: figures.peak_vram_bytes,
+        ClaimGroup.oom_splits: 0, ClaimGroup.finished_at: _now(),
+    })
+
+
+def renew_leases(session: Session, group_id: uuid.UUID, lease_s: float) -> int:
+    return session.execute(
+        update(Job).where(Job.batch_id == group_id, Job.status == JobStatus.RUNNING, Job.lease_owner.is_not(None))
+        .values(lease_expires_at=_now() + timedelta(seconds=lease_s))
+    ).rowcount
+
+
+def stale_queued_adapters(session: Session, older_than_s: float) -> list[str]:
+    """Adapters with queued jobs waiting longer than `older_than_s` (their wake-up may be lost)."""
+    cutoff = _now() - timedelta(seconds=older_than_s)
+    return list(session.scalars(
+        select(Job.adapter).where(Job.status == JobStatus.QUEUED, Job.created_at < cutoff).distinct()
+    ).all())

@@ -1,0 +1,73 @@
+"""From a stored job to what the model is asked, and from what the model wrote back to the stored outcome: the
+job's result, or, for an unsure `auto` head, its Kev stage (docs/architecture.md §3, §9)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session
+
+from shared import lifecycle
+from shared.lifecycle import JobOutcome
+from shared.models import Job, JobStatus
+from shared.queue import QueueUnavailable, publish_wakeup
+from shared.schemas import to_messages, with_system_prompt
+from shared.settings import Settings
+from worker.generation import GenerationRequest, GenerationResult
+from worker.ledger.cascade import escalate, is_cascade_head, needs_escalation
+from worker.ledger.outcomes import job_outcome
+
+log = logging.getLogger("kevlaya.worker")
+
+
+def generation_request(job: Job, settings: Settings) -> GenerationRequest:
+    """What the model is asked for a stored job: its adapter's system prompt and defaults, its own params."""
+    profile = settings.adapter_profile(job.adapter)  # type: ignore[arg-type]
+    messages = with_system_prompt(to_messages(job.input), profile.system_prompt)
+    params = job.params
+    return GenerationRequest(
+        job_id=job.id, adapter=job.adapter, messages=messages,
+        max_new_tokens=params.get("max_new_tokens", profile.max_new_tokens),
+        temperature=params.get("temperature", profile.temperature),
+        top_p=params.get("top_p", profile.top_p),
+        seed=params.get("seed"),
+    )
+
+
+def failed(code: str, message: str) -> JobOutcome:
+    """The outcome of a job that fails before or outside the model, with its code."""
+    return JobOutcome(status=JobStatus.FAILED, error_code=code, error_message=message)
+
+
+def unreadable(exc: Exception) -> JobOutcome:
+    """A stored job this worker cannot turn into a request fails alone."""
+    return failed("invalid_input", f"the stored job cannot be read: {exc.__class__.__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class Settled:
+    outcome: JobOutcome  # what the job's result means (for an escalated head: Laya's stage)
+    stored: bool  # False when this worker no longer held the lease: the result was discarded
+    escalated: Job | None  # the Kev stage queued for an unsure `auto` head
+
+
+def settle_job(session: Session, job: Job, group_id: uuid.UUID, result: GenerationResult | JobOutcome,
+               settings: Settings) -> Settled:
+    """Store what became of one job of claim group `group_id`."""
+    outcome = result if isinstance(result, JobOutcome) else job_outcome(result, job.params.get("output", "decision"))
+    if isinstance(result, GenerationResult) and is_cascade_head(job) and needs_escalation(
+            outcome, settings.cascade_threshold):
+        child = escalate(session, job, group_id, outcome)
+        return Settled(outcome, child is not None, child)
+    return Settled(outcome, lifecycle.finish(session, job, group_id, outcome), None)  # also settles an `auto` parent
+
+
+def announce_escalations(children: list[Job]) -> None:
+    for child in children:
+        log.info("job %s: Laya was unsure, escalated to Kev as job %s", child.parent_job_id, child.id)
+        try:
+            publish_wakeup(child.id, child.adapter)
+        except QueueUnavailable:
+            pass  # a drain or the sweeper picks it up from the database anyway
