@@ -414,7 +414,7 @@ def test_poison_jobs_among_good_ones_fail_alone_and_the_others_succeed(env, api,
     claimed beside good jobs, fails alone with its code, and every good job succeeds on its first attempt."""
     # Over the context on the worker only: its Laya system prompt is longer than the API's (a changed setting
     # rolled out to the workers first). The API's own answer says how many new tokens would just fit there.
-    long_input = "Options: " + " ".join(f"option {i} costs {i * 7 % 13}." for i in range(75))
+    long_input = "Options: " + " ".join(f"option {i} costs {i * 7 % 13}." for i in range(40))
     too_long = api.post("/v1/jobs", json={"adapter": "laya", "input": long_input,
                                            "params": {**TEXT, "max_new_tokens": 1024}})
     assert too_long.status_code == 422, too_long.text

@@ -97,19 +97,19 @@ def test_metrics_and_logs_after_a_real_run_and_a_silent_worker(env, api, start_p
     # the dashboard's queries use only series these two scrapes have
     assert dashboard_metric_names() <= set(work) | set(served), dashboard_metric_names() - set(work) - set(served)
 
-    # one JSON line per job and per batch, with ids, adapter, sizes and timings
+    # one JSON line per job and per claim group, with ids, adapter, sizes and timings
     lines = [json.loads(line) for line in worker.log_path.read_text().splitlines() if line.startswith("{")]
     job_lines = [line for line in lines if line.get("event") == "job"]
-    batch_lines = [line for line in lines if line.get("event") == "batch"]
+    group_lines = [line for line in lines if line.get("event") == "claim_group"]
     assert {line["job_id"] for line in job_lines} >= {j["id"] for j in jobs}
     first = next(line for line in job_lines if line["job_id"] == jobs[0]["id"])
     assert first["adapter"] == "kev" and first["status"] == "succeeded" and first["batch_id"] == jobs[0]["batch_id"]
     assert first["completion_tokens"] == jobs[0]["tokens"]["completion"]
     for key in ("queue_ms", "ttft_ms", "decode_ms", "total_ms", "prompt_tokens"):
         assert isinstance(first[key], (int, float)), key
-    batch = next(line for line in batch_lines if line["batch_id"] == jobs[0]["batch_id"])
-    assert batch["size"] >= 1 and batch["adapters"] == "kev" and batch["tokens"] >= first["completion_tokens"]
-    assert {"ts", "level", "logger", "message", "prefill_ms", "decode_ms", "switch_ms"} <= set(batch)
+    group = next(line for line in group_lines if line["batch_id"] == jobs[0]["batch_id"])
+    assert group["size"] >= 1 and group["adapter"] == "kev" and group["tokens"] >= first["completion_tokens"]
+    assert {"ts", "level", "logger", "message", "prefill_ms", "decode_ms", "peak_vram_bytes"} <= set(group)
 
     # a worker that stops (no heartbeat) turns readiness and the API's gauges to 0
     os.killpg(worker.process.pid, signal.SIGSTOP)
