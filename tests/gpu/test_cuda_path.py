@@ -69,12 +69,15 @@ def test_a_step_captured_with_one_adapter_mix_replays_right_with_another(demo: R
     then all-Laya rows, then a mix gives each job its own adapter's `generate` answer (fp16: one may differ)."""
     from worker.decoder.slot_decoder import SlotDecoder
 
+    mixes = [scenario_requests(Settings(_env_file=None), mix)
+             for mix in (["kev"] * 4, ["laya"] * 4, ["laya", "kev", "kev", "laya"])]
+    # the reference first: while a decoder exists, the model's own LoRA path is off
+    answers = [[demo.run_batch([r]).results[0] for r in requests] for requests in mixes]
     decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
                           graphs=True)
     try:
-        for mix in (["kev"] * 4, ["laya"] * 4, ["laya", "kev", "kev", "laya"]):
-            requests = scenario_requests(Settings(_env_file=None), mix)
-            expected = [demo.run_batch([r]).results[0] for r in requests]
+        for requests, expected in zip(mixes, answers):
+            mix = [r.adapter for r in requests]
             got = decoder.run(requests)
             agree = sum(g.token_ids == e.token_ids for g, e in zip(got, expected))
             assert agree >= len(requests) - 1, (mix, [(e.text, g.text) for g, e in zip(got, expected)])
