@@ -16,9 +16,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from modellab.decision_data import Scenario, render_prompt, score_decision
-from modellab.reference import GenerationRequest, ReferenceRuntime
+from modellab.reference import ReferenceRuntime
 from shared.lifecycle import JobOutcome
 from shared.settings import Settings
+from worker.generation import GenerationRequest
 from worker.ledger.cascade import needs_escalation
 from worker.ledger.outcomes import job_outcome
 

@@ -18,8 +18,6 @@ from worker.generation import GenerationRequest, GenerationResult, numerical_err
 from worker.model.loading import LoadedModel, load_model
 from worker.model.tokens import decode_with_spans, encode_chats
 
-__all__ = ["GenerationRequest", "GenerationResult", "ReferenceRun", "ReferenceRuntime"]
-
 
 @dataclass
 class ReferenceRun:

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from modellab.model_factory import build_random_model
-from modellab.reference import GenerationRequest, ReferenceRun, ReferenceRuntime
+from modellab.reference import ReferenceRun, ReferenceRuntime
 from shared.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 from shared.settings import Settings
+from worker.generation import GenerationRequest
 
 PROMPTS = ["Pick a laptop under 900 EUR.", "Train or plane to Lyon?", "Hire Ana or Ben?", "Rent or buy?"]
 

@@ -25,8 +25,9 @@ from modellab.bench.recipe import time_recipe
 from modellab.bench.service import BatchRow, JobRow, Service
 from modellab.bench.workload import BenchJob, make_jobs
 from modellab.model_factory import build_random_model
-from modellab.reference import GenerationRequest, ReferenceRuntime
+from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
+from worker.generation import GenerationRequest
 from worker.model.loading import resolve_device
 
 log = logging.getLogger("kevlaya.bench")

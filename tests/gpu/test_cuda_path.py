@@ -16,10 +16,11 @@ import torch
 
 from modellab.decision_data import render_prompt
 from modellab.evaluation import load_scenarios
-from modellab.reference import GenerationRequest, ReferenceRuntime
+from modellab.reference import ReferenceRuntime
 from shared.decision import find_decision
 from shared.settings import Settings
 from tests.conftest import AUTH, free_port, start_worker, submit, wait_finished, wait_until
+from worker.generation import GenerationRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -8,6 +8,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -34,12 +35,12 @@ class LoadedModel:
     device: str
     unavailable: dict[str, str]  # adapter -> why it is not served
 
-    @property
+    @cached_property  # read on every step (reservations, refusals); what loaded does not change
     def adapters(self) -> set[str]:
         loaded = set(self.model.peft_config) if isinstance(self.model, PeftModel) else set()
         return loaded - self.unavailable.keys()
 
-    @property
+    @cached_property
     def eos_ids(self) -> list[int]:
         """Every token that ends an answer; the tokenizer's first (it is the one forced onto a broken row)."""
         eos = self.model.generation_config.eos_token_id
