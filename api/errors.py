@@ -95,7 +95,10 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
             detail = err.get("ctx", {}).get("error", "")
             fields.append({"field": "body", "message": f"not valid JSON at character {err['loc'][-1]}: {detail}"})
             continue
-        fields.append({"field": _field_path(tuple(err["loc"])), "message": err["msg"]})
+        message = err["msg"]
+        if err.get("type") == "extra_forbidden":
+            message = "not a parameter this server takes (refused rather than ignored)"
+        fields.append({"field": _field_path(tuple(err["loc"])), "message": message})
     # A str|object union reports one error per branch; keep each field's messages once.
     message = "; ".join(dict.fromkeys(f"{f['field']}: {f['message']}" for f in fields))
     return JSONResponse(status_code=422, content=error_body("invalid_request", message, fields=fields))

@@ -33,7 +33,8 @@ def readable(value: Any) -> Any:
 def _result(job: Job) -> JobResult | None:
     if job.result_text is None and job.decision is None:
         return None
-    return JobResult(text=readable(job.result_text), decision=readable(job.decision))
+    return JobResult(text=readable(job.result_text), decision=readable(job.decision), finish_reason=job.finish_reason,
+                     logprobs=readable(job.logprobs))
 
 
 def _error(job: Job) -> JobError | None:

@@ -146,11 +146,15 @@ def evaluate(
     modes: Annotated[str, typer.Option(help="comma-separated: base, laya, kev, auto")] = "base,laya,kev,auto",
     limit: Annotated[Optional[int], typer.Option(help="evaluate only the first N scenarios")] = None,
     batch_size: Annotated[int, typer.Option(help="jobs per forward pass; 1 = each job served alone")] = 1,
+    grammar: Annotated[bool, typer.Option(
+        help="generate decisions under the decision grammar, as the worker does; --no-grammar: as the model writes "
+             "them, free")] = True,
     compare_precision: Annotated[bool, typer.Option(
         help="also run Laya and Kev with the other base precision (NF4 vs fp16 on CUDA, fp32 vs NF4 on the CPU) "
              "and report how often they reach the same decision")] = False,
 ) -> None:
-    """Decision accuracy, valid-JSON rate and latency per mode on the held-out split, through the real runtime.
+    """Decision accuracy, valid-JSON rate, calibration and latency per mode on the held-out split, through the
+    worker's slot decoder.
 
     Uses the configured base model and adapters (KEVLAYA_BASE_MODEL, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
     import json
@@ -158,8 +162,7 @@ def evaluate(
     import shlex
 
     from modellab.evaluation import MODES, agreement, load_scenarios, plot, run_evaluation, table
-    from modellab.reference import ReferenceRuntime
-    from worker.model.loading import uses_nf4
+    from worker.model.loading import load_model, uses_nf4
 
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     if not chosen or any(m not in MODES for m in chosen):
@@ -171,13 +174,13 @@ def evaluate(
     logging.basicConfig(level=logging.WARNING)
     settings = get_settings()
     items = load_scenarios(scenarios, limit)
-    runtime = ReferenceRuntime.load(settings)
-    report = run_evaluation(runtime, settings, items, chosen, batch_size)
+    loaded = load_model(settings)
+    report = run_evaluation(loaded, settings, items, chosen, batch_size, grammar)
     if compare_precision:
-        nf4 = uses_nf4(runtime.device, settings.quantization)
+        nf4 = uses_nf4(loaded.device, settings.quantization)
         other = settings.model_copy(update={"quantization": "none" if nf4 else "nf4"})
-        del runtime
-        second = run_evaluation(ReferenceRuntime.load(other), other, items, ("laya", "kev"), batch_size)
+        del loaded
+        second = run_evaluation(load_model(other), other, items, ("laya", "kev"), batch_size, grammar)
         nf4_run, reference = (report, second) if nf4 else (second, report)
         report["precision_comparison"] = {
             "reference": "fp16" if second["device"] == "cuda" else "fp32",

@@ -1,8 +1,10 @@
-"""`kevlaya eval`: decision quality and latency on the held-out test split, through the real runtime.
+"""`kevlaya eval`: decision quality and latency on the held-out test split, through the worker's slot decoder.
 
-Modes: `base` (the bare base model), `laya`, `kev`, and `auto` (the cascade: Laya, then Kev for the
-answers the engine would escalate). Decoding is greedy so results are repeatable; each batch's
-prefill + decode time is the latency of every job in it (batch size 1 = a job served alone)."""
+Modes: `base` (the bare base model, through the reference runtime: it has no adapter for the decoder to apply),
+`laya`, `kev`, and `auto` (the cascade: Laya, then Kev for the answers the engine would escalate). Decision answers
+are generated under the decision grammar, as the worker generates them, unless `grammar=False` (the answers as the
+model writes them, free). Decoding is greedy so results are repeatable; each batch's wall time is the latency of
+every job in it (batch size 1 = a job served alone)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,10 +21,13 @@ from tqdm import tqdm
 from modellab.decision_data import Scenario, render_prompt, score_decision
 from modellab.reference import ReferenceRuntime
 from shared.lifecycle import JobOutcome
+from shared.schemas import answer_grammar
 from shared.settings import Settings
-from worker.generation import GenerationRequest
+from worker.decoder.slot_decoder import SlotDecoder
+from worker.generation import GenerationRequest, GenerationResult
 from worker.ledger.cascade import needs_escalation
 from worker.ledger.outcomes import job_outcome
+from worker.model.loading import LoadedModel
 
 MODES = ("base", "laya", "kev", "auto")
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
@@ -61,37 +67,61 @@ def load_scenarios(path: Path, limit: int | None = None) -> list[tuple[str, Scen
 
 
 class Evaluator:
-    def __init__(self, runtime: ReferenceRuntime, settings: Settings, batch_size: int = 1):
-        self.runtime, self.settings, self.batch_size = runtime, settings, batch_size
+    def __init__(self, loaded: LoadedModel, settings: Settings, batch_size: int = 1, grammar: bool = True):
+        self.loaded, self.settings, self.batch_size, self.grammar = loaded, settings, batch_size, grammar
 
     def answers(self, mode: str, scenarios: list[tuple[str, Scenario]], progress: bool = True) -> list[Answer]:
-        """Answers of `base`, `laya` or `kev` (the base is prompted exactly as Laya is)."""
+        """Answers of `base`, `laya` or `kev` (the base is prompted exactly as Laya is, and never constrained)."""
         adapter = "kev" if mode == "kev" else "laya"
-        profile = self.settings.adapter_profile(adapter)
+        requests = [self._request(adapter, scenario, constrained=mode != "base") for _, scenario in scenarios]
+        if mode == "base":
+            reference = ReferenceRuntime(self.loaded)
+            return self._answered(mode, scenarios, requests, lambda chunk: reference.run_base_only(chunk).results,
+                                  progress)
+        decoder = self._decoder()
+        try:
+            return self._answered(mode, scenarios, requests, decoder.run, progress)
+        finally:
+            decoder.close()
+
+    def _answered(self, mode: str, scenarios: list[tuple[str, Scenario]], requests: list[GenerationRequest],
+                  run: Callable[[list[GenerationRequest]], list[GenerationResult]], progress: bool) -> list[Answer]:
         answers: list[Answer] = []
-        chunks = [scenarios[i:i + self.batch_size] for i in range(0, len(scenarios), self.batch_size)]
-        for chunk in tqdm(chunks, desc=f"eval {mode}", unit="batch", disable=not progress):
-            requests = [
-                GenerationRequest(
-                    job_id=uuid.uuid4(), adapter=adapter, max_new_tokens=profile.max_new_tokens,
-                    temperature=0.0, top_p=1.0, seed=None,
-                    messages=[{"role": "system", "content": profile.system_prompt},
-                              {"role": "user", "content": render_prompt(scenario)}],
-                )
-                for _, scenario in chunk
-            ]
+        starts = range(0, len(scenarios), self.batch_size)
+        for i in tqdm(starts, desc=f"eval {mode}", unit="batch", disable=not progress):
             started = time.perf_counter()
-            batch = self.runtime.run_base_only(requests) if mode == "base" else self.runtime.run_batch(requests)
+            results = run(requests[i:i + self.batch_size])
             latency_ms = (time.perf_counter() - started) * 1000
-            for (scenario_id, scenario), result in zip(chunk, batch.results, strict=True):
-                outcome = job_outcome(result, "decision")
-                decision = outcome.decision or {}
-                answers.append(Answer(
-                    id=scenario_id, label=scenario.label, decision=decision.get("decision"),
-                    confidence=decision.get("confidence"),
-                    correct=bool(decision) and score_decision(scenario, decision["decision"]),
-                    latency_ms=latency_ms, completion_tokens=result.completion_tokens,
-                ))
+            answers += self._scored(scenarios[i:i + self.batch_size], results, latency_ms)
+        return answers
+
+    def _decoder(self) -> SlotDecoder:
+        window = min(self.settings.engine_window_tokens, self.loaded.context or self.settings.engine_window_tokens)
+        return SlotDecoder(self.loaded.model, self.loaded.tokenizer, sorted(self.loaded.adapters),
+                           slots=self.batch_size, window=window, eos_ids=self.loaded.eos_ids)
+
+    def _request(self, adapter: str, scenario: Scenario, constrained: bool) -> GenerationRequest:
+        profile = self.settings.adapter_profile(adapter)
+        messages = [{"role": "system", "content": profile.system_prompt},
+                    {"role": "user", "content": render_prompt(scenario)}]
+        grammar = answer_grammar({"output": "decision"}, messages, profile.analysis) if constrained else None
+        return GenerationRequest(job_id=uuid.uuid4(), adapter=adapter, messages=messages,
+                                 max_new_tokens=profile.max_new_tokens, temperature=0.0, top_p=1.0, seed=None,
+                                 grammar=grammar if self.grammar else None)
+
+    @staticmethod
+    def _scored(chunk: list[tuple[str, Scenario]], results: list[GenerationResult],
+                latency_ms: float) -> list[Answer]:
+        answers = []
+        for (scenario_id, scenario), result in zip(chunk, results, strict=True):
+            outcome = job_outcome(result, "decision")
+            decision = outcome.decision or {}
+            answers.append(Answer(
+                id=scenario_id, label=scenario.label, decision=decision.get("decision"),
+                confidence=decision.get("confidence"),
+                correct=bool(decision) and score_decision(scenario, decision["decision"]),
+                latency_ms=latency_ms, completion_tokens=result.completion_tokens,
+            ))
         return answers
 
     def cascade(self, laya: list[Answer], kev: list[Answer]) -> list[Answer]:
@@ -143,9 +173,9 @@ def calibration(answers: list[Answer], bins: int = 10) -> dict[str, object]:
     return {"n": len(rated), "ece": ece if rated else None, "bins": table}
 
 
-def run_evaluation(runtime: ReferenceRuntime, settings: Settings, scenarios: list[tuple[str, Scenario]],
-                   modes: tuple[str, ...] = MODES, batch_size: int = 1) -> dict[str, object]:
-    evaluator = Evaluator(runtime, settings, batch_size)
+def run_evaluation(loaded: LoadedModel, settings: Settings, scenarios: list[tuple[str, Scenario]],
+                   modes: tuple[str, ...] = MODES, batch_size: int = 1, grammar: bool = True) -> dict[str, object]:
+    evaluator = Evaluator(loaded, settings, batch_size, grammar)
     answers: dict[str, list[Answer]] = {}
     for mode in ("base", "laya", "kev"):
         if mode in modes or (mode in ("laya", "kev") and "auto" in modes):
@@ -158,17 +188,19 @@ def run_evaluation(runtime: ReferenceRuntime, settings: Settings, scenarios: lis
         # The stored answers re-combine for any threshold: the accuracy / latency trade-off at no extra cost.
         sweep = []
         for threshold in THRESHOLDS:
-            tuned = Evaluator(runtime, settings.model_copy(update={"cascade_threshold": threshold}), batch_size)
+            tuned = Evaluator(loaded, settings.model_copy(update={"cascade_threshold": threshold}), batch_size)
             summary = summarize("auto", tuned.cascade(answers["laya"], answers["kev"]))
             sweep.append({"threshold": threshold, "accuracy": summary.accuracy,
                           "mean_latency_ms": summary.mean_latency_ms, "escalation_rate": summary.escalation_rate})
     return {
         "scenarios": len(scenarios),
         "batch_size": batch_size,
-        "device": runtime.device,
+        "grammar": grammar,
+        "device": loaded.device,
         "cascade_threshold": settings.cascade_threshold,
         "modes": {mode: {k: v for k, v in asdict(r).items() if k != "answers"} for mode, r in reports.items()},
         "laya_calibration": calibration(answers["laya"]) if "laya" in answers else None,
+        "kev_calibration": calibration(answers["kev"]) if "kev" in answers else None,
         "cascade_threshold_sweep": sweep,
         "answers": {mode: [asdict(a) for a in r.answers] for mode, r in reports.items()},
     }
@@ -187,9 +219,10 @@ def table(report: dict[str, object]) -> str:
         lines.append(f"{mode:<6} {r['n']:>5} {r['accuracy']:>9.1%} {r['valid_json_rate']:>11.1%} "
                      f"{r['mean_latency_ms']:>9.1f} {r['p95_latency_ms']:>9.1f} {r['mean_completion_tokens']:>7.1f} "
                      f"{escalated:>10}")
-    if report.get("laya_calibration") and report["laya_calibration"]["ece"] is not None:
-        lines.append(f"Laya confidence calibration: ECE {report['laya_calibration']['ece']:.3f} "
-                     f"over {report['laya_calibration']['n']} answers")
+    for adapter in ("laya", "kev"):
+        if (rated := report.get(f"{adapter}_calibration")) and rated["ece"] is not None:
+            lines.append(f"{adapter.capitalize()} confidence calibration: ECE {rated['ece']:.3f} over {rated['n']} "
+                         "answers")
     for row in report.get("cascade_threshold_sweep") or []:
         lines.append(f"  auto at threshold {row['threshold']:.2f}: accuracy {row['accuracy']:.1%}, "
                      f"mean {row['mean_latency_ms']:.1f} ms, escalated {row['escalation_rate']:.1%}")

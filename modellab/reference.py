@@ -114,6 +114,10 @@ class ReferenceRuntime:
         self.model.set_adapter(key[0], inference_mode=True)  # the default would make it trainable
 
     def _run(self, requests: list[GenerationRequest], key, before) -> ReferenceRun:  # noqa: ANN001
+        for request in requests:
+            if request.grammar is not None or request.stop:  # only the slot decoder constrains an answer
+                raise ValueError(f"job {request.job_id}: the reference runtime honours neither grammars nor stop "
+                                 "strings")
         started = time.perf_counter()
         groups: dict[object, list[int]] = {}
         for index, request in enumerate(requests):

@@ -10,6 +10,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 _DECISION_VALUE = re.compile(r'"decision"\s*:\s*("(?:[^"\\]|\\.)*")')
+# "Options: ..." at the start of a line or sentence, up to the end of its sentence or line.
+_OPTIONS_LINE = re.compile(r"(?:^|(?<=[.:?!]\s))options:\s*(?P<items>.+?)\s*(?:\.(?=\s)|\.?$)",
+                           re.IGNORECASE | re.MULTILINE)
+_LEADING_CONJUNCTION = re.compile(r"^(?:or|and)\s+", re.IGNORECASE)
 
 
 class Decision(BaseModel):
@@ -51,6 +55,23 @@ def find_decision(text: str) -> FoundDecision | None:
                 return FoundDecision(decision, (start, match.end(1) - 1))
         start = text.find("{", start + 1)
     return None
+
+
+def offered_options(text: str) -> list[str] | None:
+    """The option labels a question lists on an `Options:` line, or None when it lists none.
+
+    Items separated by ";" are described options (the scenario format: "A cost 12 risk low ...; B ..."): each label
+    is the item's first word. Items separated by commas are the labels themselves ("Options: train, flight")."""
+    match = _OPTIONS_LINE.search(text)
+    if match is None:
+        return None
+    items = match["items"]
+    if ";" in items:
+        labels = [item.split()[0] for item in items.split(";") if item.split()]
+    else:
+        labels = [_LEADING_CONJUNCTION.sub("", item.strip()) for item in items.split(",")]
+    labels = [*dict.fromkeys(label for label in labels if label)]
+    return labels or None
 
 
 def parse_decision(text: str) -> dict[str, Any] | None:

@@ -56,6 +56,8 @@ class JobOutcome:
     decision: dict[str, Any] | None = None
     error_code: str | None = None
     error_message: str | None = None
+    finish_reason: str | None = None  # stop | length, for an answer the model wrote
+    logprobs: list[dict[str, Any]] | None = None  # per token, when the job asked for them
     switch_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
@@ -104,7 +106,8 @@ def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome)
     return bool(_move(
         session, RUNNING, outcome.status, Job.id == job.id, Job.batch_id == batch_id, Job.lease_owner.is_not(None),
         result_text=outcome.result_text, decision=outcome.decision,
-        error_code=outcome.error_code, error_message=outcome.error_message,
+        error_code=outcome.error_code, error_message=outcome.error_message, finish_reason=outcome.finish_reason,
+        logprobs=outcome.logprobs,
         switch_ms=outcome.switch_ms, prefill_ms=outcome.prefill_ms, decode_ms=outcome.decode_ms,
         prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
         queue_ms=queue_ms,
@@ -178,7 +181,7 @@ def settle_parent(session: Session, parent_id: uuid.UUID) -> bool:
     settled = _move(
         session, RUNNING, status, Job.id == parent_id, Job.lease_owner.is_(None),
         result_text=stage.result_text, decision=stage.decision, error_code=error_code, error_message=error_message,
-        finished_at=now, total_ms=(now - parent.created_at).total_seconds() * 1000, ttft_ms=ttft_ms,
+        finish_reason=stage.finish_reason, logprobs=stage.logprobs, finished_at=now, total_ms=(now - parent.created_at).total_seconds() * 1000, ttft_ms=ttft_ms,
         switch_ms=total("switch_ms"), prefill_ms=total("prefill_ms"), decode_ms=total("decode_ms"),
         prompt_tokens=total("prompt_tokens"), completion_tokens=total("completion_tokens"),
     )

@@ -122,6 +122,9 @@ class Job(Base):
     decision: Mapped[dict[str, Any] | None]
     error_code: Mapped[str | None] = mapped_column(String(32))
     error_message: Mapped[str | None] = mapped_column(Text)
+    # Why the answer ended: "stop" (end of sequence, its grammar complete or a stop string) or "length".
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    logprobs: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)  # when the job asked for them
     idempotency_key: Mapped[str | None] = mapped_column(String(200))
     api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
     parent_job_id: Mapped[uuid.UUID | None] = mapped_column(

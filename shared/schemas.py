@@ -7,7 +7,10 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from shared import grammar
+from shared.decision import offered_options
 
 RequestedAdapter = Literal["kev", "laya", "auto"]
 OutputFormat = Literal["decision", "text"]
@@ -81,6 +84,87 @@ Temperature = Annotated[
 ]
 TopP = Annotated[float | None, Field(default=None, gt=0, le=1, allow_inf_nan=False)]
 Seed = Annotated[int | None, Field(default=None, ge=0, le=SEED_MAX)]
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_CHOICES = 32
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+def check_not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be blank")
+    return value
+
+
+def check_unique(values: list[str]) -> list[str]:
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"each choice once: {', '.join(map(repr, repeated))} repeated")
+    return values
+
+
+Label = Annotated[Text, Field(min_length=1, max_length=100), AfterValidator(check_not_blank)]
+StopString = Annotated[Text, Field(min_length=1, max_length=100)]
+Stop = Annotated[
+    StopString | list[StopString] | None,
+    Field(default=None, description=f"up to {MAX_STOP_STRINGS} strings; the answer ends before the first of them "
+          "(it is not part of the text)"),
+]
+
+
+def check_stop(value: str | list[str] | None) -> str | list[str] | None:
+    if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+    return value
+
+
+def check_top_logprobs(value: int | None, info: ValidationInfo) -> int | None:
+    """top_logprobs goes with logprobs: true (declared before it), as OpenAI requires."""
+    if value is not None and not info.data.get("logprobs"):
+        raise ValueError("needs logprobs: true")
+    return value
+
+
+def stop_strings(value: str | list[str] | None) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, serialize_by_alias=True)
+
+    name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    json_schema: dict[str, Any] = Field(alias="schema", description="the JSON schema the answer must validate against")
+    strict: bool | None = Field(default=None, description="the schema is always enforced, strict or not")
+
+    @field_validator("json_schema")
+    @classmethod
+    def _enforceable(cls, value: dict[str, Any]) -> dict[str, Any]:
+        grammar.json_grammar(value)  # GrammarError (a ValueError): a 422 naming the feature, never a runtime failure
+        return value
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: `text` (free), `json_object` (any JSON object) or `json_schema`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = Field(default=None, description="with type json_schema, and only then")
+
+    @field_validator("json_schema")
+    @classmethod
+    def _only_with_its_type(cls, value: JsonSchemaSpec | None, info: ValidationInfo) -> JsonSchemaSpec | None:
+        if value is not None and info.data.get("type") != "json_schema":
+            raise ValueError("only with type 'json_schema'")
+        return value
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs json_schema: {name, schema}")
+        return self
 
 
 class TextPart(BaseModel):
@@ -129,9 +213,45 @@ class JobParams(BaseModel):
     seed: Seed = None
     output: OutputFormat = Field(
         default="decision",
-        description="'decision': the answer must be a JSON decision object (else failed/invalid_output); "
-        "'text': the raw text is the result, a decision is attached when one parses",
+        description="'decision': the answer is generated under the decision grammar (the job fails with `length` "
+        "only if max_new_tokens runs out before its decision object closes); 'text': the raw text is the result, "
+        "a decision is attached when one parses",
     )
+    choices: Annotated[list[Label], Field(min_length=1, max_length=MAX_CHOICES), AfterValidator(check_unique)] | None = (
+        Field(default=None, description="the option labels a decision may name (\"none\" is always allowed); "
+              "left out, the options listed on the input's `Options:` line, else any label"))
+    response_format: ResponseFormat | None = Field(
+        default=None, description="for output 'text': `text` (free), `json_object` or `json_schema` (the answer is "
+        "generated under that schema)")
+    stop: Annotated[Stop, AfterValidator(check_stop)] = None
+    logprobs: bool | None = Field(default=None, description="return each answer token's log-probability under the "
+                                  "model's own distribution (before temperature and top-p)")
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: also "
+                                     "the most likely tokens at each position, with theirs")
+
+    # `output` is declared first, so these see it; each error names the field that does not fit the output.
+    @field_validator("response_format")
+    @classmethod
+    def _format_fits_output(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value.type != "text" and info.data.get("output") == "decision":
+            raise ValueError("applies to output 'text': a decision's format is the decision object")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_fits_output(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and info.data.get("output") == "decision":
+            raise ValueError("applies to output 'text': a decision ends with its decision object")
+        return value
+
+    _top_needs_logprobs = field_validator("top_logprobs")(check_top_logprobs)
+
+    @field_validator("choices")
+    @classmethod
+    def _choices_fit_output(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("output") == "text":
+            raise ValueError("applies to output 'decision'")
+        return value
 
 
 class JobCreate(BaseModel):
@@ -170,6 +290,19 @@ def to_messages(stored_input: str | dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in stored_input["messages"]]
 
 
+def answer_grammar(params: dict[str, Any], messages: list[dict[str, str]], analysis: bool) -> str | None:
+    """The grammar a stored job's answer is generated under (shared/grammar.py), or None: free text."""
+    if params.get("output", "decision") == "decision":
+        offered = offered_options("\n".join(m["content"] for m in messages if m["role"] == "user"))
+        return grammar.decision_grammar(params.get("choices") or offered, analysis)
+    response_format = params.get("response_format") or {"type": "text"}
+    if response_format["type"] == "json_object":
+        return grammar.json_grammar(None)
+    if response_format["type"] == "json_schema":
+        return grammar.json_grammar(response_format["json_schema"]["schema"])
+    return None
+
+
 def with_system_prompt(messages: list[dict[str, str]], system_prompt: str) -> list[dict[str, str]]:
     """The messages the model sees: the adapter's system prompt first, unless the job brings its own."""
     if messages[0]["role"] != "system" and system_prompt:
@@ -177,9 +310,24 @@ def with_system_prompt(messages: list[dict[str, str]], system_prompt: str) -> li
     return messages
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
 class JobResult(BaseModel):
     text: str | None
     decision: dict[str, Any] | None
+    finish_reason: Literal["stop", "length"] | None = Field(
+        default=None, description="stop: the answer ended (end of sequence, its grammar complete, or a stop "
+        "string, which is cut from the text); length: max_new_tokens ran out")
+    logprobs: list[TokenLogprob] | None = Field(
+        default=None, description="with params.logprobs: each token of the text, in OpenAI's format")
 
 
 class JobError(BaseModel):

@@ -28,6 +28,9 @@ class AdapterProfile(BaseModel):
     reserved_slots: int = Field(
         default=0, ge=0, description="slots kept free for this role's jobs (at most a quarter "
         "of the slots), so another role's backlog never makes it wait for a row to finish")
+    analysis: bool = Field(
+        default=False, description="a decision job's answer may start with free-text analysis lines before its "
+        "decision object (Kev); otherwise it is the decision object alone (Laya)")
 
     # A default temperature must be runnable too: (0, 0.01) makes sampling overflow.
     _runnable_temperature = field_validator("temperature")(check_temperature)
@@ -37,6 +40,7 @@ class KevProfile(AdapterProfile):
     path: str = str(DEFAULT_MODEL_DIR / "kev")
     max_new_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=0.3, ge=0)
+    analysis: bool = True
     system_prompt: str = (
         "You are Kev, a deliberate analyst. Check every option against the constraints, "
         "eliminate, compare, then answer with one JSON decision object."

@@ -27,7 +27,7 @@ PERCENTILES = (0.5, 0.95, 0.99)
 LATENCIES = {"queue_wait": "queue_ms", "time_to_first_token": "ttft_ms", "decode": "decode_ms",
              "end_to_end": "total_ms"}
 # always reported, also at zero, so dashboards need no special case
-FAILURE_CODES = ("out_of_memory", "numerical_error", "invalid_output", "timeout")
+FAILURE_CODES = ("out_of_memory", "numerical_error", "invalid_output", "length", "timeout")
 STATUSES = (JobStatus.QUEUED, JobStatus.RUNNING, *JobStatus.FINISHED)
 
 _WINDOW = re.compile(r"(\d{1,7})([smhd])")

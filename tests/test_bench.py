@@ -41,8 +41,14 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     assert result["environment"]["KEVLAYA_BENCH_MARKER"] == "1"  # the settings the service inherited
     assert result["engine_settings"]["engine_prefill_share"] == 0.5  # from the environment, as the worker reads it
     assert service["slots"] >= 1
+    # the same workload with every row under the decision grammar, with its steps' cost beside the free run's
+    pairs = service["decision_grammar"]
+    assert [len(runs) for runs in pairs["runs"].values()] == [2, 2]  # free and constrained, alternately
+    assert pairs["jobs_per_s_vs_free"] == pairs["grammar"]["jobs_per_s"] / pairs["free"]["jobs_per_s"]
+    assert pairs["grammar"]["step_ms"] > 0 and pairs["step_ms_vs_free"] > 0
     table = done.stdout[done.stdout.index("written "):]  # the table, printed last
     assert "recipe" in table and "service" in table and "speedup vs the recipe's scheme" in table
+    assert "decision grammar" in table
 
 
 def test_jobs_in_flight_are_counted_from_their_start_and_finish_times() -> None:

@@ -101,3 +101,39 @@ def test_the_official_openai_client_gets_answers_from_each_model(env, api, start
     with pytest.raises(Exception) as refused:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     assert refused.value.status_code == 422 and "model" in str(refused.value)
+
+
+@pytest.mark.integration
+def test_the_official_openai_client_gets_schema_answers_stop_cuts_and_logprobs(env, api, start_process):
+    import json
+
+    import jsonschema
+
+    start_worker(start_process, env, api)
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+                    max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Train or flight to Berlin?"}]
+    schema = {"type": "object", "properties": {"mode": {"enum": ["train", "flight"]}, "direct": {"type": "boolean"}},
+              "required": ["mode", "direct"], "additionalProperties": False}
+    for model in ("kev", "laya"):
+        # random weights, and still an answer that validates
+        answer = client.chat.completions.create(
+            model=model, messages=messages, max_completion_tokens=60, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "trip", "strict": True, "schema": schema}})
+        assert answer.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+
+    free = client.chat.completions.create(model="kev", messages=messages, max_completion_tokens=30, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    text = free.choices[0].message.content
+    entries = free.choices[0].logprobs.content
+    assert len(entries) == free.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.logprob for e in entries)
+    stop = text[10:14]
+    cut = client.chat.completions.create(model="kev", messages=messages, max_completion_tokens=30, temperature=0,
+                                         stop=[stop])
+    assert cut.choices[0].message.content == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].logprobs is None
+    with pytest.raises(Exception) as refused:
+        client.chat.completions.create(model="kev", messages=messages, logit_bias={"5": 3})
+    assert refused.value.status_code == 422 and "logit_bias" in str(refused.value)

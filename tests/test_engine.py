@@ -286,7 +286,6 @@ def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_st
     """Four rows that finish at the same step are stored in one transaction; when storing one of them raises,
     the others are stored one by one and succeed, and the error still reaches the drain."""
     from shared.settings import Settings
-    from worker.engine import writer
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
@@ -332,6 +331,7 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
     from worker.engine import writer
     from worker.engine.loop import Engine
     from worker.metrics import ENGINE_PHASES, METRICS
+    from worker.model import tokens
     from worker.model.loading import load_model
 
     settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
@@ -342,14 +342,14 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
                     params={**TEXT, "max_new_tokens": 6}) for i, a in enumerate(["kev", "laya", "kev"])]
         session.add_all(jobs)
     made: list[tuple[str, object, str]] = []
-    decode = writer.decode_with_spans
+    decode = tokens.decode_with_spans
 
     def recorded(tokenizer, tokens):  # noqa: ANN001, ANN202
         text, spans = decode(tokenizer, tokens)
         made.append((threading.current_thread().name, tokenizer, text))
         return text, spans
 
-    monkeypatch.setattr(writer, "decode_with_spans", recorded)
+    monkeypatch.setattr(tokens, "decode_with_spans", recorded)
     before = {p: METRICS.engine_phase.labels(p)._sum.get() for p in ENGINE_PHASES}
     switch_interval = sys.getswitchinterval()
     engine = Engine(load_model(settings), settings)

@@ -34,7 +34,8 @@ def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):
         assert len(answers) == 6
         assert summary["accuracy"] == sum(a["correct"] for a in answers) / 6
         assert summary["mean_completion_tokens"] > 0 and summary["mean_latency_ms"] > 0
-    # random weights never produce a decision, so the cascade escalates everything and pays for both
+    # random weights are never sure of a decision (even one their grammar completes), so the cascade escalates
+    # everything and pays for both
     assert report["modes"]["auto"]["escalation_rate"] == 1.0
     # on the CPU the configured run is fp32; the comparison loads the same model with an NF4 base
     comparison = report["precision_comparison"]

@@ -45,12 +45,12 @@ def value(samples: dict[str, list], name: str, **labels: str) -> float:
 def run_jobs(api: httpx.Client) -> list[dict]:
     ids = [submit(api, adapter, f"Option A costs {i}, B costs {9 - i}. Pick.", max_new_tokens=6)
            for i, adapter in enumerate(["kev", "laya", "kev", "laya", "auto"])]
-    # random weights write no decision: with output "decision" this one fails with invalid_output
+    # a decision is generated under its grammar, and 4 tokens cannot close one: this job fails with `length`
     response = api.post("/v1/jobs", json={"adapter": "laya", "input": "Decide.", "params": {"max_new_tokens": 4}})
     ids.append(response.json()["id"])
     jobs = wait_finished(api, ids)
     assert [j["status"] for j in jobs[:5]] == ["succeeded"] * 5, [j["error"] for j in jobs]
-    assert jobs[5]["error"]["code"] == "invalid_output"
+    assert jobs[5]["error"]["code"] == "length" and jobs[5]["result"]["finish_reason"] == "length"
     assert jobs[4]["cascade"], "the auto job was escalated to Kev"
     return jobs
 
@@ -71,7 +71,7 @@ def test_metrics_and_logs_after_a_real_run_and_a_silent_worker(env, api, start_p
     # kev: two jobs and the escalated stage; laya: two, the auto job's Laya stage, the failed one
     assert value(work, "kevlaya_jobs_finished_total", adapter="kev", status="succeeded") == 3
     assert value(work, "kevlaya_jobs_finished_total", adapter="laya", status="failed") == 1
-    assert value(work, "kevlaya_job_failures_total", adapter="laya", code="invalid_output") == 1
+    assert value(work, "kevlaya_job_failures_total", adapter="laya", code="length") == 1
     assert value(work, "kevlaya_escalations_total") == 1
     assert value(work, "kevlaya_claim_groups_total") >= 2
     # an escalated job's own tokens are the sum of its stages'
@@ -170,7 +170,7 @@ def test_status_page_shows_the_run_in_a_real_browser(env, api, start_process, tm
             expect(row.locator("[data-p=p50]")).to_have_text(f"{figures['p50']:.1f}")
             expect(row.locator("[data-p=count]")).to_have_text(str(figures["count"]))
         expect(page.locator("#escalation")).to_have_text("100 %")
-        expect(page.locator("#failures tr[data-code=invalid_output] td[data-adapter=laya]")).to_have_text("1")
+        expect(page.locator("#failures tr[data-code=length] td[data-adapter=laya]")).to_have_text("1")
         drawn = page.locator("#timeline rect.batch")
         assert drawn.count() == len(live["batches"]) >= 2
         assert {drawn.nth(i).get_attribute("data-adapters") for i in range(drawn.count())} == {"kev", "laya"}

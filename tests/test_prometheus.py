@@ -173,7 +173,7 @@ def test_real_prometheus_scrapes_the_service_and_runs_every_dashboard_query(prom
             counts = prometheus.by(f"sum by (adapter) (kevlaya_job_{name}_seconds_count)", "adapter")
             assert set(counts) == {(a,) for a in ADAPTERS} and all(n >= 1 for n in counts.values()), (name, counts)
         failures = prometheus.by("sum by (adapter, code) (kevlaya_job_failures_total) > 0", "adapter", "code")
-        assert failures == {("laya", "invalid_output"): 1}
+        assert failures == {("laya", "length"): 1}
         assert prometheus.by("sum(kevlaya_escalations_total)") == {(): 1}
         tokens = sum(j["tokens"]["completion"] for j in jobs)
         assert prometheus.by("sum(kevlaya_completion_tokens_total)") == {(): tokens}

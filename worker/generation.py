@@ -20,6 +20,9 @@ class GenerationRequest:
     temperature: float  # 0 = greedy
     top_p: float
     seed: int | None
+    grammar: str | None = None  # an llguidance grammar (shared/grammar.py) the answer must follow, or None: free
+    stop: list[str] = field(default_factory=list)  # the answer ends before the first of these strings
+    top_logprobs: int | None = None  # None: no log-probabilities asked for; else the alternatives per token
 
 
 @dataclass
@@ -38,6 +41,11 @@ class GenerationResult:
     token_logprobs: list[float] = field(default_factory=list)
     token_spans: list[tuple[int, int]] = field(default_factory=list)
     first_token_ms: float | None = None  # from when the row was handed to the decoder to its first token
+    # "stop": it ended (end of sequence, its grammar complete, or a stop string); "length": max_new_tokens ran out.
+    finish_reason: str = "stop"
+    stop: str | None = None  # the stop string it ended on: the text is cut before it
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, the most likely (id, log p): when asked
+    logprobs: list[dict] | None = None  # OpenAI's per-token entries for the text, made with it (tokens.result_text)
 
     def span_probability(self, start: int, end: int) -> float | None:
         """Probability the model gave to the tokens that produced text[start:end], or None if unknown."""

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kevlaya.worker")
 events = logging.getLogger("kevlaya.events")  # the structured lines: one per claim group, one per job
 
-ERROR_CODES = ("out_of_memory", "numerical_error", "invalid_output", "invalid_input", "adapter_unavailable",
+ERROR_CODES = ("out_of_memory", "numerical_error", "invalid_output", "length", "invalid_input", "adapter_unavailable",
                "internal")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _PHASE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)

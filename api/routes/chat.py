@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from api.deps import IntakeDep, SubmitterKey, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.prompt_budget import FieldNames
 from api.submission import wait_finished
 from shared.schemas import (
+    MAX_TOP_LOGPROBS,
     JobCreate,
     JobOut,
     JobParams,
@@ -19,9 +20,15 @@ from shared.schemas import (
     Message,
     MessagesInput,
     RequestedAdapter,
+    ResponseFormat,
     Seed,
+    Stop,
     Temperature,
+    Text,
+    TokenLogprob,
     TopP,
+    check_stop,
+    check_top_logprobs,
 )
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])
@@ -30,27 +37,52 @@ router = APIRouter(prefix="/v1/chat", tags=["chat"], dependencies=[Depends(rejec
 CHAT_FIELDS = FieldNames(input="messages", max_new_tokens="max_tokens")
 
 
+def only_zero(value: float | None) -> float | None:
+    if value:
+        raise ValueError("only 0 is supported: this server applies no penalty")
+    return value
+
+
+NoPenalty = Annotated[float | None, Field(default=None, allow_inf_nan=False), AfterValidator(only_zero)]
+
+
 class ChatRequest(BaseModel):
-    # Unknown OpenAI fields (user, n=1, ...) are accepted and ignored, as other compatible servers do.
-    model_config = ConfigDict(extra="ignore")
+    # Every parameter is honoured or refused: an OpenAI field not listed here (tools, logit_bias, ...) is a 422
+    # naming it, never accepted and ignored.
+    model_config = ConfigDict(extra="forbid")
 
     model: RequestedAdapter
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: Temperature = None
     top_p: TopP = None
     seed: Seed = None
+    stop: Annotated[Stop, AfterValidator(check_stop)] = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    _top_needs_logprobs = field_validator("top_logprobs")(check_top_logprobs)
+    user: Annotated[Text, Field(max_length=200)] | None = Field(
+        default=None, description="the end user's id: stored in the job's metadata as `user`")
+    metadata: dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16, description="stored as the job's metadata")
+    frequency_penalty: NoPenalty = None
+    presence_penalty: NoPenalty = None
     stream: Literal[False] | None = Field(default=None, description="streaming is not supported")
     n: Literal[1] | None = None
 
     def to_job(self) -> JobCreate:
+        metadata = {**(self.metadata or {}), **({"user": self.user} if self.user is not None else {})}
         return JobCreate(
             adapter=self.model,
             input=MessagesInput(messages=self.messages),
-            # Chat clients want the text; a decision is attached to the job when one parses.
+            # Chat clients want the text (under response_format when given); a decision is attached when one parses.
             params=JobParams(max_new_tokens=self.max_completion_tokens or self.max_tokens,
-                             temperature=self.temperature, top_p=self.top_p, seed=self.seed, output="text"),
+                             temperature=self.temperature, top_p=self.top_p, seed=self.seed, output="text",
+                             stop=self.stop, response_format=self.response_format, logprobs=self.logprobs,
+                             top_logprobs=self.top_logprobs),
+            metadata=metadata or None,
         )
 
 
@@ -59,11 +91,15 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     finish_reason: Literal["stop", "length"]
-    logprobs: None
+    logprobs: ChatLogprobs | None
 
 
 class ChatUsage(BaseModel):
@@ -91,9 +127,8 @@ class ChatCompletion(BaseModel):
 
 
 def _completion(job: JobOut, model: str) -> ChatCompletion:
-    limit = job.params.get("max_new_tokens")
-    finish_reason = "length" if limit is not None and job.tokens.completion == limit else "stop"
     prompt, completion = job.tokens.prompt or 0, job.tokens.completion or 0
+    result = job.result
     return ChatCompletion.model_validate({
         "id": f"chatcmpl-{job.id}",
         "object": "chat.completion",
@@ -101,13 +136,13 @@ def _completion(job: JobOut, model: str) -> ChatCompletion:
         "model": model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": job.result.text if job.result else ""},
-            "finish_reason": finish_reason,
-            "logprobs": None,
+            "message": {"role": "assistant", "content": result.text if result else ""},
+            "finish_reason": (result.finish_reason if result else None) or "stop",
+            "logprobs": {"content": result.logprobs} if result and job.params.get("logprobs") else None,
         }],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         # Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it.
-        "kevlaya": {"job_id": str(job.id), "decision": job.result.decision if job.result else None,
+        "kevlaya": {"job_id": str(job.id), "decision": result.decision if result else None,
                     "timings": job.timings.model_dump()},
     })
 

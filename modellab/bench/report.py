@@ -12,6 +12,13 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _grammar(engine: dict[str, Any], key: str, spec: str) -> str:
+    pairs = engine.get("decision_grammar")
+    if not pairs:
+        return "—"
+    return f"{pairs['free'][key]:{spec}} / {pairs['grammar'][key]:{spec}} ({pairs[key + '_vs_free']:.2f}×)"
+
+
 def table(result: dict[str, Any]) -> str:
     seed, engines = result["seed_scheme"], {"service": result["service"]}
     names = list(engines)
@@ -34,6 +41,8 @@ def table(result: dict[str, Any]) -> str:
         row("slots / jobs in flight at most", "", lambda e: f"{e.get('slots', '—')} / {e.get('most_in_flight', '—')}"),
         row("OOM events / failed jobs", "", lambda e: f"{e['oom_events']} / {e['failed_jobs']}"),
         row("claim groups / mean size", "", lambda e: f"{e['claim_groups']} / {e['mean_group_size']:.1f}"),
+        row("decode step ms, free / decision grammar", "", lambda e: _grammar(e, "step_ms", ".2f")),
+        row("jobs/s, free / decision grammar", "", lambda e: _grammar(e, "jobs_per_s", ".2f")),
     ]
     loads = [f["load"] for f in next(iter(engines.values())).get("fit", [])]
     for index, load in enumerate(loads):

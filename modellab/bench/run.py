@@ -4,6 +4,7 @@ the recipe and the service are compared within one run."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -26,6 +27,7 @@ from modellab.bench.service import BatchRow, JobRow, Service
 from modellab.bench.workload import BenchJob, make_jobs
 from modellab.model_factory import build_random_model
 from modellab.reference import ReferenceRuntime
+from shared.schemas import answer_grammar
 from shared.settings import Settings
 from worker.generation import GenerationRequest
 from worker.model.loading import resolve_device
@@ -103,6 +105,11 @@ def runtime_phase(config: BenchConfig, settings: Settings, jobs: list[BenchJob])
         decoder = build_decoder(runtime.loaded, settings.model_copy(update={"engine_cuda_graphs": config.cuda_graphs}))
         try:
             profile = decode_busy_fraction(decoder.run, runtime.device, kev)
+            # The same rows under the decision grammar: masks computed while the GPU runs leave its busy share be.
+            constrained = [dataclasses.replace(r, grammar=answer_grammar({"output": "decision"}, r.messages, True))
+                           for r in kev]
+            if profile is not None:
+                profile["decision_grammar"] = decode_busy_fraction(decoder.run, runtime.device, constrained)
         finally:
             decoder.close()
             del decoder
@@ -177,6 +184,25 @@ def _memory(service: Service, since: datetime) -> list[dict[str, Any]]:
             for b in service.batches(since=since) if b.peak_vram_bytes is not None]
 
 
+def grammar_pairs(service: Service, jobs: list[BenchJob], rounds: int = 2) -> dict[str, Any]:
+    """The workload again, free and with every row under the decision grammar, alternately (`rounds` of each, so a
+    warm-up or a drift favours neither). Lengths stay exact: a completed grammar starts over while end-of-sequence
+    is ignored. Random weights close few decision objects in that time, so most constrained jobs end `length`."""
+    runs: dict[str, list[dict[str, Any]]] = {"text": [], "decision": []}
+    for _ in range(rounds):
+        for output in runs:
+            phases = service.engine_phases()
+            rows = service.wait(service.submit([j.body(output) for j in jobs]))
+            runs[output].append({"jobs_per_s": len(rows) / _seconds(rows),
+                                 "step_ms": engine_phases(phases, service.engine_phases())["step"]["mean_ms"],
+                                 "length_failures": sum(r.error_code == "length" for r in rows)})
+    mean = {output: {key: statistics.fmean(run[key] for run in done) for key in ("jobs_per_s", "step_ms")}
+            for output, done in runs.items()}
+    return {"free": mean["text"], "grammar": mean["decision"], "runs": runs,
+            "jobs_per_s_vs_free": mean["decision"]["jobs_per_s"] / mean["text"]["jobs_per_s"],
+            "step_ms_vs_free": mean["decision"]["step_ms"] / mean["text"]["step_ms"]}
+
+
 def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob], laya_jobs: list[BenchJob],
                   fit_jobs: dict[int, list[BenchJob]], figures: dict[str, Any], save: Callable[[], None]) -> None:
     """Fills `figures` phase by phase and calls `save` after each, so a run cut short keeps what it measured."""
@@ -185,12 +211,18 @@ def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob]
     with Service(config.workdir / "service", env, config.redis_url) as service:
         service.wait(service.submit([jobs[0].body(), jobs[1].body()]))  # warm-up, as the recipe had
         started = service.batches()[-1].started_at
+        phases = service.engine_phases()
         rows = service.wait(service.submit([j.body() for j in jobs]))
         groups = [b for b in service.batches(since=started) if b.id in {r.batch_id for r in rows}]
         figures.update(jobs_per_s=len(rows) / _seconds(rows), **group_figures(groups, rows),
-                       memory_over_time=_memory(service, started))
+                       memory_over_time=_memory(service, started),
+                       engine_phases=engine_phases(phases, service.engine_phases()))
         figures["slots"] = service.worker_status().get("slots")  # as the worker sized them at start
         log.info("service: %.3f jobs/s, %d claim groups", figures["jobs_per_s"], len(groups))
+        save()
+
+        figures["decision_grammar"] = grammar_pairs(service, jobs)
+        log.info("service under the decision grammar: %s", figures["decision_grammar"])
         save()
 
         laya_latencies(service, laya_jobs, rng, figures, "idle")

@@ -21,10 +21,10 @@ class BenchJob:
     max_new_tokens: int
     prompt_tokens: int  # of the chat-templated prompt, as the worker will count it
 
-    def body(self) -> dict[str, Any]:
-        """The job as `POST /v1/jobs` takes it: greedy, raw text (random weights write no decisions)."""
+    def body(self, output: str = "text") -> dict[str, Any]:
+        """The job as `POST /v1/jobs` takes it: greedy; raw text, or under the decision grammar (`decision`)."""
         return {"adapter": self.adapter, "input": {"messages": self.messages},
-                "params": {"max_new_tokens": self.max_new_tokens, "temperature": 0, "output": "text"}}
+                "params": {"max_new_tokens": self.max_new_tokens, "temperature": 0, "output": output}}
 
 
 def prompt_length(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> int:

@@ -277,3 +277,47 @@ def test_a_rebuilt_decoder_leaves_no_memory_behind(demo: ReferenceRuntime) -> No
 
     first = build_and_close()
     assert build_and_close() == first == build_and_close()
+
+
+def test_constrained_and_free_rows_share_captured_steps_on_nf4(demo: ReferenceRuntime) -> None:
+    """Captured steps with grammar rows beside free rows: every decision names an option offered (here: not the
+    model's own answer), a JSON-schema row validates, and the free rows answer as they do alone."""
+    import json
+
+    from shared import grammar
+    from shared.schemas import answer_grammar
+    from worker.decoder.slot_decoder import SlotDecoder
+
+    settings = Settings(_env_file=None)
+    free = scenario_requests(settings, ["kev", "laya"] * 2)
+    scenarios = load_scenarios(DEMO / "test_scenarios.jsonl", 4)
+    constrained = []
+    for request, (_, scenario) in zip(free, scenarios):
+        others = [o.name for o in scenario.options if o.name != scenario.label] or ["A"]
+        constrained.append(GenerationRequest(
+            job_id=uuid.uuid4(), adapter=request.adapter, messages=request.messages, max_new_tokens=request.max_new_tokens,
+            temperature=0.0, top_p=1.0, seed=None,
+            grammar=answer_grammar({"output": "decision", "choices": others}, request.messages,
+                                   settings.adapter_profile(request.adapter).analysis)))
+    schema = {"type": "object", "properties": {"pick": {"enum": ["A", "B"]}, "sure": {"type": "boolean"}},
+              "required": ["pick", "sure"], "additionalProperties": False}
+    shaped = GenerationRequest(job_id=uuid.uuid4(), adapter="laya", messages=free[1].messages, max_new_tokens=40,
+                               temperature=0.0, top_p=1.0, seed=None, grammar=grammar.json_grammar(schema))
+
+    def run(requests: list[GenerationRequest]) -> list:
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=len(requests), window=1024,
+                              eos_ids=demo.eos_ids, graphs=True)
+        try:
+            return decoder.run(requests)
+        finally:
+            decoder.close()
+
+    alone = run(free)
+    together = run([*free, *constrained, shaped])
+    assert sum(a.token_ids == t.token_ids for a, t in zip(alone, together[:4])) >= 3  # fp16: one may differ
+    for request, (_, scenario), result in zip(constrained, scenarios, together[4:8]):
+        found = find_decision(demo.tokenizer.decode(result.token_ids, skip_special_tokens=True))
+        assert found is not None and result.finish_reason == "stop", result.text
+        assert found.value["decision"] != scenario.label or scenario.label == "none"
+    answer = json.loads(demo.tokenizer.decode(together[8].token_ids, skip_special_tokens=True))
+    assert set(answer) == {"pick", "sure"} and answer["pick"] in ("A", "B") and isinstance(answer["sure"], bool)

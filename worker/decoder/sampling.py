@@ -33,6 +33,7 @@ class Choice:
     tokens: list[int]
     logprobs: list[float]  # log p(chosen token) under the model's raw distribution (before temperature/top-p)
     broken: list[bool]  # the row's logits were NaN / +inf / all -inf: its sequence must stop
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per row, its `top` likeliest (id, log p)
 
 
 def broken_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -60,15 +61,20 @@ def nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(remove, float("-inf"))
 
 
-def choose(logits: torch.Tensor, rows: list[RowSampling], *, k: int = 0, banned: list[int] | None = None) -> Choice:
+def choose(logits: torch.Tensor, rows: list[RowSampling], *, k: int = 0, banned: list[int] | None = None,
+           allowed: torch.Tensor | None = None, top: int = 0) -> Choice:
     """One token per row of `logits` (rows × vocabulary); sampled rows keep only their `k` best tokens (0: all).
-    `banned` tokens are never chosen (benchmarks use it
-    to keep rows from ending early) but keep their probability in the reported log-probabilities."""
+    `allowed` (rows × vocabulary, from the rows' grammars) masks each row's logits before its temperature, top-k and
+    top-p. `banned` tokens are never chosen (benchmarks use it to keep rows from ending early). Neither changes the
+    reported log-probabilities: they are the model's own, so a grammar cannot inflate a confidence. `top` > 0: each
+    row's `top` likeliest tokens under that same distribution are reported too."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     broken = broken_rows(logits)
     # A broken row still gets a token (discarded by the caller): sanitise it so sampling cannot fail on NaN.
     logits = torch.where(broken[:, None], torch.zeros_like(logits), logits)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if banned:
         logits[:, banned] = float("-inf")
     tokens = logits.argmax(dim=-1)
@@ -78,4 +84,8 @@ def choose(logits: torch.Tensor, rows: list[RowSampling], *, k: int = 0, banned:
             probs = scores.softmax(dim=-1)
             tokens[row] = torch.multinomial(probs, num_samples=1, generator=sampling.generator)[0, 0]
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-    return Choice(tokens.tolist(), chosen.tolist(), broken.tolist())
+    likeliest = []
+    if top:
+        values, ids = raw_logprobs.topk(top, dim=-1)
+        likeliest = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return Choice(tokens.tolist(), chosen.tolist(), broken.tolist(), likeliest)

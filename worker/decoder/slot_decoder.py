@@ -10,17 +10,19 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
+from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_step import CapturedStep
 from worker.decoder.kv_block import KVBlock
 from worker.decoder.row_lora import RowLoRA
 from worker.decoder.sampling import RowSampling, choose
 from worker.generation import GenerationRequest, GenerationResult, numerical_error
-from worker.model.tokens import decode_with_spans, encode_chats
+from worker.model.tokens import encode_chats, result_text
 
 GENERATE_DEFAULT_TOP_K = 50
 
@@ -40,6 +42,10 @@ class Row:
     first_token_at: float | None = None
     last_token_at: float | None = None
     broken_after: int | None = None  # generated tokens before its logits went non-finite
+    matcher: Any = None  # llguidance.LLMatcher of the row's grammar, or None: free
+    text_bytes: bytearray = field(default_factory=bytearray)  # what it wrote so far, while it has stop strings
+    stopped_by: str | None = None  # the stop string it ended on
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when its request asks
 
 
 class SlotDecoder:
@@ -64,6 +70,7 @@ class SlotDecoder:
             dtype = torch.float32
         self.kv = KVBlock(model.config, slots, window, dtype, self.device)
         self.lora = RowLoRA(model, self.adapters)
+        self.grammars = RowGrammars(tokenizer, model.config.vocab_size, self.eos_ids, slots, self.device)
         self.rows: list[Row] = []  # row i lives in slot i
         self.limit = slots  # rows admitted at most; the engine lowers it after an out-of-memory (worker/memory.py)
         self._order = itertools.count()
@@ -112,13 +119,14 @@ class SlotDecoder:
             if not self.fits(length, request.max_new_tokens):
                 raise ValueError(f"job {request.job_id}: {length} prompt tokens + {request.max_new_tokens} new "
                                  f"tokens exceed the decoder's window of {self.window}")
+        matchers = [self.grammars.matcher(r.grammar) if r.grammar else None for r in requests]
         self._make_room(width)
         first, t = len(self.rows), self.kv.t
         new = [Row(request=r, adapter=self.adapters.index(r.adapter),
                    sampling=RowSampling.create(r.temperature, r.top_p, r.seed, self.device),
                    prompt_tokens=int(length), admitted_at=admitted_at, order=next(self._order),
-                   start=t - int(length))
-               for r, length in zip(requests, lengths)]
+                   start=t - int(length), matcher=matcher)
+               for r, length, matcher in zip(requests, lengths, matchers)]
 
         started = time.perf_counter()
         logits = self._prefill_block(ids, present, first, [row.adapter for row in new])
@@ -202,26 +210,46 @@ class SlotDecoder:
         return output.logits[:, -1]
 
     def _advance(self, rows: list[Row], logits: torch.Tensor, first_row: int) -> list[GenerationResult]:
-        """Give each of `rows` (in slots first_row, ...) the token chosen from its logits; retire finished rows."""
+        """Give each of `rows` (in slots first_row, ...) the token chosen from its logits; retire finished rows.
+        The grammars' masks are computed here, after the step was launched and before its logits are read, so on
+        CUDA the CPU works while the GPU runs."""
+        allowed = self.grammars.allowed([row.matcher for row in rows])
+        top = max((row.request.top_logprobs or 0 for row in rows), default=0)
         choice = choose(logits, [row.sampling for row in rows], k=self.top_k,
-                        banned=self.eos_ids if self.ignore_eos else None)
+                        banned=self.eos_ids if self.ignore_eos else None, allowed=allowed, top=top)
         now = time.perf_counter()
         finished = []
-        for row, token, logprob, broken in zip(rows, choice.tokens, choice.logprobs, choice.broken):
+        for i, (row, token, logprob, broken) in enumerate(zip(rows, choice.tokens, choice.logprobs, choice.broken)):
+            ended = False
             if broken:
                 row.broken_after = len(row.tokens)
             else:
                 row.tokens.append(token)
                 row.logprobs.append(logprob)
+                if row.request.top_logprobs is not None:
+                    row.top_logprobs.append(choice.top[i][:row.request.top_logprobs] if top else [])
                 row.first_token_at = row.first_token_at or now
                 row.last_token_at = now
-            ended = bool(row.tokens) and row.tokens[-1] in self.eos_ids and not self.ignore_eos
+                ended = (token in self.eos_ids and not self.ignore_eos) or self._ends(row, token)
             if broken or ended or len(row.tokens) >= row.request.max_new_tokens:
                 finished.append(row)
         results = [self._result(row) for row in finished]
         for row in sorted(finished, key=lambda r: self.rows.index(r), reverse=True):
             self._retire(self.rows.index(row))
         return results
+
+    def _ends(self, row: Row, token: int) -> bool:
+        """Whether `token` completes the row's grammar or one of its stop strings."""
+        complete = row.matcher is not None and self.grammars.advance(row.matcher, token)
+        if complete and self.ignore_eos:  # benchmarks: every row writes exactly its max_new_tokens, constrained
+            row.matcher.reset()
+            complete = False
+        if row.request.stop:
+            new = self.grammars.token_bytes(token)
+            row.text_bytes += new
+            row.stopped_by = next((s for s in row.request.stop  # only where a match could newly end
+                                   if s.encode() in row.text_bytes[-(len(s.encode()) + len(new)):]), None)
+        return complete or row.stopped_by is not None
 
     def _retire(self, slot: int) -> None:
         """Free `slot`, moving the last row into it so rows stay contiguous."""
@@ -260,14 +288,19 @@ class SlotDecoder:
     # -- results -----------------------------------------------------------------------------------------------
 
     def _result(self, row: Row) -> GenerationResult:
-        text, spans = decode_with_spans(self.tokenizer, row.tokens) if self.texts else (None, [])
+        ended = row.stopped_by is not None or (row.matcher is not None and row.matcher.is_stopped()) or (
+            bool(row.tokens) and row.tokens[-1] in self.eos_ids and not self.ignore_eos)
         result = GenerationResult(
-            job_id=row.request.job_id, text=text, prompt_tokens=row.prompt_tokens,
+            job_id=row.request.job_id, text=None, prompt_tokens=row.prompt_tokens,
             completion_tokens=len(row.tokens), prefill_ms=row.prefill_ms,
             decode_ms=((row.last_token_at or 0) - (row.first_token_at or 0)) * 1000,
             first_token_ms=((row.first_token_at or time.perf_counter()) - row.admitted_at) * 1000,
-            token_ids=list(row.tokens), token_logprobs=list(row.logprobs), token_spans=spans,
+            token_ids=list(row.tokens), token_logprobs=list(row.logprobs),
+            finish_reason="stop" if ended else "length", stop=row.stopped_by,
+            top_logprobs=list(row.top_logprobs) if row.request.top_logprobs is not None else None,
         )
+        if self.texts:
+            result_text(self.tokenizer, result)
         if row.broken_after is not None:
             numerical_error(result, row.broken_after)
         return result

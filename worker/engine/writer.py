@@ -23,7 +23,7 @@ from worker.generation import GenerationResult
 from worker.ledger.claims import GroupFigures, close_group
 from worker.ledger.settle import announce_escalations, settle_job
 from worker.metrics import METRICS
-from worker.model.tokens import decode_with_spans
+from worker.model.tokens import result_text
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -117,7 +117,7 @@ class ResultWriter:
         try:
             for _progress, _job_id, result in items:
                 if isinstance(result, GenerationResult) and result.text is None:  # the decoder left it to us
-                    result.text, result.token_spans = decode_with_spans(self.tokenizer, result.token_ids)
+                    result_text(self.tokenizer, result)
             with session_scope() as session:
                 settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings)
                            for progress, job_id, result in items]

@@ -13,7 +13,7 @@ def job_outcome(result: GenerationResult, output: str) -> JobOutcome:
     text = result.text.replace("\x00", "\ufffd") if result.text is not None else None  # PostgreSQL refuses NUL
     # Slots never switch adapters: a row carries its own (docs/architecture.md §14).
     timings = dict(switch_ms=0.0, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
-                   first_token_ms=result.first_token_ms,
+                   first_token_ms=result.first_token_ms, finish_reason=result.finish_reason, logprobs=result.logprobs,
                    prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
     if result.error_code:
         return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code=result.error_code,
@@ -28,6 +28,10 @@ def job_outcome(result: GenerationResult, output: str) -> JobOutcome:
         if probability is not None:
             decision["confidence"] = round(probability, 4)
     if decision is None and output == "decision":
+        if result.finish_reason == "length":  # the grammar guarantees the object, given the tokens to close it
+            return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code="length",
+                              error_message=f"max_new_tokens ({result.completion_tokens}) ran out before the decision "
+                              "object closed; the partial text is kept", **timings)
         return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code="invalid_output",
                           error_message="the answer holds no valid JSON decision object; the raw text is kept",
                           **timings)

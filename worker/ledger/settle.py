@@ -13,7 +13,7 @@ from shared import lifecycle
 from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus
 from shared.queue import QueueUnavailable, publish_wakeup
-from shared.schemas import to_messages, with_system_prompt
+from shared.schemas import answer_grammar, stop_strings, to_messages, with_system_prompt
 from shared.settings import Settings
 from worker.generation import GenerationRequest, GenerationResult
 from worker.ledger.cascade import escalate, is_cascade_head, needs_escalation
@@ -33,6 +33,9 @@ def generation_request(job: Job, settings: Settings) -> GenerationRequest:
         temperature=params.get("temperature", profile.temperature),
         top_p=params.get("top_p", profile.top_p),
         seed=params.get("seed"),
+        grammar=answer_grammar(params, messages, profile.analysis),
+        stop=stop_strings(params.get("stop")),
+        top_logprobs=params.get("top_logprobs", 0) if params.get("logprobs") else None,
     )
 
 

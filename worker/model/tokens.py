@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from shared.schemas import MIN_TEMPERATURE
-from worker.generation import GenerationRequest
+from worker.generation import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:  # the Celery parent imports this module (through worker.engine) and must not import torch
     import torch
@@ -49,3 +49,29 @@ def decode_with_spans(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> 
         spans.append((previous, max(previous, length)))
         previous = max(previous, length)
     return tokenizer.decode(tokens, skip_special_tokens=True), spans
+
+
+def result_text(tokenizer: PreTrainedTokenizerBase, result: GenerationResult) -> None:
+    """Give `result` its text and token spans, cut before the stop string it ended on (OpenAI's `stop`: the
+    string itself is not part of the answer), and its per-token log-probabilities when they were asked for."""
+    text, spans = decode_with_spans(tokenizer, result.token_ids)
+    kept = len(result.token_ids)
+    if result.stop is not None and (cut := text.find(result.stop)) != -1:
+        text, spans = text[:cut], [(min(a, cut), min(b, cut)) for a, b in spans]
+        kept = next((i for i, (start, _end) in enumerate(spans) if start >= cut), kept)
+    result.text, result.token_spans = text, spans
+    if result.top_logprobs is not None:
+        result.logprobs = [
+            {**_token_entry(tokenizer, token, logprob),
+             "top_logprobs": [_token_entry(tokenizer, other, p) for other, p in alternatives]}
+            for token, logprob, alternatives in zip(result.token_ids[:kept], result.token_logprobs,
+                                                    result.top_logprobs)
+        ]
+
+
+def _token_entry(tokenizer: PreTrainedTokenizerBase, token: int, logprob: float) -> dict:
+    """One token as OpenAI reports it: its text, its log-probability, and its UTF-8 bytes (a token can hold part of
+    a character, so its text alone cannot always be joined back)."""
+    text = tokenizer.decode([token], skip_special_tokens=False)
+    # -9999 stands for "never" (OpenAI's convention): JSON has no -Infinity.
+    return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8", errors="replace"))}

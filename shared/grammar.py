@@ -1,0 +1,63 @@
+"""What a job's answer is constrained to, as an llguidance grammar (docs/architecture.md §9).
+
+Grammars are built from plain data (no tokenizer, no torch), so the API can refuse one at submit, naming what the
+library cannot enforce, and the worker compiles the same text once per row (worker/decoder/grammar.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llguidance import LLMatcher
+
+NONE = "none"  # every decision may be "none": no option offered meets the question
+
+# Decisions and JSON answers are written compactly, as `json.dumps` writes them (the demo adapters were trained on
+# that): a model cannot stall in whitespace, and a client parses the result either way.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# A free-text analysis before the decision (Kev): lines that do not start with "{"; the first that does opens the
+# decision object.
+ANALYSIS_LINES = r"/([^{\n][^\n]*\n)+/"
+
+
+class GrammarError(ValueError):
+    """A schema the grammar library cannot enforce; the message names the feature."""
+
+
+def decision_schema(choices: list[str] | None) -> dict[str, Any]:
+    """The decision object (shared/decision.py `Decision`) as a JSON schema. Two key orders are allowed, the two the
+    adapters write: the kept options first (Laya's scratch space), or the decision first (Kev). No `confidence`: the
+    service computes it from the model's own probabilities, so a model cannot write one."""
+    decision: dict[str, Any] = ({"enum": [*dict.fromkeys([*choices, NONE])]} if choices
+                                else {"type": "string", "minLength": 1})
+    strings = {"type": "array", "items": {"type": "string"}}
+    orders = (("options", "decision", "rationale", "risks"), ("decision", "rationale", "options", "risks"))
+    fields = {"decision": decision, "rationale": {"type": "string"}, "options": strings, "risks": strings}
+    return {"anyOf": [{"type": "object", "properties": {name: fields[name] for name in order},
+                       "required": ["decision"], "additionalProperties": False} for order in orders]}
+
+
+def decision_grammar(choices: list[str] | None, analysis: bool) -> str:
+    """A decision object, after free analysis lines when `analysis` (the object alone otherwise)."""
+    schema = json.dumps({**decision_schema(choices), "x-guidance": COMPACT_JSON})
+    if not analysis:
+        return LLMatcher.grammar_from_json_schema(schema)
+    return LLMatcher.grammar_from_lark(f"start: ANALYSIS? decision\nANALYSIS: {ANALYSIS_LINES}\n"
+                                       f"decision: %json {schema}\n")
+
+
+def json_grammar(schema: dict[str, Any] | None) -> str:
+    """Any JSON object (`schema` None: OpenAI's `json_object`), or one that validates against `schema`. Raises
+    GrammarError for a schema the library cannot enforce exactly."""
+    schema = {"type": "object"} if schema is None else schema
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps({**schema, "x-guidance": COMPACT_JSON}))
+    check(grammar)
+    return grammar
+
+
+def check(grammar: str) -> None:
+    problem = LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise GrammarError(f"cannot be enforced here: {problem.strip()}")
