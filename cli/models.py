@@ -1,4 +1,5 @@
-"""Model-lab commands (`modellab/`): `models random`, `models build-demo`, `models verify`, `train` and `eval`."""
+"""Model-lab commands (`modellab/`): `models random`, `models build-demo`, `models questions`, `models verify`,
+`train` and `eval`."""
 
 from __future__ import annotations
 
@@ -71,6 +72,21 @@ def models_build_demo(
     for name, score in build["test"].items():
         typer.echo(f"test {name:<22} valid JSON {score['valid_rate']:6.1%}  accuracy {score['accuracy']:6.1%}")
     typer.echo(f"written to {out}")
+
+
+@app.command("questions")
+def models_questions(
+    out: Annotated[Path, typer.Option(help="JSONL to write (the held-out scenarios' format)")] = Path(
+        "models/eval/test_questions.jsonl"),
+    count: Annotated[int, typer.Option(min=1, help="questions to write")] = 200,
+    seed: Annotated[int, typer.Option(help="the seed they are drawn from")] = 0,
+) -> None:
+    """Write decision questions asked in plain words with 2-4 named options (not the adapters' training format),
+    for `kevlaya eval --scenarios`."""
+    from modellab.decision_data import write_questions
+
+    write_questions(out, count, seed)
+    typer.echo(f"written {count} questions to {out}")
 
 
 @app.command("verify")

@@ -14,6 +14,7 @@ models trained on it have a few million parameters and read bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Iterable, Mapping
@@ -61,6 +62,7 @@ class Scenario:
     budget: int | None = None
     max_risk: str | None = None
     deadline: int | None = None
+    question: str | None = None  # the plain words it is asked in, when not the scenario format (render_question)
 
     @property
     def label(self) -> str:
@@ -73,6 +75,7 @@ class Scenario:
             "budget": self.budget,
             "max_risk": self.max_risk,
             "deadline": self.deadline,
+            **({"question": self.question} if self.question is not None else {}),
         }
 
     @classmethod
@@ -83,6 +86,7 @@ class Scenario:
             budget=data.get("budget"),
             max_risk=data.get("max_risk"),
             deadline=data.get("deadline"),
+            question=data.get("question"),
         )
 
 
@@ -148,6 +152,8 @@ def score_decision(s: Scenario, decision: str) -> bool:
 
 
 def render_prompt(s: Scenario) -> str:
+    if s.question is not None:
+        return s.question
     options = "; ".join(f"{o.name} cost {o.cost} risk {o.risk} days {o.days} quality {o.quality}" for o in s.options)
     constraints = []
     if s.budget is not None:
@@ -234,6 +240,61 @@ def label_counts(records: Iterable[Scenario | Mapping[str, Any]]) -> dict[str, i
     for r in records:
         counts[r.label if isinstance(r, Scenario) else r["label"]] += 1
     return counts
+
+
+# Out-of-format questions: the same decisions asked in plain words, with named options. Each theme names up to five
+# options and says what its cost, days and quality are in.
+THEMES = (
+    {"topic": "how to get from Paris to Berlin", "names": ("train", "flight", "bus", "car", "ferry"),
+     "cost": "euros", "days": "hours", "quality": "comfort"},
+    {"topic": "a vendor to build our billing system", "names": ("Acme", "Globex", "Initech", "Umbrella", "Hooli"),
+     "cost": "thousand dollars", "days": "weeks", "quality": "quality"},
+    {"topic": "where to hold the team offsite", "names": ("Lyon", "Porto", "Krakow", "Ghent", "Turin"),
+     "cost": "hundred euros a head", "days": "hours of travel", "quality": "rating"},
+    {"topic": "a laptop for the new hire", "names": ("ThinkPad", "MacBook", "XPS", "Framework", "Surface"),
+     "cost": "tens of dollars", "days": "days to deliver", "quality": "review score"},
+)
+_OBJECTIVE_WORDS = {"lowest cost": "the cheapest", "shortest time": "the fastest", "highest quality": "the best",
+                    "lowest risk": "the safest"}
+
+
+def render_question(s: Scenario, theme: Mapping[str, Any]) -> str:
+    """`s` (its options already named from `theme`) as a question in plain words, ending with its `Options:`
+    line, the form a person would type."""
+    sentences = [f"I need to choose {theme['topic']}."]
+    for o in s.options:
+        sentences.append(f"{o.name}: {o.cost} {theme['cost']}, {o.days} {theme['days']}, {o.risk} risk, "
+                         f"{theme['quality']} {o.quality} out of 9.")
+    if s.budget is not None:
+        sentences.append(f"I can spend at most {s.budget} {theme['cost']}.")
+    if s.max_risk is not None:
+        sentences.append(f"I accept at most {s.max_risk} risk.")
+    if s.deadline is not None:
+        sentences.append(f"It must take at most {s.deadline} {theme['days']}.")
+    sentences.append(f"I want {_OBJECTIVE_WORDS[s.objective]} option that meets all of that; if none does, say none.")
+    sentences.append(f"Options: {', '.join(o.name for o in s.options)}.")
+    return " ".join(sentences)
+
+
+def sample_question(rng: random.Random) -> Scenario:
+    """A scenario of 2-4 options named after a random theme, asked in plain words."""
+    theme = rng.choice(THEMES)
+    while True:
+        s = sample_scenario(rng)
+        if len(s.options) <= 4:
+            break
+    names = rng.sample(theme["names"], len(s.options))
+    named = Scenario(options=tuple(Option(n, o.cost, o.risk, o.days, o.quality) for n, o in zip(names, s.options)),
+                     objective=s.objective, budget=s.budget, max_risk=s.max_risk, deadline=s.deadline)
+    return dataclasses.replace(named, question=render_question(named, theme))
+
+
+def write_questions(path: Path, n: int, seed: int) -> Path:
+    """`n` out-of-format questions as JSONL in the test scenarios' format (`kevlaya eval --scenarios` reads it)."""
+    rng = random.Random(f"{seed}/questions")
+    _write_jsonl(path, ({"id": f"question-{i:05d}", "scenario": s.to_dict(), "label": s.label}
+                        for i, s in enumerate(sample_question(rng) for _ in range(n))))
+    return path
 
 
 def _write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:

@@ -12,13 +12,14 @@ import json
 import statistics
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from modellab.decision_data import Scenario, render_prompt, score_decision
+from modellab.decision_data import NONE, Scenario, render_prompt, score_decision
 from modellab.reference import ReferenceRuntime
 from shared.lifecycle import JobOutcome
 from shared.schemas import answer_grammar
@@ -45,6 +46,8 @@ class Answer:
     latency_ms: float
     completion_tokens: int
     escalated: bool = False
+    offered: bool = False  # the decision is one of the options the question lists, or "none"
+    error_code: str | None = None  # why no decision: length, invalid_output, ...
 
 
 @dataclass
@@ -53,6 +56,8 @@ class ModeReport:
     n: int
     accuracy: float
     valid_json_rate: float
+    offered_rate: float  # decisions naming an option the question offers, or "none", over all answers
+    failures: dict[str, int]  # answers without a decision, by error code
     mean_latency_ms: float
     p95_latency_ms: float
     mean_completion_tokens: float
@@ -121,6 +126,8 @@ class Evaluator:
                 confidence=decision.get("confidence"),
                 correct=bool(decision) and score_decision(scenario, decision["decision"]),
                 latency_ms=latency_ms, completion_tokens=result.completion_tokens,
+                offered=decision.get("decision") in {*(o.name for o in scenario.options), NONE},
+                error_code=outcome.error_code,
             ))
         return answers
 
@@ -135,6 +142,7 @@ class Evaluator:
                     id=first.id, label=first.label, decision=second.decision, confidence=second.confidence,
                     correct=second.correct, latency_ms=first.latency_ms + second.latency_ms,
                     completion_tokens=first.completion_tokens + second.completion_tokens, escalated=True,
+                    offered=second.offered, error_code=second.error_code,
                 ))
             else:
                 combined.append(first)
@@ -148,6 +156,8 @@ def summarize(mode: str, answers: list[Answer]) -> ModeReport:
         mode=mode, n=len(answers),
         accuracy=sum(a.correct for a in answers) / len(answers),
         valid_json_rate=sum(a.decision is not None for a in answers) / len(answers),
+        offered_rate=sum(a.offered for a in answers) / len(answers),
+        failures=dict(Counter(a.error_code for a in answers if a.error_code)),
         mean_latency_ms=statistics.fmean(latencies),
         p95_latency_ms=latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))],
         mean_completion_tokens=statistics.fmean(tokens), total_completion_tokens=sum(tokens),
@@ -212,13 +222,14 @@ def agreement(first: list[dict[str, object]], second: list[dict[str, object]]) -
 
 
 def table(report: dict[str, object]) -> str:
-    lines = [f"{'mode':<6} {'n':>5} {'accuracy':>9} {'valid JSON':>11} {'mean ms':>9} {'p95 ms':>9} "
-             f"{'tokens':>7} {'escalated':>10}"]
+    lines = [f"{'mode':<6} {'n':>5} {'accuracy':>9} {'valid JSON':>11} {'offered':>8} {'mean ms':>9} {'p95 ms':>9} "
+             f"{'tokens':>7} {'escalated':>10}  failures"]
     for mode, r in report["modes"].items():
         escalated = f"{r['escalation_rate']:.1%}" if r["escalation_rate"] is not None else "-"
+        failures = ", ".join(f"{code} {n}" for code, n in r["failures"].items()) or "-"
         lines.append(f"{mode:<6} {r['n']:>5} {r['accuracy']:>9.1%} {r['valid_json_rate']:>11.1%} "
-                     f"{r['mean_latency_ms']:>9.1f} {r['p95_latency_ms']:>9.1f} {r['mean_completion_tokens']:>7.1f} "
-                     f"{escalated:>10}")
+                     f"{r['offered_rate']:>8.1%} {r['mean_latency_ms']:>9.1f} {r['p95_latency_ms']:>9.1f} "
+                     f"{r['mean_completion_tokens']:>7.1f} {escalated:>10}  {failures}")
     for adapter in ("laya", "kev"):
         if (rated := report.get(f"{adapter}_calibration")) and rated["ece"] is not None:
             lines.append(f"{adapter.capitalize()} confidence calibration: ECE {rated['ece']:.3f} over {rated['n']} "

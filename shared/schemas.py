@@ -74,7 +74,36 @@ def check_json_value(value: Any) -> Any:
     return value
 
 
+def check_not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be blank (whitespace only)")
+    return value
+
+
 Text = Annotated[str, AfterValidator(check_text)]
+NonBlankText = Annotated[Text, Field(min_length=1), AfterValidator(check_not_blank)]
+
+
+class RequestModel(BaseModel):
+    """A request body: unknown fields are refused, and JSON types are taken as they are (strict): `true` is not
+    the number 1, `"5"` is not a number and `0` is not `false`, so a client's mistake is a 422 naming the field,
+    never a value it did not mean."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def not_bool(value: Any) -> Any:
+    """Before a Literal of a number (pydantic compares literals by equality, so `true` would pass as 1)."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+def only_bool(value: Any) -> Any:
+    """Before a Literal of a boolean (`0` would otherwise pass as `false`)."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError("must be a boolean")
+    return value
 Temperature = Annotated[
     float | None,
     Field(default=None, ge=0, le=2, allow_inf_nan=False,
@@ -87,12 +116,6 @@ Seed = Annotated[int | None, Field(default=None, ge=0, le=SEED_MAX)]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_CHOICES = 32
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-
-
-def check_not_blank(value: str) -> str:
-    if not value.strip():
-        raise ValueError("must not be blank")
-    return value
 
 
 def check_unique(values: list[str]) -> list[str]:
@@ -128,10 +151,10 @@ def stop_strings(value: str | list[str] | None) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(RequestModel):
     """OpenAI's `response_format.json_schema`."""
 
-    model_config = ConfigDict(extra="forbid", validate_by_name=True, serialize_by_alias=True)
+    model_config = ConfigDict(validate_by_name=True, serialize_by_alias=True)
 
     name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: Text | None = None
@@ -145,10 +168,8 @@ class JsonSchemaSpec(BaseModel):
         return value
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     """OpenAI's `response_format`: `text` (free), `json_object` (any JSON object) or `json_schema`."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = Field(default=None, description="with type json_schema, and only then")
@@ -167,20 +188,16 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     """OpenAI-style content part; only text is supported."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
     text: Text
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Message(RequestModel):
     role: Literal["system", "user", "assistant"]
-    content: Annotated[Text, Field(min_length=1)] | Annotated[list[TextPart], Field(min_length=1)] = Field(
+    content: NonBlankText | Annotated[list[TextPart], Field(min_length=1)] = Field(
         description="a string, or a list of text parts (`[{\"type\": \"text\", \"text\": \"...\"}]`), "
         "which are joined with newlines"
     )
@@ -191,21 +208,17 @@ class Message(BaseModel):
         if isinstance(value, str):
             return value
         text = "\n".join(part.text for part in value)
-        if not text:
-            raise ValueError("the text parts are all empty")
+        if not text.strip():
+            raise ValueError("the text parts are all blank")
         return text
 
 
-class MessagesInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class MessagesInput(RequestModel):
     messages: list[Message] = Field(min_length=1)
 
 
-class JobParams(BaseModel):
+class JobParams(RequestModel):
     """Generation overrides; anything left out takes the adapter's configured default."""
-
-    model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: int | None = Field(default=None, ge=1)
     temperature: Temperature = None
@@ -254,21 +267,12 @@ class JobParams(BaseModel):
         return value
 
 
-class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class JobCreate(RequestModel):
     adapter: RequestedAdapter
-    input: Annotated[Text, Field(min_length=1)] | MessagesInput
+    input: NonBlankText | MessagesInput
     params: JobParams = Field(default_factory=JobParams)
-    idempotency_key: Annotated[Text, Field(min_length=1, max_length=200)] | None = None
+    idempotency_key: Annotated[NonBlankText, Field(max_length=200)] | None = None
     metadata: Annotated[dict[str, Any], AfterValidator(check_json_value)] | None = None
-
-    @field_validator("input")
-    @classmethod
-    def _input_not_blank(cls, value: str | MessagesInput) -> str | MessagesInput:
-        if isinstance(value, str) and not value.strip():
-            raise ValueError("input must not be empty")
-        return value
 
     def messages(self) -> list[dict[str, str]]:
         return to_messages(self.input if isinstance(self.input, str) else self.input.model_dump())
@@ -277,9 +281,7 @@ class JobCreate(BaseModel):
         return sum(len(m["content"]) for m in self.messages())
 
 
-class JobBatchCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class JobBatchCreate(RequestModel):
     jobs: list[JobCreate] = Field(min_length=1)
 
 

@@ -64,6 +64,21 @@ BAD_JOBS = [
     ('{"adapter": "kev", "input": {"messages": [{"role": "user", "content": []}]}}', "input.messages.0.content"),
     ('{"adapter": "kev", "input": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}}',
      "input.messages.0.content"),
+    # loose types: a boolean or a numeric string was taken as the number it resembles (`true` ran as 1 token)
+    ('{"adapter": "kev", "input": "x", "params": {"max_new_tokens": true}}', "params.max_new_tokens"),
+    ('{"adapter": "kev", "input": "x", "params": {"max_new_tokens": "5"}}', "params.max_new_tokens"),
+    ('{"adapter": "kev", "input": "x", "params": {"temperature": "0.5"}}', "params.temperature"),
+    ('{"adapter": "kev", "input": "x", "params": {"top_p": false}}', "params.top_p"),
+    ('{"adapter": "kev", "input": "x", "params": {"seed": true}}', "params.seed"),
+    ('{"adapter": "kev", "input": "x", "params": {"output": "text", "logprobs": 1}}', "params.logprobs"),
+    ('{"adapter": "kev", "input": 5}', "input"),
+    ('{"adapter": "kev", "input": "x", "idempotency_key": 7}', "idempotency_key"),
+    # blank text is not input: it was queued and answered
+    ('{"adapter": "kev", "input": " \\n\\t "}', "input"),
+    ('{"adapter": "kev", "input": {"messages": [{"role": "user", "content": "   "}]}}', "input.messages.0.content"),
+    ('{"adapter": "kev", "input": {"messages": [{"role": "user", "content": [{"type": "text", "text": " "}]}]}}',
+     "input.messages.0.content"),
+    ('{"adapter": "kev", "input": "x", "idempotency_key": "  "}', "idempotency_key"),
 ]
 
 
@@ -79,6 +94,14 @@ def test_what_can_never_run_is_refused_naming_the_field(client, raw, field):
     ('{"model": "kev", "messages": [{"role": "user", "content": "x"}], "temperature": 1e-45}', "temperature"),
     ('{"model": "kev", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
     ('{"model": "kev", "messages": [{"role": "user", "content": "x"}], "seed": 1' + "0" * 30 + "}", "seed"),
+    ('{"model": "kev", "messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "max_tokens"),
+    ('{"model": "kev", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": "9"}',
+     "max_completion_tokens"),
+    ('{"model": "kev", "messages": [{"role": "user", "content": "x"}], "temperature": "1"}', "temperature"),
+    ('{"model": "kev", "messages": [{"role": "user", "content": "x"}], "n": true}', "n"),
+    ('{"model": "kev", "messages": [{"role": "user", "content": "x"}], "stream": 0}', "stream"),
+    ('{"model": "kev", "messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}', "logprobs"),
+    ('{"model": "kev", "messages": [{"role": "user", "content": " "}]}', "messages.0.content"),
 ])
 def test_chat_completions_refuse_the_same_inputs_naming_their_own_fields(client, raw, field):
     assert_refused(post_raw(client, "/v1/chat/completions", raw), field)

@@ -186,3 +186,20 @@ def test_write_dataset(tmp_path: Path) -> None:
     # Same seed, same files.
     again = write_dataset(tmp_path / "again", n_train=600, n_val=100, n_test=200, seed=3)
     assert again["kev/train"].read_text() == paths["kev/train"].read_text()
+
+
+def test_questions_in_plain_words_offer_their_named_options_and_keep_the_rule(tmp_path: Path) -> None:
+    from modellab.decision_data import write_questions
+    from shared.decision import offered_options
+
+    path = write_questions(tmp_path / "questions.jsonl", 60, seed=4)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 60 and path.read_text() == write_questions(tmp_path / "again.jsonl", 60, seed=4).read_text()
+    for row in rows:
+        scenario = Scenario.from_dict(row["scenario"])
+        names = [o.name for o in scenario.options]
+        question = render_prompt(scenario)
+        assert 2 <= len(names) <= 4 and not set(names) & set("ABCDE")  # named, not lettered
+        assert offered_options(question) == names  # what the decision grammar will allow, besides "none"
+        assert row["label"] == scenario.label in [*names, "none"]
+        assert question.endswith(f"Options: {', '.join(names)}.") and "cost" not in question

@@ -286,6 +286,7 @@ def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_st
     """Four rows that finish at the same step are stored in one transaction; when storing one of them raises,
     the others are stored one by one and succeed, and the error still reaches the drain."""
     from shared.settings import Settings
+    from worker.engine import writer
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
@@ -328,7 +329,6 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
     import threading
 
     from shared.settings import Settings
-    from worker.engine import writer
     from worker.engine.loop import Engine
     from worker.metrics import ENGINE_PHASES, METRICS
     from worker.model import tokens

@@ -34,6 +34,10 @@ def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):
         assert len(answers) == 6
         assert summary["accuracy"] == sum(a["correct"] for a in answers) / 6
         assert summary["mean_completion_tokens"] > 0 and summary["mean_latency_ms"] > 0
+        if mode != "base":  # under the decision grammar: a decision, when there is one, is an option offered
+            assert all(a["offered"] for a in answers if a["decision"] is not None)
+            assert summary["offered_rate"] == summary["valid_json_rate"]
+            assert sum(summary["failures"].values()) == sum(a["decision"] is None for a in answers)
     # random weights are never sure of a decision (even one their grammar completes), so the cascade escalates
     # everything and pays for both
     assert report["modes"]["auto"]["escalation_rate"] == 1.0

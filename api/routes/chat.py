@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, field_validator
 
 from api.deps import IntakeDep, SubmitterKey, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
@@ -20,6 +20,7 @@ from shared.schemas import (
     Message,
     MessagesInput,
     RequestedAdapter,
+    RequestModel,
     ResponseFormat,
     Seed,
     Stop,
@@ -29,6 +30,8 @@ from shared.schemas import (
     TopP,
     check_stop,
     check_top_logprobs,
+    not_bool,
+    only_bool,
 )
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])
@@ -46,10 +49,9 @@ def only_zero(value: float | None) -> float | None:
 NoPenalty = Annotated[float | None, Field(default=None, allow_inf_nan=False), AfterValidator(only_zero)]
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(RequestModel):
     # Every parameter is honoured or refused: an OpenAI field not listed here (tools, logit_bias, ...) is a 422
-    # naming it, never accepted and ignored.
-    model_config = ConfigDict(extra="forbid")
+    # naming it, never accepted and ignored; and JSON types are strict (RequestModel).
 
     model: RequestedAdapter
     messages: list[Message] = Field(min_length=1)
@@ -69,8 +71,9 @@ class ChatRequest(BaseModel):
         default=None, max_length=16, description="stored as the job's metadata")
     frequency_penalty: NoPenalty = None
     presence_penalty: NoPenalty = None
-    stream: Literal[False] | None = Field(default=None, description="streaming is not supported")
-    n: Literal[1] | None = None
+    stream: Annotated[Literal[False] | None, BeforeValidator(only_bool)] = Field(
+        default=None, description="streaming is not supported")
+    n: Annotated[Literal[1] | None, BeforeValidator(not_bool)] = None
 
     def to_job(self) -> JobCreate:
         metadata = {**(self.metadata or {}), **({"user": self.user} if self.user is not None else {})}
