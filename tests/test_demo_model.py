@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from modellab.evaluation import Evaluator, load_scenarios, summarize
-from modellab.reference import ReferenceRuntime
 from shared.manifest import verify_manifest
 from shared.settings import Settings
+from worker.model.loading import load_model
 
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 
@@ -30,7 +30,7 @@ def test_build_record_names_its_command_and_size_budget():
 def evaluator() -> Evaluator:
     settings = Settings(_env_file=None, base_model=str(DEMO / "base"), device="cpu",
                         kev={"path": str(DEMO / "kev")}, laya={"path": str(DEMO / "laya")})
-    return Evaluator(ReferenceRuntime.load(settings), settings, batch_size=8)
+    return Evaluator(load_model(settings), settings, batch_size=8)
 
 
 def test_adapters_decide_where_the_bare_base_cannot(evaluator):
