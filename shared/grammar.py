@@ -17,9 +17,9 @@ NONE = "none"  # every decision may be "none": no option offered meets the quest
 # that): a model cannot stall in whitespace, and a client parses the result either way.
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-# A free-text analysis before the decision (Kev): lines that do not start with "{"; the first that does opens the
-# decision object.
-ANALYSIS_LINES = r"/([^{\n][^\n]*\n)+/"
+# A free-text analysis before the decision (Kev): lines without "{", so the first "{" of the answer opens the
+# decision object (and no object written inside the analysis can be taken for the decision).
+ANALYSIS_LINES = r"/([^{\n]+\n)+/"
 
 
 class GrammarError(ValueError):

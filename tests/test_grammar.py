@@ -9,6 +9,7 @@ import uuid
 
 import jsonschema
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from modellab.decision_data import LETTERS, generate, render_prompt
@@ -86,6 +87,30 @@ def text_request(adapter: str, prompt: str, max_new_tokens: int, *, temperature:
 ])
 def test_the_options_a_question_lists_are_its_labels(question, labels):
     assert offered_options(question) == labels
+
+
+def test_kevs_analysis_cannot_hold_an_object_that_would_pass_for_the_decision(demo):
+    """Seen on plain-word questions: Kev wrote `{"decision": "A"}` inside an analysis line, and that object, naming no
+    option offered, was taken for the decision. Analysis lines hold no "{", so the first "{" opens the decision."""
+    import llguidance
+
+    rows = demo_grammars(demo)
+    decision = grammar.decision_grammar(["train", "flight"], analysis=True)
+
+    def accepts(text: str) -> bool:
+        matcher = rows.matcher(decision)
+        return all(matcher.consume_token(t) for t in demo.tokenizer.encode(text)) and matcher.is_accepting()
+
+    assert accepts('train: 8 hours -> keep\n{"decision": "train"}')
+    assert not accepts('train: see {"decision": "A"} -> keep\n{"decision": "train"}')
+    assert not accepts('{"decision": "A"}')
+    assert isinstance(rows.matcher(decision), llguidance.LLMatcher)
+
+
+def demo_grammars(runtime: ReferenceRuntime):  # noqa: ANN201
+    from worker.decoder.grammar import RowGrammars
+
+    return RowGrammars(runtime.tokenizer, runtime.model.config.vocab_size, runtime.eos_ids, 1, torch.device("cpu"))
 
 
 # -- the decoder -----------------------------------------------------------------------------------------------

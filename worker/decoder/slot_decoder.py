@@ -45,6 +45,7 @@ class Row:
     matcher: Any = None  # llguidance.LLMatcher of the row's grammar, or None: free
     text_bytes: bytearray = field(default_factory=bytearray)  # what it wrote so far, while it has stop strings
     stopped_by: str | None = None  # the stop string it ended on
+    ended: bool = False  # it ended (end of sequence, grammar complete, stop string) rather than ran out of tokens
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when its request asks
 
 
@@ -220,7 +221,6 @@ class SlotDecoder:
         now = time.perf_counter()
         finished = []
         for i, (row, token, logprob, broken) in enumerate(zip(rows, choice.tokens, choice.logprobs, choice.broken)):
-            ended = False
             if broken:
                 row.broken_after = len(row.tokens)
             else:
@@ -230,8 +230,8 @@ class SlotDecoder:
                     row.top_logprobs.append(choice.top[i][:row.request.top_logprobs] if top else [])
                 row.first_token_at = row.first_token_at or now
                 row.last_token_at = now
-                ended = (token in self.eos_ids and not self.ignore_eos) or self._ends(row, token)
-            if broken or ended or len(row.tokens) >= row.request.max_new_tokens:
+                row.ended = (token in self.eos_ids and not self.ignore_eos) or self._ends(row, token)
+            if broken or row.ended or len(row.tokens) >= row.request.max_new_tokens:
                 finished.append(row)
         results = [self._result(row) for row in finished]
         for row in sorted(finished, key=lambda r: self.rows.index(r), reverse=True):
@@ -288,15 +288,13 @@ class SlotDecoder:
     # -- results -----------------------------------------------------------------------------------------------
 
     def _result(self, row: Row) -> GenerationResult:
-        ended = row.stopped_by is not None or (row.matcher is not None and row.matcher.is_stopped()) or (
-            bool(row.tokens) and row.tokens[-1] in self.eos_ids and not self.ignore_eos)
         result = GenerationResult(
             job_id=row.request.job_id, text=None, prompt_tokens=row.prompt_tokens,
             completion_tokens=len(row.tokens), prefill_ms=row.prefill_ms,
             decode_ms=((row.last_token_at or 0) - (row.first_token_at or 0)) * 1000,
             first_token_ms=((row.first_token_at or time.perf_counter()) - row.admitted_at) * 1000,
             token_ids=list(row.tokens), token_logprobs=list(row.logprobs),
-            finish_reason="stop" if ended else "length", stop=row.stopped_by,
+            finish_reason="stop" if row.ended else "length", stop=row.stopped_by,
             top_logprobs=list(row.top_logprobs) if row.request.top_logprobs is not None else None,
         )
         if self.texts:
