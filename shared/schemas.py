@@ -125,7 +125,7 @@ def check_unique(values: list[str]) -> list[str]:
     return values
 
 
-Label = Annotated[Text, Field(min_length=1, max_length=100), AfterValidator(check_not_blank)]
+Label = Annotated[NonBlankText, Field(max_length=100)]
 StopString = Annotated[Text, Field(min_length=1, max_length=100)]
 Stop = Annotated[
     StopString | list[StopString] | None,

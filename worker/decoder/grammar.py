@@ -7,6 +7,7 @@ Rows without a grammar allow every token, so constrained and free rows share one
 from __future__ import annotations
 
 from collections import OrderedDict
+from weakref import WeakKeyDictionary
 
 import llguidance
 import llguidance.hf
@@ -18,13 +19,25 @@ BITS = 32  # tokens per bitmask word
 COMPILED_KEPT = 256  # distinct grammars kept compiled (decision grammars repeat: one per set of choices)
 
 
+_TOKENIZERS: WeakKeyDictionary[PreTrainedTokenizerBase, dict[tuple, llguidance.LLTokenizer]] = WeakKeyDictionary()
+
+
+def grammar_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                      eos_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """The library's view of a tokenizer, built once per tokenizer (milliseconds for a small vocabulary, up to a
+    second for 150k tokens): the worker builds several decoders at start while it sizes its slots, and no job's
+    prefill should wait for it."""
+    built = _TOKENIZERS.setdefault(tokenizer, {})
+    if (vocab_size, eos_ids) not in built:
+        built[vocab_size, eos_ids] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+    return built[vocab_size, eos_ids]
+
+
 class RowGrammars:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: list[int], slots: int,
                  device: torch.device):
         self.vocab_size, self.device = vocab_size, device
-        # Built once per decoder (milliseconds for a small vocabulary, a fraction of a second for 150k tokens), so
-        # no job's prefill waits for it.
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids)
+        self.tokenizer = grammar_tokenizer(tokenizer, vocab_size, tuple(eos_ids))
         self.executor = llguidance.LLExecutor()
         # A compiled grammar, kept at its start with its lexer warmed by one mask: a new row gets a copy (a fraction
         # of a millisecond) instead of a compile (a millisecond or more, and a cold first mask).
