@@ -48,6 +48,9 @@ def models_build_demo(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda (CUDA: adapters trained on an NF4 base)")] = "auto",
     quick: Annotated[bool, typer.Option(help="a tiny model, a few steps each (tests); not the shipped one")] = False,
     seed: Annotated[int, typer.Option(help="the one seed every stage derives its randomness from")] = 0,
+    question_share: Annotated[Optional[float], typer.Option(
+        min=0.0, max=1.0, help="share of the training prompts asked as questions in plain words (none of the "
+        "held-out questions); default: the build's own (0 for the shipped model)")] = None,
 ) -> None:
     """Build the demo model reproducibly: data, BPE tokenizer, pretrained base, Kev and Laya adapters, manifests."""
     import logging
@@ -60,7 +63,8 @@ def models_build_demo(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     command = shlex.join(["kevlaya", *sys.argv[1:]])
     try:
-        build = build_demo(out, data_dir=data_dir, device=device, quick=quick, seed=seed, command=command)
+        build = build_demo(out, data_dir=data_dir, device=device, quick=quick, seed=seed, command=command,
+                           question_share=question_share)
     except ValueError as exc:
         fail(str(exc))
     for name, seconds in build["stage_seconds"].items():
@@ -78,7 +82,8 @@ def models_build_demo(
 def models_questions(
     out: Annotated[Path, typer.Option(help="JSONL to write (the held-out scenarios' format)")] = Path(
         "models/eval/test_questions.jsonl"),
-    count: Annotated[int, typer.Option(min=1, help="questions to write")] = 200,
+    count: Annotated[int, typer.Option(min=1, max=1_000, help="questions to write (training never draws the "
+                                                        "first 1,000 of a seed)")] = 200,
     seed: Annotated[int, typer.Option(help="the seed they are drawn from")] = 0,
 ) -> None:
     """Write decision questions asked in plain words with 2-4 named options (not the adapters' training format),

@@ -235,10 +235,12 @@ def generate(n: int, seed: int, none_share: float = 0.15) -> list[Scenario]:
 
 
 def label_counts(records: Iterable[Scenario | Mapping[str, Any]]) -> dict[str, int]:
-    """Gold label counts (all labels present, zeros included) of scenarios or JSONL records."""
+    """Gold label counts (the letter labels always present, zeros included; a question's named option counted
+    under its name) of scenarios or JSONL records."""
     counts = dict.fromkeys(LABELS, 0)
     for r in records:
-        counts[r.label if isinstance(r, Scenario) else r["label"]] += 1
+        label = r.label if isinstance(r, Scenario) else r["label"]
+        counts[label] = counts.get(label, 0) + 1
     return counts
 
 
@@ -289,11 +291,21 @@ def sample_question(rng: random.Random) -> Scenario:
     return dataclasses.replace(named, question=render_question(named, theme))
 
 
+# The held-out questions are the first ones of their own stream; training never draws any of this many.
+HELD_OUT_QUESTIONS = 1_000
+
+
+def held_out_questions(n: int, seed: int) -> list[Scenario]:
+    if not 0 <= n <= HELD_OUT_QUESTIONS:
+        raise ValueError(f"at most {HELD_OUT_QUESTIONS} held-out questions can be drawn, not {n}")
+    rng = random.Random(f"{seed}/questions")
+    return [sample_question(rng) for _ in range(n)]
+
+
 def write_questions(path: Path, n: int, seed: int) -> Path:
     """`n` out-of-format questions as JSONL in the test scenarios' format (`kevlaya eval --scenarios` reads it)."""
-    rng = random.Random(f"{seed}/questions")
     _write_jsonl(path, ({"id": f"question-{i:05d}", "scenario": s.to_dict(), "label": s.label}
-                        for i, s in enumerate(sample_question(rng) for _ in range(n))))
+                        for i, s in enumerate(held_out_questions(n, seed))))
     return path
 
 
@@ -305,21 +317,27 @@ def _write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
 
 
 def write_dataset(
-    out_dir: Path, n_train: int, n_val: int, n_test: int, seed: int, none_share: float = 0.15
+    out_dir: Path, n_train: int, n_val: int, n_test: int, seed: int, none_share: float = 0.15,
+    question_share: float = 0.0,
 ) -> dict[str, Path]:
     """Write `<adapter>/<split>.jsonl` for both adapters and `test_scenarios.jsonl`.
 
     Each split draws from its own sub-stream of `seed`; a prompt already used by an earlier split
-    (test first, then val, then train) is redrawn, so no evaluation prompt is ever trained on.
+    (test first, then val, then train) is redrawn, so no evaluation prompt is ever trained on. A share
+    `question_share` of the train and val prompts are questions in plain words (`sample_question`), none of
+    them one of the held-out questions; the test split stays in the scenario format.
     Returns the written paths keyed "<adapter>/<split>" and "test_scenarios"."""
+    if not 0.0 <= question_share <= 1.0:
+        raise ValueError("question_share must be within [0, 1]")
     out_dir = Path(out_dir)
-    seen: set[str] = set()
+    seen = {render_prompt(s) for s in held_out_questions(HELD_OUT_QUESTIONS, seed)} if question_share else set()
     splits: dict[str, list[Scenario]] = {}
     for split, n in (("test", n_test), ("val", n_val), ("train", n_train)):
         rng = random.Random(f"{seed}/{split}")
+        share = 0.0 if split == "test" else question_share
         chosen: list[Scenario] = []
         while len(chosen) < n:
-            s = sample_scenario(rng, none_share)
+            s = sample_question(rng) if share and rng.random() < share else sample_scenario(rng, none_share)
             prompt = render_prompt(s)
             if prompt not in seen:
                 seen.add(prompt)

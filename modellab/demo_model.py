@@ -16,7 +16,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,9 @@ class DemoSpec:
     adapters: dict[str, AdapterPlan]
     eval_samples: int  # of the validation split, scored at the end of adapter training
     test_samples: int  # of the test split, scored on the unquantized base at the end of the build
+    # Of the training prompts and of the base's scenario documents: the same decisions asked in plain words
+    # (`kevlaya models build-demo --question-share`; the shipped model has none, README: Evaluation says why).
+    question_share: float = 0.0
 
 
 # Sized for about seven minutes on one H200, where a step of this model is bound by kernel launches, not
@@ -99,7 +102,7 @@ QUICK = DemoSpec(
     pretrain=PretrainConfig(seq_len=128, batch_size=8, lr=2e-3, max_steps=20, warmup_steps=5, log_every=10,
                             checkpoint_every=10),
     adapters={name: AdapterPlan(epochs=1.0, max_steps=10, batch_size=8) for name in ADAPTERS},
-    eval_samples=8, test_samples=8,
+    eval_samples=8, test_samples=8, question_share=0.25,
 )
 
 
@@ -155,8 +158,9 @@ def _walkthrough(s: dd.Scenario, rng: random.Random) -> str:
     return " ".join([*checks, *summary, verdict])
 
 
-def _scenario_doc(rng: random.Random) -> str:
-    s = dd.sample_scenario(rng)
+def _scenario_doc(rng: random.Random, question_share: float) -> str:
+    # No draw at all without questions, so a build without them is the one shipped, byte for byte.
+    s = dd.sample_question(rng) if question_share and rng.random() < question_share else dd.sample_scenario(rng)
     return dd.render_prompt(s) + " " + _walkthrough(s, rng)
 
 
@@ -273,7 +277,8 @@ def _chat_doc(rng: random.Random) -> list[dict[str, str]]:
             {"role": "assistant", "content": answer}]
 
 
-def pretraining_corpus(n_docs: int, seed: int) -> tuple[list[str], list[list[dict[str, str]]]]:
+def pretraining_corpus(n_docs: int, seed: int,
+                       question_share: float = 0.0) -> tuple[list[str], list[list[dict[str, str]]]]:
     """(plain documents, chat conversations) of generic domain text; no Kev or Laya answer format in either."""
     rng = random.Random(f"{seed}/pretrain")
     texts: list[str] = []
@@ -281,7 +286,7 @@ def pretraining_corpus(n_docs: int, seed: int) -> tuple[list[str], list[list[dic
     for _ in range(n_docs):
         roll = rng.random()
         if roll < 0.5:
-            texts.append(_scenario_doc(rng))
+            texts.append(_scenario_doc(rng, question_share))
         elif roll < 0.65:
             texts.append(_number_doc(rng))
         elif roll < 0.75:
@@ -431,20 +436,24 @@ def score_test_split(out: Path, paths: dict[str, Path], limit: int, device: str)
 
 
 def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool = False, seed: int = 0,
-               progress: bool = True, command: str | None = None) -> dict[str, Any]:
+               progress: bool = True, command: str | None = None,
+               question_share: float | None = None) -> dict[str, Any]:
     """Build base/, kev/ and laya/ (each with a manifest), the test scenarios and BUILD.json in `out`.
 
     The generated train/val/test data goes to `data_dir`. Returns BUILD.json's content."""
     out, data_dir = Path(out), Path(data_dir)
     spec = QUICK if quick else FULL
+    if question_share is not None:
+        spec = replace(spec, question_share=question_share)
     device = resolve_device(device)
     started = time.perf_counter()
     stages = _Stages()
     _prepare_out(out)
 
-    paths = stages.run("data", dd.write_dataset, data_dir, spec.n_train, spec.n_val, spec.n_test, seed)
+    paths = stages.run("data", dd.write_dataset, data_dir, spec.n_train, spec.n_val, spec.n_test, seed,
+                       question_share=spec.question_share)
     shutil.copyfile(paths["test_scenarios"], out / SCENARIOS)
-    texts, chats = stages.run("corpus", pretraining_corpus, spec.pretrain_docs, seed)
+    texts, chats = stages.run("corpus", pretraining_corpus, spec.pretrain_docs, seed, spec.question_share)
     tokenizer = stages.run("tokenizer", _tokenizer_for, spec, texts, chats)
     documents = stages.run("documents", _documents, tokenizer, texts, chats, seed)
     coverage = stages.run("coverage", token_coverage, tokenizer, documents[:20_000], paths)  # every type is frequent

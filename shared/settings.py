@@ -153,6 +153,15 @@ class Settings(BaseSettings):
     )
     chat_timeout_s: float = Field(default=120, gt=0, description="how long /v1/chat/completions waits for its job")
 
+    # Live job streams (GET /v1/jobs/{id}/events, streamed chat completions)
+    stream_max_events: int = Field(
+        default=4096, ge=16, description="entries kept in one job's Redis stream (about one per decode step it "
+        "wrote text in); a reader further behind is told to resynchronise")
+    stream_keep_s: int = Field(default=600, ge=1, description="a job's stream is kept this long after it ends")
+    stream_heartbeat_s: float = Field(
+        default=15, gt=0, description="an event stream with nothing to say sends a comment this often, so proxies "
+        "keep it open")
+
     # VRAM (the GPU runtime uses it; the CPU path ignores it)
     vram_budget_gb: float = Field(
         default=5.5, gt=0, description="GiB PyTorch may allocate: a 6 GB card's memory after its CUDA context; on a "

@@ -203,3 +203,22 @@ def test_questions_in_plain_words_offer_their_named_options_and_keep_the_rule(tm
         assert offered_options(question) == names  # what the decision grammar will allow, besides "none"
         assert row["label"] == scenario.label in [*names, "none"]
         assert question.endswith(f"Options: {', '.join(names)}.") and "cost" not in question
+
+
+def test_training_questions_are_never_the_held_out_ones(tmp_path: Path) -> None:
+    from modellab.decision_data import HELD_OUT_QUESTIONS, held_out_questions
+
+    paths = write_dataset(tmp_path, n_train=800, n_val=100, n_test=100, seed=0, question_share=0.5)
+    held_out = {render_prompt(s) for s in held_out_questions(HELD_OUT_QUESTIONS, seed=0)}
+    for split in ("train", "val"):
+        rows = [json.loads(line) for line in paths[f"laya/{split}"].read_text().splitlines()]
+        questions = [r for r in rows if not r["prompt"].startswith("Options: ")]
+        assert 0.35 * len(rows) < len(questions) < 0.65 * len(rows)
+        assert not {r["prompt"] for r in questions} & held_out
+        # A question's answer names its options, never the letters of the scenario format.
+        for r in questions:
+            assert r["label"] == "none" or f"{r['label']}:" in r["prompt"]
+    test_prompts = [json.loads(line)["prompt"] for line in paths["laya/test"].read_text().splitlines()]
+    assert all(p.startswith("Options: ") for p in test_prompts)
+    with pytest.raises(ValueError, match="at most 1000"):
+        held_out_questions(HELD_OUT_QUESTIONS + 1, seed=0)

@@ -257,3 +257,15 @@ def test_quick_demo_build_loads_and_verifies(tmp_path: Path) -> None:
                                             return_dict=True, return_tensors="pt")
     output = model.generate(**encoded, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert output.shape[1] > encoded["input_ids"].shape[1]
+
+
+def test_named_options_are_balanced_by_their_place_with_the_letters() -> None:
+    from modellab.training.data import balance_class
+
+    question = "Which laptop? ThinkPad: 48 dollars. XPS: 34 dollars. Options: ThinkPad, XPS."
+    scenario = "Options: A cost 10 risk low days 3 quality 4; B cost 20 risk low days 2 quality 5. Objective: x."
+    assert balance_class(question, "XPS") == balance_class(scenario, "B") == "B"
+    assert balance_class(question, "ThinkPad") == balance_class(scenario, "A") == "A"
+    assert balance_class(question, "none") == "none"
+    assert balance_class("no options line here", "XPS") == "XPS"
+    assert balance_class(question, None) is None

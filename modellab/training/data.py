@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from modellab.training.config import IGNORE_INDEX, DataError
+from shared.decision import offered_options
 
 log = logging.getLogger("kevlaya.training")
 
@@ -89,7 +90,17 @@ def chat_messages(system_prompt: str, prompt: str) -> list[dict[str, str]]:
 class Encoded:
     input_ids: list[int]
     labels: list[int]  # IGNORE_INDEX over the prompt, the token ids over the completion and its EOS
-    label: str | None
+    label: str | None  # the class it is balanced in (`balance_class`)
+
+
+def balance_class(prompt: str, label: str | None) -> str | None:
+    """An offered option is balanced by its place on the prompt's `Options:` line, as the letter of that place,
+    so the named options of plain-word questions share the classes of the scenario format's letters (which map
+    to themselves); any other label ("none") is its own class."""
+    offered = offered_options(prompt) if label is not None else None
+    if offered and label in offered and offered.index(label) < 26:
+        return chr(ord("A") + offered.index(label))
+    return label
 
 
 def encode_samples(tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample], system_prompt: str,
@@ -105,7 +116,8 @@ def encode_samples(tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample]
         completions = tokenizer([s.completion for s in part], add_special_tokens=False)["input_ids"]
         for sample, prompt_ids, completion_ids in zip(part, prompts, completions, strict=True):
             target = [*completion_ids, tokenizer.eos_token_id]
-            encoded.append(Encoded([*prompt_ids, *target], [IGNORE_INDEX] * len(prompt_ids) + target, sample.label))
+            encoded.append(Encoded([*prompt_ids, *target], [IGNORE_INDEX] * len(prompt_ids) + target,
+                                   balance_class(sample.prompt, sample.label)))
     return encoded
 
 

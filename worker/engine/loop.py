@@ -15,6 +15,7 @@ from shared.db import session_scope
 from shared.models import ClaimGroup, Job
 from shared.settings import Settings
 from worker.engine.policy import PrefillPacer, plan_slots, prefill_group, prefill_order, reserved_slots, unpaced_prefix
+from worker.engine.token_stream import TokenPublisher
 from worker.engine.writer import ResultWriter
 from worker.generation import GenerationRequest, GenerationResult
 from worker.ledger.claims import claim_group, queue_snapshot, worker_name
@@ -90,7 +91,9 @@ class Engine:
         self.draining = threading.Event()
         self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
         self.pacer = PrefillPacer(settings.engine_prefill_share)
-        self.writer = ResultWriter(loaded.tokenizer, settings, self._peak)
+        self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes,
+                                     loaded.tokenizer.all_special_ids)
+        self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
         # The writer's work must not hold the decode loop at each lock hand-back (settings: engine_switch_interval_ms).
         sys.setswitchinterval(settings.engine_switch_interval_ms / 1000)
 
@@ -156,6 +159,7 @@ class Engine:
 
     def _start(self, group: ClaimGroup, jobs: list[Job]) -> None:
         self.writer.add(group, jobs)
+        self.stream.started(jobs)
         METRICS.rows_in_flight.set(len(self.decoder.rows) + len(jobs))
         log.info("claim group %s: %d job(s) on %s take free slots", group.id, len(jobs), group.adapters)
         for job in jobs:
@@ -267,6 +271,7 @@ class Engine:
         self.writer.store([(request.job_id, failed("out_of_memory", message))])
 
     def _finished(self, results: list[GenerationResult]) -> None:
+        self.stream.tick()
         self.writer.store([(result.job_id, result) for result in results])  # one transaction for the step's rows
         METRICS.rows_in_flight.set(len(self.decoder.rows))
 

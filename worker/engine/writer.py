@@ -28,6 +28,8 @@ from worker.model.tokens import result_text
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from worker.engine.token_stream import TokenPublisher
+
 log = logging.getLogger("kevlaya.worker")
 Result = GenerationResult | JobOutcome
 
@@ -54,8 +56,8 @@ class ResultWriter:
     its own thread, in the order they were handed in."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: Settings,
-                 peak_vram: Callable[[], int | None]):
-        self.settings, self.peak_vram = settings, peak_vram
+                 peak_vram: Callable[[], int | None], stream: TokenPublisher):
+        self.settings, self.peak_vram, self.stream = settings, peak_vram, stream
         # Its own tokenizer: the decode loop's changes its padding settings while it encodes, which a decode on
         # this thread must not see.
         self.tokenizer = copy.deepcopy(tokenizer)
@@ -91,6 +93,7 @@ class ResultWriter:
         for group_id, ids in by_group.items():
             with session_scope() as session:
                 released = lifecycle.release(session, ids, group_id)
+            self.stream.requeued(released)
             progress = self.groups[group_id]
             with self._lock:
                 progress.released += len(released)
@@ -118,6 +121,9 @@ class ResultWriter:
             for _progress, _job_id, result in items:
                 if isinstance(result, GenerationResult) and result.text is None:  # the decoder left it to us
                     result_text(self.tokenizer, result)
+            # Streams hold every character before the commit announces the jobs finished.
+            self.stream.finish([(job_id, result.text if isinstance(result, GenerationResult) else None)
+                                for _progress, job_id, result in items])
             with session_scope() as session:
                 settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings)
                            for progress, job_id, result in items]
@@ -133,7 +139,9 @@ class ResultWriter:
             METRICS.job_finished(job, done.outcome, result if isinstance(result, GenerationResult) else None)
             if not done.stored:
                 log.warning("job %s had lost its lease; its result was discarded", job.id)
-            announce_escalations([done.escalated] if done.escalated is not None else [])
+            if done.escalated is not None:
+                self.stream.escalated(job.id, done.escalated.id)
+                announce_escalations([done.escalated])
             with self._lock:
                 progress.lost += not done.stored
                 progress.escalated += done.escalated is not None

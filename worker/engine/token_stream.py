@@ -1,0 +1,233 @@
+"""The token publisher: a thread that writes each running job's new text to its stream (shared/job_stream.py), so
+clients watch a job think while the decode loop never waits on Redis (docs/architecture.md §3, Stream).
+
+The decode loop only says that a step is done (`tick`); the thread reads the new tokens of every row in flight,
+turns them into text (whole characters only, and never the start of a stop string), and writes one entry per job
+for all the steps it has not published yet. The result writer hands over each finished job's stored text before
+it commits it (`finish`), so a stream holds every character of the answer before the job is announced finished.
+
+Redis being away costs nothing but the live view: a stream found missing (Redis restarted, or it expired) is
+written again from the start of the run, with its whole text so far.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import redis
+
+from shared.job_stream import ESCALATED, QUEUED, RUNNING, entry, stream_key
+from shared.models import Job
+from shared.queue import redis_client
+from shared.settings import Settings
+from worker.ledger.cascade import is_cascade_head
+
+if TYPE_CHECKING:
+    from worker.decoder.slot_decoder import Row
+
+log = logging.getLogger("kevlaya.worker")
+FINISH_WAIT_S = 1.0  # the result writer waits this long at most for a job's last text to be written
+
+
+@dataclass
+class LiveJob:
+    """A job this worker runs, and what of its text its stream already holds."""
+
+    job_id: uuid.UUID
+    keys: tuple[str, ...]  # its own stream, and its `auto` parent's for a Kev stage
+    attempt: int
+    stage: str | None
+    stop: tuple[str, ...]
+    tokens: int = 0  # of its row's tokens, those turned into text
+    text: str = ""  # published
+    held: str = ""  # decoded, not published: it may begin a stop string
+    stopped: bool = False  # a stop string was reached: nothing after it is ever published
+    written: bool = False  # its `running` entry, which creates the stream, is written
+    utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def take(self, piece: str) -> str:
+        """Add decoded text; returns what may be published of it."""
+        if self.stopped:
+            return ""
+        self.held += piece
+        if not self.stop:
+            out, self.held = self.held, ""
+            return out
+        ends = [i for i in (self.held.find(s) for s in self.stop) if i != -1]
+        if ends:
+            out, self.held, self.stopped = self.held[:min(ends)], "", True
+            return out
+        keep = max((k for s in self.stop for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+
+class TokenPublisher:
+    def __init__(self, settings: Settings, rows: Callable[[], list[Row]], token_bytes: Callable[[int], bytes],
+                 special_ids: Iterable[int]):
+        self.settings, self._rows, self._token_bytes = settings, rows, token_bytes
+        self._special = frozenset(special_ids)
+        self._live: dict[uuid.UUID, LiveJob] = {}
+        self._entries: list[tuple[str, dict[str, str]]] = []  # status entries to write, in order
+        self._finals: list[tuple[uuid.UUID, str | None]] = []
+        self._expire: list[str] = []
+        self._ticked = False
+        self._written_up_to = 0  # finals handed over / written: `finish` waits for its own
+        self._handed = 0
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._down_since: float | None = None
+
+    # -- called by the decode loop and the result writer -------------------------------------------------------
+
+    def started(self, jobs: Iterable[Job]) -> None:
+        """Jobs just claimed: their streams restart with a `running` entry."""
+        with self._changed:
+            for job in jobs:
+                stage = "laya" if is_cascade_head(job) else "kev" if job.parent_job_id is not None else None
+                keys = (stream_key(job.id),) + ((stream_key(job.parent_job_id),) if job.parent_job_id else ())
+                stop = job.params.get("stop") or ()
+                self._live[job.id] = LiveJob(job.id, keys, job.attempts, stage,
+                                             (stop,) if isinstance(stop, str) else tuple(stop))
+            self._wake()
+
+    def tick(self) -> None:
+        """A step or a prefill made tokens."""
+        with self._changed:
+            self._ticked = True
+            self._wake()
+
+    def requeued(self, job_ids: Iterable[uuid.UUID]) -> None:
+        """Jobs given back to the queue unrun: their text so far is void."""
+        with self._changed:
+            for job_id in job_ids:
+                if (live := self._live.pop(job_id, None)) is not None:
+                    self._entries += [(key, entry("status", status=QUEUED, attempt=live.attempt))
+                                      for key in live.keys]
+            self._wake()
+
+    def escalated(self, parent_id: uuid.UUID, child_id: uuid.UUID) -> None:
+        with self._changed:
+            self._entries.append((stream_key(parent_id), entry("status", status=ESCALATED, stage="kev",
+                                                               job_id=str(child_id))))
+            self._wake()
+
+    def finish(self, texts: list[tuple[uuid.UUID, str | None]]) -> None:
+        """The stored text of finished jobs (None: the job never reached the model); returns once their streams
+        hold it, or after FINISH_WAIT_S (Redis away: the stored row is what readers get)."""
+        with self._changed:
+            self._finals += texts
+            self._handed += 1
+            mine = self._handed
+            self._wake()
+            self._changed.wait_for(lambda: self._written_up_to >= mine, FINISH_WAIT_S)
+
+    # -- the thread --------------------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="token-publisher", daemon=True)
+            self._thread.start()
+        self._changed.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._ticked or self._entries or self._finals)
+                ticked, self._ticked = self._ticked, False
+                statuses, self._entries = self._entries, []
+                finals, self._finals, handed = self._finals, [], self._handed
+            try:
+                self._publish(statuses, self._deltas() if ticked else [], finals)
+            except Exception as exc:  # never let one failure stop the live view of every later job
+                self._went_down(exc)
+            with self._changed:
+                self._written_up_to = handed
+                self._changed.notify_all()
+
+    def _deltas(self) -> list[tuple[LiveJob, str]]:
+        out = []
+        for row in self._rows():
+            live = self._live.get(row.request.job_id)
+            if live is None:
+                continue
+            count = len(row.tokens)
+            new = row.tokens[live.tokens:count]
+            live.tokens = count
+            piece = live.utf8.decode(b"".join(self._token_bytes(t) for t in new if t not in self._special))
+            if text := live.take(piece):
+                out.append((live, text))
+        return out
+
+    def _publish(self, statuses: list[tuple[str, dict[str, str]]], deltas: list[tuple[LiveJob, str]],
+                 finals: list[tuple[uuid.UUID, str | None]]) -> None:
+        client, limit = redis_client(), self.settings.stream_max_events
+        pipe = client.pipeline(transaction=False)
+        appended: list[tuple[LiveJob, int]] = []  # deltas written with NOMKSTREAM: the job, the command's place
+        running_ttl = self.settings.job_time_limit_s + self.settings.stream_keep_s
+
+        def restart(live: LiveJob) -> None:
+            for key in live.keys:
+                pipe.xadd(key, entry("status", status=RUNNING, attempt=live.attempt, stage=live.stage),
+                          maxlen=limit, approximate=True)
+                if live.text:
+                    pipe.xadd(key, entry("delta", text=live.text, tokens=live.tokens), maxlen=limit,
+                              approximate=True)
+                pipe.expire(key, running_ttl)
+            live.written = True
+
+        def delta(live: LiveJob, text: str) -> None:
+            live.text += text
+            if not live.written:
+                restart(live)
+                return
+            for key in live.keys:
+                appended.append((live, len(pipe)))
+                pipe.xadd(key, entry("delta", text=text, tokens=live.tokens), maxlen=limit, approximate=True,
+                          nomkstream=True)
+
+        for key, fields in statuses:
+            pipe.xadd(key, fields, maxlen=limit, approximate=True)
+        for live in list(self._live.values()):
+            if not live.written:
+                restart(live)
+        for live, text in deltas:
+            delta(live, text)
+        for job_id, final in finals:
+            live = self._live.pop(job_id, None)
+            if live is None:
+                continue
+            if final is not None and final != live.text:
+                if final.startswith(live.text):
+                    delta(live, final[len(live.text):])
+                else:  # the stored text is not what was streamed (a tokenizer's clean-up): the run restarts
+                    live.text, live.written = final, False
+                    restart(live)
+            self._expire += live.keys
+        for key in self._expire:
+            pipe.expire(key, self.settings.stream_keep_s)
+        replies = pipe.execute()
+        self._expire = []
+        for live, place in appended:
+            if replies[place] is None:  # NOMKSTREAM: the stream is gone; written again from the run's start next time
+                live.written = False
+        if self._down_since is not None:
+            log.info("live job streams written again after %.0f s", time.monotonic() - self._down_since)
+            self._down_since = None
+
+    def _went_down(self, exc: Exception) -> None:
+        for live in self._live.values():
+            live.written = False  # whatever the streams hold now, each is written again from its run's start
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            level = logging.WARNING if isinstance(exc, redis.RedisError) else logging.ERROR
+            log.log(level, "live job streams not written (clients read the stored rows when jobs end): %s", exc,
+                    exc_info=level == logging.ERROR)
+        time.sleep(0.2)
