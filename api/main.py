@@ -20,6 +20,7 @@ from api.job_writer import JobWriter
 from api.metrics import ApiMetrics, RequestMetrics
 from api.prompt_budget import PromptBudget
 from api.routes import chat, health, jobs, metrics, models, stats, status_page
+from api.job_events import reader
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
 from api.writer_process import WriterProcess
@@ -73,6 +74,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await writer.start()  # a child that cannot start shows in the log now, not at the first submit
         yield
         await notices.close()  # the long-polls' Redis subscription
+        await reader.close()  # the event streams' reader
         # What was handed to the writer is stored, and what was stored gets its wake-up before the process ends.
         await writer.aclose(30.0)
 

@@ -160,14 +160,19 @@ def get_visible(session: Session, key: ApiKey, job_id: uuid.UUID) -> Job:
     return job
 
 
+def read_visible(key: ApiKey, job_id: uuid.UUID) -> JobOut:
+    """The job as GET /v1/jobs/{id} shows it, in a session of its own (404 when the key may not see it)."""
+    with new_session() as session:
+        return jobs_out(session, [get_visible(session, key, job_id)])[0]
+
+
 async def wait_finished(key: ApiKey, job_id: uuid.UUID, timeout_s: float) -> JobOut:
     """The job as soon as it is finished, or as it stands when `timeout_s` has passed. While it waits it holds
     no database connection and no thread: it wakes on the job's "finished" notice, or re-checks every
     `KEVLAYA_WAIT_RECHECK_S` in case a notice was lost."""
 
     def read() -> JobOut:
-        with new_session() as session:
-            return jobs_out(session, [get_visible(session, key, job_id)])[0]
+        return read_visible(key, job_id)
 
     deadline = time.monotonic() + timeout_s
     recheck_s = get_settings().wait_recheck_s

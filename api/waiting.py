@@ -11,6 +11,7 @@ import logging
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -20,21 +21,28 @@ from shared.settings import get_settings
 log = logging.getLogger("kevlaya.api")
 
 
+class Waiter(Protocol):
+    def set(self) -> None: ...
+
+
+W = TypeVar("W", bound=Waiter)
+
+
 class FinishedJobNotices:
     """The subscriber of one event loop, and the events of the requests waiting on it."""
 
     def __init__(self) -> None:
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._waiters: dict[str, set[Waiter]] = {}
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribed: asyncio.Event | None = None
 
     @contextmanager
-    def watch(self, job_id: uuid.UUID) -> Iterator[asyncio.Event]:
-        """An event set when `job_id` may have finished. Register before reading the row, so a notice sent
-        between the read and the wait is not missed."""
+    def watch(self, job_id: uuid.UUID, waiter: W | None = None) -> Iterator[W | asyncio.Event]:
+        """`waiter` (by default a new asyncio.Event), set when `job_id` may have finished. Register before reading
+        the row, so a notice sent between the read and the wait is not missed."""
         self._ensure_listening()
-        event, key = asyncio.Event(), str(job_id)
+        event, key = waiter if waiter is not None else asyncio.Event(), str(job_id)
         self._waiters.setdefault(key, set()).add(event)
         try:
             yield event

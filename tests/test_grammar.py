@@ -242,7 +242,6 @@ def test_job_parameters_that_cannot_be_honoured_are_refused_naming_them(client: 
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"presence_penalty": -1}, "presence_penalty"),
     ({"n": 2}, "n"),
-    ({"stream": True}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"service_tier": "auto"}, "service_tier"),

@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends
-from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, field_validator
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo, field_validator
 
 from api.deps import IntakeDep, SubmitterKey, reject_unknown_query_parameters
+from api.event_stream import chat_chunk_stream
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.prompt_budget import FieldNames
-from api.submission import wait_finished
+from api.submission import read_visible, wait_finished
 from shared.schemas import (
     MAX_TOP_LOGPROBS,
     JobCreate,
@@ -49,6 +52,16 @@ def only_zero(value: float | None) -> float | None:
 NoPenalty = Annotated[float | None, Field(default=None, allow_inf_nan=False), AfterValidator(only_zero)]
 
 
+class StreamOptions(RequestModel):
+    include_usage: bool | None = Field(default=None, description="a last chunk with the usage and no choices")
+
+
+def check_stream_options(value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+    if value is not None and not info.data.get("stream"):
+        raise ValueError("only with stream: true")
+    return value
+
+
 class ChatRequest(RequestModel):
     # Every parameter is honoured or refused: an OpenAI field not listed here (tools, logit_bias, ...) is a 422
     # naming it, never accepted and ignored; and JSON types are strict (RequestModel).
@@ -71,8 +84,11 @@ class ChatRequest(RequestModel):
         default=None, max_length=16, description="stored as the job's metadata")
     frequency_penalty: NoPenalty = None
     presence_penalty: NoPenalty = None
-    stream: Annotated[Literal[False] | None, BeforeValidator(only_bool)] = Field(
-        default=None, description="streaming is not supported")
+    stream: Annotated[bool | None, BeforeValidator(only_bool)] = Field(
+        default=None, description="answer as Server-Sent Events of `chat.completion.chunk` objects, ending with "
+        "`data: [DONE]`")
+    stream_options: StreamOptions | None = None
+    _options_need_stream = field_validator("stream_options")(check_stream_options)
     n: Annotated[Literal[1] | None, BeforeValidator(not_bool)] = None
 
     def to_job(self) -> JobCreate:
@@ -150,16 +166,24 @@ def _completion(job: JobOut, model: str) -> ChatCompletion:
     })
 
 
-@router.post("/completions", responses={
+@router.post("/completions", response_model=ChatCompletion, responses={
+    200: {"content": {"text/event-stream": {}}, "description": "The completion; with `stream: true`, Server-Sent "
+          "Events of `chat.completion.chunk` objects and a last `data: [DONE]`"},
     **error_responses(400, 413, *AUTH_ERRORS, 504),
     422: {"model": ErrorResponse, "description": "Invalid request (the message names the field), or the job "
           "failed: the code is the job's error code"},
 })
-async def chat_completions(request: ChatRequest, key: SubmitterKey, intake: IntakeDep) -> ChatCompletion:
+async def chat_completions(request: ChatRequest, key: SubmitterKey, intake: IntakeDep
+                           ) -> ChatCompletion | StreamingResponse:
     job_request = request.to_job()
     intake.check(job_request, names=CHAT_FIELDS)
     [accepted] = await intake.store(key, [job_request])
     timeout_s = intake.settings.chat_timeout_s
+    if request.stream:
+        job = await run_in_threadpool(read_visible, key, accepted.id)
+        return chat_chunk_stream(key, job, request.model, bool(request.stream_options and
+                                                               request.stream_options.include_usage),
+                                 intake.settings, lambda done: _completion(done, request.model).model_dump(mode="json"))
     finished = await wait_finished(key, accepted.id, timeout_s)
     if finished.status == "succeeded":
         return _completion(finished, request.model)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Response, status
+from fastapi import APIRouter, Depends, Header, Query, Response, status
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
 from sqlalchemy import and_, or_, select
 
 from api.deps import (
@@ -19,6 +20,7 @@ from api.deps import (
 )
 from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.presenters import decode_cursor, encode_cursor, jobs_out
+from api.event_stream import job_event_stream
 from api.submission import get_visible, visible_to, wait_finished
 from shared import lifecycle
 from shared.db import one_writer
@@ -116,6 +118,19 @@ async def wait_for_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, 
         raise ApiError(422, "invalid_request", f"timeout: at most {settings.max_wait_timeout_s} seconds")
     session.close()  # the key was checked; the wait must not hold a pooled connection
     return await wait_finished(key, job_id, timeout)
+
+
+@router.get("/{job_id}/events", response_class=StreamingResponse,
+            responses={200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events: `status`, "
+                             "`delta`, `resync` and a last `done` carrying the job as GET /v1/jobs/{id} returns "
+                             "it"}, **error_responses(404, 422, *AUTH_ERRORS)})
+async def job_events(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, settings: SettingsDep,
+                     last_event_id: Annotated[str | None, Header(description="resume after this event")] = None,
+                     ) -> StreamingResponse:
+    """The job's progress as it happens (docs/architecture.md §8, Events); resumable with `Last-Event-ID`."""
+    job = jobs_out(session, [get_visible(session, key, job_id)])[0]
+    session.close()  # the stream must not hold a pooled connection
+    return job_event_stream(key, job, last_event_id, settings)
 
 
 @router.delete("/{job_id}", response_model=JobOut, responses=error_responses(404, 409, 422, *AUTH_ERRORS))

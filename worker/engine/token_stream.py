@@ -28,6 +28,7 @@ from shared.models import Job
 from shared.queue import redis_client
 from shared.settings import Settings
 from worker.ledger.cascade import is_cascade_head
+from worker.ledger.outcomes import stored_text
 
 if TYPE_CHECKING:
     from worker.decoder.slot_decoder import Row
@@ -48,15 +49,18 @@ class LiveJob:
     tokens: int = 0  # of its row's tokens, those turned into text
     text: str = ""  # published
     held: str = ""  # decoded, not published: it may begin a stop string
-    stopped: bool = False  # a stop string was reached: nothing after it is ever published
+    # A stop string was reached, or bytes that are not UTF-8 (whose replacement characters decoders count in
+    # different ways): nothing more is published until the stored text brings the rest.
+    stopped: bool = False
     written: bool = False  # its `running` entry, which creates the stream, is written
     utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
     def take(self, piece: str) -> str:
         """Add decoded text; returns what may be published of it."""
-        if self.stopped:
+        if self.stopped or "\ufffd" in piece:
+            self.stopped = True
             return ""
-        self.held += piece
+        self.held += stored_text(piece)
         if not self.stop:
             out, self.held = self.held, ""
             return out
@@ -76,7 +80,7 @@ class TokenPublisher:
         self._special = frozenset(special_ids)
         self._live: dict[uuid.UUID, LiveJob] = {}
         self._entries: list[tuple[str, dict[str, str]]] = []  # status entries to write, in order
-        self._finals: list[tuple[uuid.UUID, str | None]] = []
+        self._finals: list[tuple[uuid.UUID, str | None, int]] = []
         self._expire: list[str] = []
         self._ticked = False
         self._written_up_to = 0  # finals handed over / written: `finish` waits for its own
@@ -119,9 +123,9 @@ class TokenPublisher:
                                                                job_id=str(child_id))))
             self._wake()
 
-    def finish(self, texts: list[tuple[uuid.UUID, str | None]]) -> None:
-        """The stored text of finished jobs (None: the job never reached the model); returns once their streams
-        hold it, or after FINISH_WAIT_S (Redis away: the stored row is what readers get)."""
+    def finish(self, texts: list[tuple[uuid.UUID, str | None, int]]) -> None:
+        """The stored text and token count of finished jobs (None: the job never reached the model); returns once
+        their streams hold it, or after FINISH_WAIT_S (Redis away: the stored row is what readers get)."""
         with self._changed:
             self._finals += texts
             self._handed += 1
@@ -167,7 +171,7 @@ class TokenPublisher:
         return out
 
     def _publish(self, statuses: list[tuple[str, dict[str, str]]], deltas: list[tuple[LiveJob, str]],
-                 finals: list[tuple[uuid.UUID, str | None]]) -> None:
+                 finals: list[tuple[uuid.UUID, str | None, int]]) -> None:
         client, limit = redis_client(), self.settings.stream_max_events
         pipe = client.pipeline(transaction=False)
         appended: list[tuple[LiveJob, int]] = []  # deltas written with NOMKSTREAM: the job, the command's place
@@ -200,10 +204,12 @@ class TokenPublisher:
                 restart(live)
         for live, text in deltas:
             delta(live, text)
-        for job_id, final in finals:
+        for job_id, final, tokens in finals:
             live = self._live.pop(job_id, None)
             if live is None:
                 continue
+            live.tokens = tokens
+            final = stored_text(final) if final is not None else None
             if final is not None and final != live.text:
                 if final.startswith(live.text):
                     delta(live, final[len(live.text):])

@@ -8,9 +8,14 @@ from shared.models import JobStatus
 from worker.generation import GenerationResult
 
 
+def stored_text(text: str) -> str:
+    """The text as a job stores it (and its stream shows it): PostgreSQL refuses NUL."""
+    return text.replace("\x00", "\ufffd")
+
+
 def job_outcome(result: GenerationResult, output: str) -> JobOutcome:
     """`output` is the job's format: "decision" requires a valid decision object, "text" does not."""
-    text = result.text.replace("\x00", "\ufffd") if result.text is not None else None  # PostgreSQL refuses NUL
+    text = stored_text(result.text) if result.text is not None else None
     # Slots never switch adapters: a row carries its own (docs/architecture.md §14).
     timings = dict(switch_ms=0.0, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
                    first_token_ms=result.first_token_ms, finish_reason=result.finish_reason, logprobs=result.logprobs,

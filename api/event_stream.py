@@ -1,0 +1,128 @@
+"""Server-Sent Events out of a job's followed events (api/job_events.py): the job's own event stream
+(`GET /v1/jobs/{id}/events`) and OpenAI's chunk stream (`POST /v1/chat/completions` with `stream: true`).
+docs/architecture.md §8 describes both."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any
+
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from api.errors import ApiError
+from api.job_events import Gap, StreamEvent, follow_job
+from api.submission import read_visible
+from shared.job_stream import ESCALATED, RUNNING, is_entry_id
+from shared.models import ApiKey, JobStatus
+from shared.schemas import JobOut
+from shared.settings import Settings
+
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # and no proxy buffering it
+HEARTBEAT = ": keep-alive\n\n"
+
+
+def sse(event: str | None, data: Any, event_id: str | None = None) -> str:
+    """One event. The data is one line of JSON (JSON escapes every newline), so no field can end the event."""
+    lines = [f"id: {event_id}"] if event_id else []
+    if event:
+        lines.append(f"event: {event}")
+    lines.append("data: " + (data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))))
+    return "\n".join(lines) + "\n\n"
+
+
+def _stored(job: JobOut) -> dict[str, Any]:
+    return job.model_dump(mode="json")
+
+
+def _reader(key: ApiKey, job: JobOut) -> Callable[[], Any]:
+    return partial(run_in_threadpool, read_visible, key, job.id)
+
+
+def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settings: Settings) -> StreamingResponse:
+    if last_event_id is not None and not is_entry_id(last_event_id.strip()):
+        raise ApiError(422, "invalid_request", "last-event-id: not an event id this stream sent")
+    position = last_event_id.strip() if last_event_id else "0"
+
+    async def events() -> AsyncIterator[str]:
+        yield "retry: 1000\n\n"
+        if job.status in JobStatus.FINISHED:
+            yield sse("done", _stored(job))
+            return
+        if last_event_id is None:
+            yield sse("status", {"status": job.status, "attempt": job.attempts})
+        async for item in follow_job(job, _reader(key, job), position, settings.stream_heartbeat_s):
+            if item is None:
+                yield HEARTBEAT
+            elif isinstance(item, Gap):
+                yield sse("resync", {"reason": str(item), "job": _stored(await _reader(key, job)())})
+            elif isinstance(item, StreamEvent):
+                yield sse(item.event, item.data, item.id)
+            else:
+                yield sse("done", _stored(item))
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
+
+
+def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool, settings: Settings,
+                      final: Callable[[JobOut], dict[str, Any]]) -> StreamingResponse:
+    """OpenAI's `chat.completion.chunk` stream of the job's answer. An `auto` job streams the stage that answers:
+    Laya's short answer is sent whole once it is known to be the answer, Kev's as it is written once Laya escalated.
+    A run that restarts (its worker died, or the stream was lost) cannot take back text already sent: the rest
+    then comes as the stored answer's remainder, or, where it differs, the stream ends with an error."""
+    created, chunk_id = int(job.created_at.timestamp()), f"chatcmpl-{job.id}"
+    deadline = time.monotonic() + settings.chat_timeout_s
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None, **extra: Any) -> str:
+        return sse(None, {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                       "logprobs": logprobs}], **extra})
+
+    async def chunks() -> AsyncIterator[str]:
+        yield chunk({"role": "assistant", "content": ""})
+        sent, run, buffering = "", "", job.requested_adapter == "auto"
+        async for item in follow_job(job, _reader(key, job), "0", settings.stream_heartbeat_s):
+            if time.monotonic() > deadline and not isinstance(item, JobOut):
+                yield sse(None, {"error": {"code": "timeout", "message": f"job {job.id} did not finish within "
+                                           f"{settings.chat_timeout_s} s; it stays queued: poll GET /v1/jobs/{job.id}"}})
+                break
+            if item is None:
+                yield HEARTBEAT
+            elif isinstance(item, StreamEvent):
+                if item.event == "status" and item.data.get("status") == RUNNING:
+                    run = ""
+                elif item.event == "status" and item.data.get("status") == ESCALATED:
+                    run, buffering = "", False
+                elif item.event == "delta":
+                    run += item.data["text"]
+                    if not buffering and run.startswith(sent) and len(run) > len(sent):
+                        yield chunk({"content": run[len(sent):]})
+                        sent = run
+            elif isinstance(item, JobOut):
+                if item.status != JobStatus.SUCCEEDED:
+                    message = item.error.message if item.error else item.status
+                    yield sse(None, {"error": {"code": item.error.code if item.error else item.status,
+                                               "message": f"job {item.id} failed: {message}"}})
+                    break
+                completion = final(item)
+                text = completion["choices"][0]["message"]["content"]
+                if not text.startswith(sent):
+                    yield sse(None, {"error": {"code": "internal", "message": f"job {item.id} was run again and its "
+                                               "answer differs from the text already streamed; read it with GET "
+                                               f"/v1/jobs/{item.id}"}})
+                    break
+                if len(text) > len(sent):
+                    yield chunk({"content": text[len(sent):]})
+                choice = completion["choices"][0]
+                # The log-probabilities, when asked for, come whole with the last chunk.
+                yield chunk({}, choice["finish_reason"], choice["logprobs"],
+                            kevlaya={"job_id": str(item.id), "decision": completion["kevlaya"]["decision"]})
+                if include_usage:
+                    yield sse(None, {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                                     "model": model, "choices": [], "usage": completion["usage"]})
+        yield sse(None, "[DONE]")
+
+    return StreamingResponse(chunks(), media_type="text/event-stream", headers=HEADERS)

@@ -1,0 +1,252 @@
+"""A running job's events for the clients that follow it: `GET /v1/jobs/{id}/events` and streamed chat completions
+(docs/architecture.md §8, Events).
+
+One reader per API process reads every followed job's stream (shared/job_stream.py) with one blocking XREAD and
+hands each follower the entries after its own position, in a bounded queue. A follower whose queue is full, one
+that starts or resumes, and every follower after Redis went away read what they missed from the stream
+themselves, so a slow client costs its own reads and never holds the others or the worker back. The end of a job
+comes from the "finished" notices (api/waiting.py), the same path the long-polls wait on; its answer is the stored
+row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from api.waiting import notices
+from shared.job_stream import entry_order, read_entry, stream_key
+from shared.models import JobStatus
+from shared.schemas import JobOut
+from shared.settings import get_settings
+
+log = logging.getLogger("kevlaya.api")
+
+QUEUE_EVENTS = 256  # per follower; beyond this it reads from the stream itself
+READ_COUNT = 512  # entries per catch-up read
+BLOCK_MS = 100  # a reader's XREAD waits this long at most, so a new follower's stream joins the next one
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    id: str  # the stream entry's id: the SSE event id a client resumes from
+    event: str
+    data: dict[str, Any]
+
+
+class Gap(Exception):
+    """The stream no longer holds what comes after a follower's position (trimmed, expired or lost with Redis)."""
+
+
+@dataclass(eq=False)  # followed by identity, in sets
+class Follower:
+    job_id: uuid.UUID
+    position: str  # the last entry handed to the client ("0": none)
+    queue: asyncio.Queue[StreamEvent] = field(default_factory=lambda: asyncio.Queue(QUEUE_EVENTS))
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    behind: bool = True  # read from the stream itself before taking from the queue
+    finished: bool = False  # a "finished" notice for the job arrived
+
+    def set(self) -> None:
+        """The finished notice (api/waiting.py calls it)."""
+        self.finished = True
+        self.wake.set()
+
+    def is_new(self, entry_id: str) -> bool:
+        return entry_order(entry_id) > entry_order(self.position)
+
+    async def events(self, client: aioredis.Redis, wait_s: float) -> list[StreamEvent]:
+        """The next entries after `position` (advancing it), waiting up to `wait_s` for some; [] on a timeout or a
+        finished notice. Raises Gap when the stream cannot continue from `position`."""
+        if not self.behind and self.queue.empty() and not self.finished:
+            try:
+                await asyncio.wait_for(self.wake.wait(), wait_s)
+            except TimeoutError:
+                pass
+        self.wake.clear()
+        if self.behind or self.finished:
+            self.behind = False
+            out = await read_after(client, self.job_id, self.position)
+            self.behind = len(out) == READ_COUNT
+            while not self.queue.empty():  # what the reader queued meanwhile is in what was just read, or after it
+                event = self.queue.get_nowait()
+                if not self.behind and self.is_new(event.id) and (not out or
+                                                                   entry_order(event.id) > entry_order(out[-1].id)):
+                    out.append(event)
+        else:
+            out = []
+            while not self.queue.empty():
+                event = self.queue.get_nowait()
+                if self.is_new(event.id):
+                    out.append(event)
+        if out:
+            self.position = out[-1].id
+        return out
+
+
+async def read_after(client: aioredis.Redis, job_id: uuid.UUID, position: str) -> list[StreamEvent]:
+    key = stream_key(job_id)
+    start = "-" if position == "0" else f"({position}"
+    rows = await client.xrange(key, min=start, max="+", count=READ_COUNT)
+    if position != "0":
+        if not rows and not await client.exists(key):
+            raise Gap(f"the stream of job {job_id} is gone")
+        info = await client.xinfo_stream(key)
+        deleted = info.get("max-deleted-entry-id", b"0-0")
+        if entry_order(deleted.decode() if isinstance(deleted, bytes) else str(deleted)) > entry_order(position):
+            raise Gap(f"the stream of job {job_id} no longer holds what follows {position}")
+    return [_event(entry_id, fields) for entry_id, fields in rows]
+
+
+def _event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> StreamEvent:
+    event, data = read_entry(fields)
+    return StreamEvent(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, event, data)
+
+
+class StreamReader:
+    """The reader of one event loop, and the followers it feeds."""
+
+    def __init__(self) -> None:
+        self._followers: dict[str, set[Follower]] = {}  # by stream key
+        self._cursors: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: aioredis.Redis | None = None
+        self._joined = asyncio.Event()
+
+    def client(self) -> aioredis.Redis:
+        """The connection pool followers read their catch-ups with."""
+        if self._client is None:
+            self._client = aioredis.Redis.from_url(get_settings().redis_url, socket_connect_timeout=2,
+                                                   socket_timeout=5)
+        return self._client
+
+    @contextmanager
+    def follow(self, job_id: uuid.UUID, position: str = "0") -> Iterator[Follower]:
+        """A follower of the job's stream from after `position`, also woken by the job's "finished" notice."""
+        self._ensure_reading()
+        follower, key = Follower(job_id, position), stream_key(job_id)
+        self._followers.setdefault(key, set()).add(follower)
+        self._cursors.setdefault(key, position)
+        self._joined.set()
+        with notices.watch(job_id, follower):
+            try:
+                yield follower
+            finally:
+                followers = self._followers.get(key)
+                if followers is not None:
+                    followers.discard(follower)
+                    if not followers:
+                        del self._followers[key]
+                        self._cursors.pop(key, None)
+
+    @property
+    def following(self) -> int:
+        return sum(len(f) for f in self._followers.values())
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._task = None
+        for client in (self._client,):
+            if client is not None:
+                await client.aclose()
+        self._client = None
+
+    def _ensure_reading(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._loop, self._joined, self._client = loop, asyncio.Event(), None
+            self._task = loop.create_task(self._read(), name="job-stream-reader")
+
+    async def _read(self) -> None:
+        client = aioredis.Redis.from_url(get_settings().redis_url, socket_connect_timeout=2,
+                                         socket_timeout=BLOCK_MS / 1000 + 5)
+        try:
+            while True:
+                if not self._cursors:
+                    self._joined.clear()
+                    await self._joined.wait()
+                    continue
+                try:
+                    replies = await client.xread(dict(self._cursors), count=READ_COUNT, block=BLOCK_MS)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # Redis away: every follower reads for itself once it is back
+                    log.warning("job streams unreadable, retrying in 1 s: %s", exc)
+                    for followers in self._followers.values():
+                        for follower in followers:
+                            follower.behind = True
+                            follower.wake.set()
+                    await asyncio.sleep(1)
+                    continue
+                for key, rows in replies or ():
+                    key = key.decode() if isinstance(key, bytes) else key
+                    self._hand_out(key, [_event(entry_id, fields) for entry_id, fields in rows])
+        finally:
+            await client.aclose()
+
+    def _hand_out(self, key: str, events: list[StreamEvent]) -> None:
+        if not events or key not in self._cursors:
+            return
+        self._cursors[key] = events[-1].id
+        for follower in self._followers.get(key, ()):
+            if not follower.behind:
+                for event in events:
+                    try:
+                        follower.queue.put_nowait(event)
+                    except asyncio.QueueFull:
+                        follower.behind = True  # it reads the rest itself; the queue stays bounded
+                        break
+            follower.wake.set()
+
+
+reader = StreamReader()
+
+
+async def stream_head(client: aioredis.Redis, job_id: uuid.UUID) -> str:
+    """The id of the stream's last entry ("0" when it has none): where a follower continues after a gap."""
+    rows = await client.xrevrange(stream_key(job_id), count=1)
+    return _event(*rows[0]).id if rows else "0"
+
+
+async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], position: str,
+                     heartbeat_s: float) -> AsyncIterator[StreamEvent | JobOut | Gap | None]:
+    """What a client following `job` (not finished when it was read) is told, in order: stream entries after
+    `position`, a Gap where the stream cannot continue (then from its head), None when `heartbeat_s` passed in
+    silence, and last the finished job, as stored."""
+    with reader.follow(job.id, position) as follower:
+        await notices.subscribed(timeout_s=1.0)
+        job = await read_job()  # followed first, read second: a notice in between is not missed
+        client = reader.client()
+        while job.status not in JobStatus.FINISHED:
+            try:
+                events = await follower.events(client, heartbeat_s)
+            except Gap as gap:
+                yield gap
+                follower.position = await stream_head(client, job.id)
+                continue
+            except Exception as exc:  # Redis away: the end still comes from the row
+                log.warning("job %s: stream unreadable (%s); following its row", job.id, exc)
+                events = []
+                await asyncio.sleep(min(1.0, heartbeat_s))
+            for event in events:
+                yield event
+            if follower.finished and not follower.behind:  # everything written before it ended is handed out
+                follower.finished = False
+                job = await read_job()
+            elif not events:
+                yield None
+                job = await read_job()  # a lost notice costs one heartbeat at most
+        yield job
