@@ -11,9 +11,14 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from shared.settings import DEFAULT_MODEL_DIR
 from tests.conftest import AUTH, start_worker, submit, wait_until
 
-SLOW = {"KEVLAYA_IGNORE_EOS": "true"}  # every job writes all its max_new_tokens: long enough to watch
+# The shipped demo model writes text (random weights write bytes that are not UTF-8, whose rows stream nothing until
+# their stored text comes whole), and with end-of-sequence ignored every job writes all its max_new_tokens: long
+# enough to watch.
+SLOW = {"KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_BASE_MODEL": str(DEFAULT_MODEL_DIR / "base"),
+        "KEVLAYA_KEV__PATH": str(DEFAULT_MODEL_DIR / "kev"), "KEVLAYA_LAYA__PATH": str(DEFAULT_MODEL_DIR / "laya")}
 
 
 def sse_events(response: httpx.Response) -> Iterator[dict]:
@@ -35,9 +40,10 @@ def sse_events(response: httpx.Response) -> Iterator[dict]:
                 event[name] = value
 
 
-def follow(api: httpx.Client, job_id: str, last_event_id: str | None = None, stop_after: int | None = None
-           ) -> list[dict]:
-    """Every event of the job's stream until `done` (or after `stop_after` events), as a client sees them."""
+def follow(api: httpx.Client, job_id: str, last_event_id: str | None = None, stop_after: int | None = None,
+           into: list[dict] | None = None) -> list[dict]:
+    """Every event of the job's stream until `done` (or after `stop_after` events), as a client sees them; each
+    is also appended to `into` as it comes."""
     headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
     seen = []
     with api.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers, timeout=60) as response:
@@ -47,6 +53,8 @@ def follow(api: httpx.Client, job_id: str, last_event_id: str | None = None, sto
             if "comment" in event or "event" not in event:
                 continue
             seen.append(event)
+            if into is not None:
+                into.append(event)
             if event["event"] == "done" or (stop_after is not None and len(seen) >= stop_after):
                 break
     return seen
@@ -153,3 +161,110 @@ def test_many_clients_each_get_every_event_once(env, api, start_process):
         assert len(ids) == len(set(ids))
         assert streamed_text(events) == stored["result"]["text"] and events[-1]["data"] == stored
     wait_until(lambda: True, 1)
+
+
+# -- faults: the stream outlives the worker, the API and Redis -------------------------------------------------
+# On SQLite only: what these tests break is the stream's path (worker, API, Redis); the database's own faults are
+# tests/test_faults.py's, on both databases.
+
+class Watcher:
+    """A client following a job's events on a thread, reconnecting from its last event id when cut off."""
+
+    def __init__(self, base_url: str, job_id: str):
+        self.base_url, self.job_id, self.events = base_url, job_id, []
+        self.reconnects, self.errors = 0, []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.events or self.events[-1]["event"] != "done":
+            last = next((e["id"] for e in reversed(self.events) if "id" in e), None)
+            try:
+                with httpx.Client(base_url=self.base_url, headers=AUTH, timeout=30) as own:
+                    follow(own, self.job_id, last, into=self.events)
+            except (httpx.TransportError, AssertionError) as exc:
+                self.errors.append(repr(exc))
+                self.reconnects += 1
+                threading.Event().wait(0.2)
+
+    def deltas(self) -> int:
+        return sum(e["event"] == "delta" for e in self.events)
+
+    def finish(self, timeout: float = 240) -> list[dict]:
+        self.thread.join(timeout)
+        assert self.events and self.events[-1]["event"] == "done", self.events[-3:]
+        return self.events
+
+
+LONG = "Options: A cost 10; B cost 20. Objective: lowest cost."
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("env", [SLOW], indirect=True)
+def test_worker_killed_mid_stream_the_client_sees_the_restart_and_the_stored_text(env, api, start_process):
+    worker = start_worker(start_process, env, api)
+    job_id = submit(api, "kev", LONG, max_new_tokens=760)
+    watcher = Watcher(str(api.base_url), job_id)
+    wait_until(lambda: watcher.deltas() > 5, 120, interval=0.05, what="the text to start streaming")
+    worker.kill(9)
+    start_worker(start_process, env, api)
+    events = watcher.finish()
+    stored = events[-1]["data"]
+    assert stored["status"] == "succeeded" and stored["attempts"] == 2
+    runs = [e["data"]["attempt"] for e in events if e["event"] == "status" and e["data"]["status"] == "running"]
+    assert runs[-1] == 2 and 1 in runs  # the client was told the text restarts
+    assert streamed_text(events) == stored["result"]["text"]
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("env", [SLOW], indirect=True)
+def test_api_restarted_mid_stream_the_client_resumes_with_last_event_id(env, start_process):
+    from tests.conftest import start_api
+
+    api = start_api(start_process, env)
+    start_worker(start_process, env, api)
+    job_id = submit(api, "kev", LONG, max_new_tokens=760)
+    watcher = Watcher(str(api.base_url), job_id)
+    wait_until(lambda: watcher.deltas() > 5, 120, interval=0.05, what="the text to start streaming")
+    start_process.started[0].kill(9)  # the API process, with the client's connection
+    api = start_api(start_process, env)  # the same port
+    events = watcher.finish()
+    assert watcher.reconnects >= 1 or len(start_process.started) > 2
+    ids = [e["id"] for e in events if "id" in e]
+    assert len(ids) == len(set(ids))  # resumed, not replayed
+    assert streamed_text(events) == events[-1]["data"]["result"]["text"] == api.get(
+        f"/v1/jobs/{job_id}").json()["result"]["text"]
+    api.close()
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("env", [SLOW], indirect=True)
+def test_redis_restarted_mid_stream_clients_resynchronise_and_lose_nothing(env, start_process, tmp_path,
+                                                                           monkeypatch):
+    from tests.conftest import RedisServer, reset_process_state, start_api
+
+    own = RedisServer(tmp_path / "own-redis")  # without its data: the streams are gone when it is back
+    own.start()
+    try:
+        env = {**env, "KEVLAYA_REDIS_URL": own.url}
+        monkeypatch.setenv("KEVLAYA_REDIS_URL", own.url)
+        reset_process_state()
+        api = start_api(start_process, env)
+        start_worker(start_process, env, api)
+        job_id = submit(api, "kev", LONG, max_new_tokens=760)
+        watchers = [Watcher(str(api.base_url), job_id) for _ in range(3)]
+        wait_until(lambda: all(w.deltas() > 5 for w in watchers), 120, interval=0.05, what="the text to stream")
+        own.stop()
+        threading.Event().wait(2)
+        own.start()
+        for watcher in watchers:
+            events = watcher.finish()
+            stored = events[-1]["data"]
+            assert stored["status"] == "succeeded"
+            assert streamed_text(events) == stored["result"]["text"]
+        api.close()
+    finally:
+        own.stop()
