@@ -268,3 +268,65 @@ def test_redis_restarted_mid_stream_clients_resynchronise_and_lose_nothing(env, 
         api.close()
     finally:
         own.stop()
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("env", [SLOW], indirect=True)
+def test_the_status_page_shows_a_running_jobs_text_growing_as_characters(env, api, start_process):
+    from tests.test_observability import chromium
+
+    browser_path = chromium()
+    if browser_path is None:
+        pytest.skip("no Chromium: install Debian's (`apt-get install chromium`) or set KEVLAYA_TEST_CHROMIUM")
+    from playwright.sync_api import expect, sync_playwright
+
+    start_worker(start_process, env, api)
+    # The schema makes the model write markup (and, with end-of-sequence ignored, write it again and again).
+    markup = "<img src=x onerror=document.title='hacked'><script>document.title='hacked'</script>"
+    schema = {"type": "object", "properties": {"x": {"const": markup}}, "required": ["x"],
+              "additionalProperties": False}
+    job_id = submit(api, "kev", LONG, max_new_tokens=700,
+                    response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": schema}})
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.goto(f"{api.base_url}/status")
+        page.fill("#key", env["KEVLAYA_API_KEY"])
+        page.click("#login button[type=submit]")
+        box = page.locator(f"#running [data-job='{job_id}']")
+        expect(box.locator("pre")).to_contain_text("<script>", timeout=30000)
+        first = int(box.get_attribute("data-tokens"))
+        # it grows while the job runs (polled from here: the page's policy allows no evaluated script)
+        wait_until(lambda: int(box.get_attribute("data-tokens")) > first, 30, interval=0.05, what="the text to grow")
+        expect(box).to_have_attribute("data-status", "succeeded", timeout=60000)
+        assert markup in box.locator("pre").inner_text()
+        assert page.locator("#running img, #running script").count() == 0  # characters, never elements
+        assert page.title() != "hacked"
+        browser.close()
+    assert markup in api.get(f"/v1/jobs/{job_id}").json()["result"]["text"]
+
+
+def live_job(stop: tuple[str, ...] = ()):  # noqa: ANN201
+    import uuid
+
+    from worker.engine.token_stream import LiveJob
+
+    return LiveJob(uuid.uuid4(), ("k",), 1, None, stop)
+
+
+def test_text_that_may_begin_a_stop_string_is_held_back_and_the_stop_string_never_published():
+    live = live_job(("\n\nEND",))
+    pieces = ["Kev: A", " wins\n", "\nE", "N", "D more"]  # the stop string spans three pieces
+    published = [live.take(p) for p in pieces]
+    assert published == ["Kev: A", " wins", "", "", ""]
+    assert "".join(published) == "Kev: A wins"
+    live = live_job(("\n\nEND",))
+    assert [live.take(p) for p in ["a\n", "\nx", "y"]] == ["a", "\n\nx", "y"]  # a false start is released
+
+
+def test_a_piece_that_is_not_utf8_stops_the_live_text_until_the_stored_text():
+    live = live_job()
+    assert live.take("ok ") == "ok "
+    assert live.take("\ufffd") == "" and live.take("more") == ""  # decoders count replacements differently
+    nul = live_job()
+    assert nul.take("a\x00b") == "a\ufffdb"  # NUL as the stored text has it (PostgreSQL refuses NUL)
