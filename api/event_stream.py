@@ -14,7 +14,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api.errors import ApiError
-from api.job_events import Gap, StreamEvent, follow_job
+from api.job_events import Gap, follow_job
 from api.submission import read_visible
 from shared.job_stream import ESCALATED, RUNNING, is_entry_id
 from shared.models import ApiKey, JobStatus
@@ -59,8 +59,8 @@ def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settin
                 yield HEARTBEAT
             elif isinstance(item, Gap):
                 yield sse("resync", {"reason": str(item), "job": _stored(await _reader(key, job)())})
-            elif isinstance(item, StreamEvent):
-                yield sse(item.event, item.data, item.id)
+            elif isinstance(item, list):  # the entries one wake-up found: one write for all of them
+                yield "".join(event.sse for event in item)
             else:
                 yield sse("done", _stored(item))
 
@@ -91,16 +91,17 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
                 break
             if item is None:
                 yield HEARTBEAT
-            elif isinstance(item, StreamEvent):
-                if item.event == "status" and item.data.get("status") == RUNNING:
-                    run = ""
-                elif item.event == "status" and item.data.get("status") == ESCALATED:
-                    run, buffering = "", False
-                elif item.event == "delta":
-                    run += item.data["text"]
-                    if not buffering and run.startswith(sent) and len(run) > len(sent):
-                        yield chunk({"content": run[len(sent):]})
-                        sent = run
+            elif isinstance(item, list):
+                for event in item:
+                    if event.event == "status" and event.data.get("status") == RUNNING:
+                        run = ""
+                    elif event.event == "status" and event.data.get("status") == ESCALATED:
+                        run, buffering = "", False
+                    elif event.event == "delta":
+                        run += event.data["text"]
+                if not buffering and run.startswith(sent) and len(run) > len(sent):
+                    yield chunk({"content": run[len(sent):]})
+                    sent = run
             elif isinstance(item, JobOut):
                 if item.status != JobStatus.SUCCEEDED:
                     message = item.error.message if item.error else item.status

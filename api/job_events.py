@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -39,6 +40,12 @@ class StreamEvent:
     id: str  # the stream entry's id: the SSE event id a client resumes from
     event: str
     data: dict[str, Any]
+    raw: str  # the data as JSON, as stored: written to every client as it is
+
+    @cached_property
+    def sse(self) -> str:
+        """The event as Server-Sent Events text, made once for all the clients that follow it."""
+        return f"id: {self.id}\nevent: {self.event}\ndata: {self.raw}\n\n"
 
 
 class Gap(Exception):
@@ -65,16 +72,19 @@ class Follower:
     async def events(self, client: aioredis.Redis, wait_s: float) -> list[StreamEvent]:
         """The next entries after `position` (advancing it), waiting up to `wait_s` for some; [] on a timeout or a
         finished notice. Raises Gap when the stream cannot continue from `position`."""
-        if not self.behind and self.queue.empty() and not self.finished:
+        if not self.behind and self.queue.empty() and not self.finished and not self.wake.is_set():
             try:
-                await asyncio.wait_for(self.wake.wait(), wait_s)
+                async with asyncio.timeout(wait_s):  # no task per wait: hundreds of clients wake at every step
+                    await self.wake.wait()
             except TimeoutError:
                 pass
         self.wake.clear()
         if self.behind or self.finished:
-            self.behind = False
+            self.behind = False  # the reader queues what comes next while this reads what came before
             out = await read_after(client, self.job_id, self.position)
-            self.behind = len(out) == READ_COUNT
+            # Still behind if there is more to read, or if the queue filled up during the read (the reader then
+            # dropped what it could not queue).
+            self.behind = self.behind or len(out) == READ_COUNT
             while not self.queue.empty():  # what the reader queued meanwhile is in what was just read, or after it
                 event = self.queue.get_nowait()
                 if not self.behind and self.is_new(event.id) and (not out or
@@ -107,7 +117,8 @@ async def read_after(client: aioredis.Redis, job_id: uuid.UUID, position: str) -
 
 def _event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> StreamEvent:
     event, data = read_entry(fields)
-    return StreamEvent(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, event, data)
+    return StreamEvent(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, event, data,
+                       fields[b"data"].decode())
 
 
 class StreamReader:
@@ -222,9 +233,9 @@ async def stream_head(client: aioredis.Redis, job_id: uuid.UUID) -> str:
 
 
 async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], position: str,
-                     heartbeat_s: float) -> AsyncIterator[StreamEvent | JobOut | Gap | None]:
+                     heartbeat_s: float) -> AsyncIterator[list[StreamEvent] | JobOut | Gap | None]:
     """What a client following `job` (not finished when it was read) is told, in order: stream entries after
-    `position`, a Gap where the stream cannot continue (then from its head), None when `heartbeat_s` passed in
+    `position` (as many at once as were there), a Gap where the stream cannot continue (then from its head), None when `heartbeat_s` passed in
     silence, and last the finished job, as stored."""
     with reader.follow(job.id, position) as follower:
         await notices.subscribed(timeout_s=1.0)
@@ -241,8 +252,8 @@ async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], pos
                 log.warning("job %s: stream unreadable (%s); following its row", job.id, exc)
                 events = []
                 await asyncio.sleep(min(1.0, heartbeat_s))
-            for event in events:
-                yield event
+            if events:
+                yield events
             if follower.finished and not follower.behind:  # everything written before it ended is handed out
                 follower.finished = False
                 job = await read_job()

@@ -330,3 +330,60 @@ def test_a_piece_that_is_not_utf8_stops_the_live_text_until_the_stored_text():
     assert live.take("\ufffd") == "" and live.take("more") == ""  # decoders count replacements differently
     nul = live_job()
     assert nul.take("a\x00b") == "a\ufffdb"  # NUL as the stored text has it (PostgreSQL refuses NUL)
+
+
+@pytest.mark.integration
+def test_a_follower_whose_queue_fills_while_it_reads_loses_nothing(redis_server, monkeypatch):
+    """Regression: the reader drops what a full queue cannot take and marks the follower behind; a catch-up read
+    that was in flight meanwhile must leave it behind, so it reads the dropped entries from the stream."""
+    import asyncio
+    import contextlib
+    import uuid
+
+    import redis as sync_redis
+
+    import api.job_events as job_events
+    from shared.job_stream import entry, stream_key
+    from tests.conftest import reset_process_state
+
+    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    reset_process_state()
+    job_id = uuid.uuid4()
+    writer = sync_redis.Redis.from_url(redis_server.url)
+    for i in range(5):
+        writer.xadd(stream_key(job_id), entry("delta", text=f"{i},", tokens=i + 1))
+    reader = job_events.StreamReader()
+    reader._ensure_reading = lambda: None  # this test hands the entries out itself, at the worst moment
+
+    class NoNotices:  # nor does any "finished" notice (whose wake-up also reads the stream) come
+        @staticmethod
+        def watch(job_id, waiter):  # noqa: ANN001, ANN205
+            return contextlib.nullcontext(waiter)
+
+    monkeypatch.setattr(job_events, "notices", NoNotices)
+    flood = job_events.QUEUE_EVENTS + 50
+    real_read = job_events.read_after
+
+    async def read_while_the_stream_grows(client, job, position):  # noqa: ANN001, ANN202
+        rows = await real_read(client, job, position)
+        # while this read was in flight, many more entries came and the reader handed them out
+        ids = [writer.xadd(stream_key(job_id), entry("delta", text=f"{i},", tokens=i + 1)) for i in range(5, 5 + flood)]
+        fresh = await client.xrange(stream_key(job_id), min=ids[0], max=ids[-1])
+        reader._hand_out(stream_key(job_id), [job_events._event(i, f) for i, f in fresh])
+        return rows
+
+    monkeypatch.setattr(job_events, "read_after", read_while_the_stream_grows)
+
+    async def main() -> str:
+        with reader.follow(job_id, "0") as follower:
+            text = ""
+            client = reader.client()
+            for _ in range(5):
+                for event in await follower.events(client, 0.1):
+                    text += event.data["text"]
+                monkeypatch.setattr(job_events, "read_after", real_read)
+        await reader.close()
+        return text
+
+    text = asyncio.run(main())
+    assert text == "".join(f"{i}," for i in range(5 + flood))

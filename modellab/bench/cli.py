@@ -158,3 +158,32 @@ def load(
     typer.echo(table(result))
     if drain and result.get("drain") and not result["drain"]["exactly_once"]:
         raise typer.Exit(1)
+
+
+def stream_load(
+    clients: Annotated[int, typer.Option(min=1, help="clients following event streams at once")] = 500,
+    jobs: Annotated[int, typer.Option(min=1, help="Kev jobs they follow, spread evenly")] = 10,
+    new_tokens: Annotated[int, typer.Option(min=1, help="tokens each job writes (end-of-sequence ignored)")] = 400,
+    timeout: Annotated[float, typer.Option(help="seconds the whole run may take")] = 600,
+    workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (database, logs)")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="write the figures as JSON here")] = None,
+) -> None:
+    """Many clients following running jobs' event streams (GET /v1/jobs/{id}/events) on one API process, with the
+    shipped demo model on the CPU: every event once and the stored text for each client, /healthz latency
+    meanwhile, and the API's memory per client. Prints a table last."""
+    import json
+    import logging
+    import os
+    import platform
+
+    from modellab.bench.load import new_workdir
+    from modellab.bench.stream_load import run_stream_load, table
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    result = run_stream_load(workdir or new_workdir(), clients, jobs, new_tokens, timeout)
+    result["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
+    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    typer.echo(table(result))
