@@ -20,3 +20,13 @@ def require_database() -> None:
 
     if problem := schema_problem(get_settings().database_url):
         fail(problem)
+
+
+def require_own_schema() -> None:
+    """For the API and the worker, which may start before their database answers: refuse, in one line, a database
+    whose schema is not this version's (migrated by a newer version, or not yet upgraded)."""
+    from shared.migrate import foreign_schema
+    from shared.settings import get_settings
+
+    if problem := foreign_schema(get_settings().database_url):
+        fail(problem)

@@ -54,8 +54,11 @@ def local_api_key(settings: Settings) -> str:
 def run_local(with_flower: bool = True) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
-    from shared.migrate import upgrade
+    from shared.migrate import newer_schema, upgrade
 
+    if problem := newer_schema(settings.database_url):
+        log.error("%s", problem)
+        return 2
     upgrade(settings.database_url)
     log.info("database: %s (migrated)", settings.database_url)
     redis_process = ensure_redis(settings.redis_url)

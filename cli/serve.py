@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.common import fail
+from cli.common import fail, require_own_schema
 from shared.settings import get_settings
 
 
@@ -41,6 +41,7 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
 
     from api.head_limit import BoundedHeadProtocol
 
+    require_own_schema()
     settings = get_settings()
     uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
                 reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
@@ -49,6 +50,7 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
 
 def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:
     """Run the GPU worker: one Celery prefork child at concurrency 1 that loads the model."""
+    require_own_schema()
     _exec_celery(["-A", "worker.tasks", "worker", "--pool", "prefork", "--concurrency", "1",
                       "--prefetch-multiplier", "1", "-E", "-n", f"kevlaya-{os.getpid()}@{socket.gethostname()}",
                       "--loglevel", loglevel])

@@ -113,3 +113,34 @@ def test_flower_gets_its_password_and_broker_through_the_environment(redis_serve
     assert "s3cret-pw" not in command_line and redis_server.url not in command_line, command_line
     assert httpx.get(f"{base}/", timeout=5).status_code == 401
     assert httpx.get(f"{base}/", auth=("admin", "s3cret-pw"), timeout=5).status_code == 200
+
+
+def test_a_database_migrated_by_a_newer_version_is_refused_by_every_command_in_one_line(tmp_path, monkeypatch):
+    """Nothing runs against a schema this version does not know: API, worker, `db upgrade`, key commands and
+    `kevlaya run` each refuse it with one line naming both revisions."""
+    import sqlite3
+
+    from shared.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'newer.db'}"
+    upgrade(url)
+    with sqlite3.connect(tmp_path / "newer.db") as connection:  # as a later version's migration would leave it
+        connection.execute("UPDATE alembic_version SET version_num = 'f00dfeed0042'")
+    env = {**os.environ, "KEVLAYA_DATABASE_URL": url, "KEVLAYA_REDIS_URL": "redis://127.0.0.1:1/0"}
+    for command in (["api"], ["worker"], ["db", "upgrade", "--wait", "1"], ["keys", "list"], ["run"]):
+        done = subprocess.run([sys.executable, "-m", "cli", *command], env=env, capture_output=True, text=True,
+                              timeout=120)
+        output = done.stdout + done.stderr
+        assert done.returncode == 2, (command, output[-2000:])
+        assert "migrated by a newer version of kevlaya (migration f00dfeed0042)" in output, (command, output[-2000:])
+        assert "Traceback" not in output, (command, output[-2000:])
+    with sqlite3.connect(tmp_path / "newer.db") as connection:
+        assert connection.execute("SELECT version_num FROM alembic_version").fetchone() == ("f00dfeed0042",)
+
+
+def test_the_api_still_starts_before_its_database_answers():
+    """Only a schema known to be wrong is refused: a database that does not answer yet is the API's to report
+    (readiness 503) and to retry, as under docker compose."""
+    from shared.migrate import foreign_schema
+
+    assert foreign_schema("postgresql+psycopg://nobody@127.0.0.1:1/none") is None
