@@ -16,11 +16,11 @@ from api.deps import KeyCache
 from api.docs import install_docs
 from api.errors import install_error_handlers
 from api.intake import Intake
+from api.job_events import reader
 from api.job_writer import JobWriter
 from api.metrics import ApiMetrics, RequestMetrics
 from api.prompt_budget import PromptBudget
 from api.routes import chat, health, jobs, metrics, models, stats, status_page
-from api.job_events import reader
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
 from api.writer_process import WriterProcess

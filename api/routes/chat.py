@@ -10,8 +10,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo, field_validator
 
 from api.deps import IntakeDep, SubmitterKey, reject_unknown_query_parameters
-from api.event_stream import chat_chunk_stream
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
+from api.event_stream import chat_chunk_stream
 from api.prompt_budget import FieldNames
 from api.submission import read_visible, wait_finished
 from shared.schemas import (

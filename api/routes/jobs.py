@@ -19,8 +19,8 @@ from api.deps import (
     reject_unknown_query_parameters,
 )
 from api.errors import AUTH_ERRORS, ApiError, error_responses
-from api.presenters import decode_cursor, encode_cursor, jobs_out
 from api.event_stream import job_event_stream
+from api.presenters import decode_cursor, encode_cursor, jobs_out
 from api.submission import get_visible, visible_to, wait_finished
 from shared import lifecycle
 from shared.db import one_writer

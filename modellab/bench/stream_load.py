@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
-import multiprocessing
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
