@@ -84,7 +84,9 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
     async def chunks() -> AsyncIterator[str]:
         yield chunk({"role": "assistant", "content": ""})
         sent, run, buffering = "", "", job.requested_adapter == "auto"
-        async for item in follow_job(job, _reader(key, job), "0", settings.stream_heartbeat_s):
+        # Something comes at least every `beat` seconds, so the deadline is checked in time.
+        beat = min(settings.stream_heartbeat_s, settings.chat_timeout_s)
+        async for item in follow_job(job, _reader(key, job), "0", beat):
             if time.monotonic() > deadline and not isinstance(item, JobOut):
                 yield sse(None, {"error": {"code": "timeout", "message": f"job {job.id} did not finish within "
                                            f"{settings.chat_timeout_s} s; it stays queued: poll GET /v1/jobs/{job.id}"}})

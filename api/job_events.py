@@ -22,7 +22,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from api.waiting import notices
+from api.waiting import notices, registered, stop
 from shared.job_stream import entry_order, read_entry, stream_key
 from shared.models import JobStatus
 from shared.schemas import JobOut
@@ -143,36 +143,19 @@ class StreamReader:
     def follow(self, job_id: uuid.UUID, position: str = "0") -> Iterator[Follower]:
         """A follower of the job's stream from after `position`, also woken by the job's "finished" notice."""
         self._ensure_reading()
-        follower, key = Follower(job_id, position), stream_key(job_id)
-        self._followers.setdefault(key, set()).add(follower)
+        key = stream_key(job_id)
         self._cursors.setdefault(key, position)
         self._joined.set()
-        with notices.watch(job_id, follower):
-            try:
+        with registered(self._followers, key, Follower(job_id, position),
+                        on_last=lambda gone: self._cursors.pop(gone, None)) as follower:
+            with notices.watch(job_id, follower):
                 yield follower
-            finally:
-                followers = self._followers.get(key)
-                if followers is not None:
-                    followers.discard(follower)
-                    if not followers:
-                        del self._followers[key]
-                        self._cursors.pop(key, None)
-
-    @property
-    def following(self) -> int:
-        return sum(len(f) for f in self._followers.values())
 
     async def close(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop(self._task)
         self._task = None
-        for client in (self._client,):
-            if client is not None:
-                await client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
         self._client = None
 
     def _ensure_reading(self) -> None:

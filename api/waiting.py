@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
@@ -26,6 +26,34 @@ class Waiter(Protocol):
 
 
 W = TypeVar("W", bound=Waiter)
+T = TypeVar("T")
+
+
+@contextmanager
+def registered(table: dict[str, set[T]], key: str, item: T,
+               on_last: Callable[[str], None] | None = None) -> Iterator[T]:
+    """`item` in `table[key]` while the block runs; a key whose last item leaves is removed (and `on_last` told)."""
+    table.setdefault(key, set()).add(item)
+    try:
+        yield item
+    finally:
+        items = table.get(key)
+        if items is not None:
+            items.discard(item)
+            if not items:
+                del table[key]
+                if on_last is not None:
+                    on_last(key)
+
+
+async def stop(task: asyncio.Task[None] | None) -> None:
+    """Cancel a background task and wait until it has ended."""
+    if task is not None and not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
 
 
 class FinishedJobNotices:
@@ -42,16 +70,8 @@ class FinishedJobNotices:
         """`waiter` (by default a new asyncio.Event), set when `job_id` may have finished. Register before reading
         the row, so a notice sent between the read and the wait is not missed."""
         self._ensure_listening()
-        event, key = waiter if waiter is not None else asyncio.Event(), str(job_id)
-        self._waiters.setdefault(key, set()).add(event)
-        try:
+        with registered(self._waiters, str(job_id), waiter if waiter is not None else asyncio.Event()) as event:
             yield event
-        finally:
-            events = self._waiters.get(key)
-            if events is not None:
-                events.discard(event)
-                if not events:
-                    del self._waiters[key]
 
     async def subscribed(self, timeout_s: float) -> bool:
         """Wait (briefly) until the subscription is up; False if it is not, and waiters rely on re-checks."""
@@ -63,12 +83,7 @@ class FinishedJobNotices:
             return False
 
     async def close(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await stop(self._task)
         self._task = None
 
     def _ensure_listening(self) -> None:

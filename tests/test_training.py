@@ -237,7 +237,7 @@ def test_train_command_trains_and_prints_the_report(base: Path, tmp_path: Path) 
 def test_quick_demo_build_loads_and_verifies(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     result = kevlaya("models", "build-demo", "--quick", "--out", str(out), "--data-dir", str(tmp_path / "data"),
-                     "--device", "cpu")
+                     "--device", "cpu", timeout=300)  # 26 s alone; the whole suite runs beside it
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("base", "kev", "laya"):
         assert verify_manifest(out / name) == [], name
