@@ -93,6 +93,8 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
                 break
             if item is None:
                 yield HEARTBEAT
+            elif isinstance(item, Gap):
+                run = ""  # what the stream still holds comes again from its start
             elif isinstance(item, list):
                 for event in item:
                     if event.event == "status" and event.data.get("status") == RUNNING:

@@ -209,16 +209,10 @@ class StreamReader:
 reader = StreamReader()
 
 
-async def stream_head(client: aioredis.Redis, job_id: uuid.UUID) -> str:
-    """The id of the stream's last entry ("0" when it has none): where a follower continues after a gap."""
-    rows = await client.xrevrange(stream_key(job_id), count=1)
-    return _event(*rows[0]).id if rows else "0"
-
-
 async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], position: str,
                      heartbeat_s: float) -> AsyncIterator[list[StreamEvent] | JobOut | Gap | None]:
     """What a client following `job` (not finished when it was read) is told, in order: stream entries after
-    `position` (as many at once as were there), a Gap where the stream cannot continue (then from its head), None when `heartbeat_s` passed in
+    `position` (as many at once as were there), a Gap where the stream cannot continue (then all it holds), None when `heartbeat_s` passed in
     silence, and last the finished job, as stored."""
     with reader.follow(job.id, position) as follower:
         await notices.subscribed(timeout_s=1.0)
@@ -228,8 +222,10 @@ async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], pos
             try:
                 events = await follower.events(client, heartbeat_s)
             except Gap as gap:
+                # The client drops its text and takes what the stream still holds, from its start: after Redis came
+                # back empty, the worker wrote the run again there, its whole text first.
                 yield gap
-                follower.position = await stream_head(client, job.id)
+                follower.position, follower.behind = "0", True
                 continue
             except Exception as exc:  # Redis away: the end still comes from the row
                 log.warning("job %s: stream unreadable (%s); following its row", job.id, exc)

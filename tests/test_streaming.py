@@ -61,10 +61,10 @@ def follow(api: httpx.Client, job_id: str, last_event_id: str | None = None, sto
 
 
 def streamed_text(events: list[dict]) -> str:
-    """The text a client builds: deltas appended, a `running` status restarting it."""
+    """The text a client builds: deltas appended, a `running` status or a `resync` restarting it."""
     text = ""
     for event in events:
-        if event["event"] == "status" and event["data"]["status"] == "running":
+        if event["event"] == "resync" or (event["event"] == "status" and event["data"]["status"] == "running"):
             text = ""
         elif event["event"] == "delta":
             text += event["data"]["text"]

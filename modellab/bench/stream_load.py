@@ -54,7 +54,7 @@ class ClientRun:
             out.append("done is not the stored job")
         text = ""
         for event in self.events:
-            if event["event"] == "status" and event["data"]["status"] == "running":
+            if event["event"] == "resync" or (event["event"] == "status" and event["data"]["status"] == "running"):
                 text = ""
             elif event["event"] == "delta":
                 text += event["data"]["text"]
