@@ -382,9 +382,9 @@ def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(
                         max_wait_ms=600_000)  # on a loaded machine no job may reach the bound, which is never paced
     with session_scope() as session:
         session.add(Job(adapter="laya", requested_adapter="laya", input="Quick: A or B?",
-                        params={**TEXT, "max_new_tokens": 40}))
+                        params={**TEXT, "max_new_tokens": 120}))
         session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Weigh option {i}.",
-                             params={**TEXT, "max_new_tokens": 80}) for i in range(4)])
+                             params={**TEXT, "max_new_tokens": 240}) for i in range(4)])
     engine = Engine(load_model(settings), settings)
     prefills: list[tuple[float, float, list[str], bool]] = []
     admit = engine.decoder.prefill
