@@ -212,8 +212,8 @@ reader = StreamReader()
 async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], position: str,
                      heartbeat_s: float) -> AsyncIterator[list[StreamEvent] | JobOut | Gap | None]:
     """What a client following `job` (not finished when it was read) is told, in order: stream entries after
-    `position` (as many at once as were there), a Gap where the stream cannot continue (then all it holds), None when `heartbeat_s` passed in
-    silence, and last the finished job, as stored."""
+    `position` (as many at once as were there), a Gap where the stream cannot continue (then all it holds),
+    None when `heartbeat_s` passed in silence, and last the finished job, as stored."""
     with reader.follow(job.id, position) as follower:
         await notices.subscribed(timeout_s=1.0)
         job = await read_job()  # followed first, read second: a notice in between is not missed
