@@ -15,7 +15,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from api.batch_keeper import BatchKeeper
 from api.errors import ApiError, unauthorized
+from api.file_store import FileStore
 from api.intake import Intake
 from shared.db import new_session
 from shared.keys import ensure_bootstrap_key, find_key, hash_key, is_revoked
@@ -173,3 +175,15 @@ def admin_key(key: CurrentKey) -> ApiKey:
 
 
 AdminKey = Annotated[ApiKey, Depends(admin_key)]
+
+
+async def get_file_store(request: Request) -> FileStore:
+    return request.app.state.file_store
+
+
+async def get_batch_keeper(request: Request) -> BatchKeeper:
+    return request.app.state.batch_keeper
+
+
+FileStoreDep = Annotated[FileStore, Depends(get_file_store)]
+BatchKeeperDep = Annotated[BatchKeeper, Depends(get_batch_keeper)]

@@ -88,9 +88,10 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "body"
 
 
-async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+def validation_error_body(errors: list[Any]) -> dict[str, Any]:
+    """The 422 body for pydantic's errors: each field's path as in the JSON, and one message naming them all."""
     fields = []
-    for err in exc.errors():
+    for err in errors:
         if err.get("type") == "json_invalid":  # its location is a character position, not a field
             detail = err.get("ctx", {}).get("error", "")
             fields.append({"field": "body", "message": f"not valid JSON at character {err['loc'][-1]}: {detail}"})
@@ -101,7 +102,11 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
         fields.append({"field": _field_path(tuple(err["loc"])), "message": message})
     # A str|object union reports one error per branch; keep each field's messages once.
     message = "; ".join(dict.fromkeys(f"{f['field']}: {f['message']}" for f in fields))
-    return JSONResponse(status_code=422, content=error_body("invalid_request", message, fields=fields))
+    return error_body("invalid_request", message, fields=fields)
+
+
+async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(status_code=422, content=validation_error_body(list(exc.errors())))
 
 
 async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:

@@ -11,16 +11,19 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.telemetry import TelemetryConfig
 
+from api.batch_keeper import BatchKeeper
 from api.body_limit import BodySizeLimit
+from api.chat_schemas import CHAT_FIELDS
 from api.deps import KeyCache
 from api.docs import install_docs
 from api.errors import install_error_handlers
+from api.file_store import FileStore
 from api.intake import Intake
 from api.job_events import reader
 from api.job_writer import JobWriter
 from api.metrics import ApiMetrics, RequestMetrics
 from api.prompt_budget import PromptBudget
-from api.routes import chat, health, jobs, metrics, models, stats, status_page
+from api.routes import batches, chat, files, health, jobs, metrics, models, stats, status_page
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
 from api.writer_process import WriterProcess
@@ -72,7 +75,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         writer = app.state.intake.writer
         if isinstance(writer, WriterProcess):
             await writer.start()  # a child that cannot start shows in the log now, not at the first submit
+        app.state.batch_keeper.start()
         yield
+        app.state.batch_keeper.stop()
         await notices.close()  # the long-polls' Redis subscription
         await reader.close()  # the event streams' reader
         # What was handed to the writer is stored, and what was stored gets its wake-up before the process ends.
@@ -92,11 +97,14 @@ def create_app() -> FastAPI:
     )
     install_docs(app)
     install_error_handlers(app)
-    routers = [health.router, jobs.router, chat.router, models.router, stats.router, metrics.router,
-               status_page.router]
+    routers = [health.router, jobs.router, chat.router, files.router, batches.router, models.router, stats.router,
+               metrics.router, status_page.router]
     for router in routers:
         app.include_router(router)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    # Uploads are streamed to disk by their route, so they get a limit of their own (their form's few fields
+    # on top of the file) and are never held in memory here.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
+                       streamed={"/v1/files": settings.files_max_bytes + 64 * 1024})
     app.state.metrics = ApiMetrics()
     app.state.metrics.start_at_zero([*app.routes, *(route for router in routers for route in router.routes)])
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)  # outermost: refused bodies count too
@@ -106,6 +114,10 @@ def create_app() -> FastAPI:
               else JobWriter(WakeupPublisher(settings.max_batch), on_unit))
     app.state.intake = Intake(settings, PromptBudget.load(settings), writer)
     app.state.key_cache = KeyCache()
+    app.state.file_store = FileStore(settings.files_dir)
+    intake = app.state.intake
+    app.state.batch_keeper = BatchKeeper(settings, app.state.file_store,
+                                         lambda job: intake.check(job, names=CHAT_FIELDS))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

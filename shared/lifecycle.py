@@ -1,7 +1,7 @@
 """Every change of a job's status, in one place (docs/architecture.md §3).
 
     queued  → running            claim (with a lease)
-    queued  → cancelled          cancel
+    queued  → cancelled          cancel (a file batch's lines: cancelled or expired with it)
     running → succeeded | failed finish, while the finishing batch still holds the lease
     running → queued | failed    lease expired (the worker died), failed once `max_attempts` is reached
     running → queued             release: the worker gives a job back unrun (not counted as an attempt)
@@ -135,6 +135,12 @@ def escalate(session: Session, parent: Job, batch_id: uuid.UUID) -> bool:
 def cancel(session: Session, job_id: uuid.UUID) -> bool:
     """queued → cancelled. False when the job is no longer queued."""
     return bool(_move(session, QUEUED, CANCELLED, Job.id == job_id, finished_at=_now()))
+
+
+def cancel_many(session: Session, ids: Iterable[uuid.UUID], error_code: str, error_message: str) -> list[uuid.UUID]:
+    """queued → cancelled for those of `ids` still queued, with the reason (a file batch cancelled or expired)."""
+    return [job.id for job in _move(session, QUEUED, CANCELLED, Job.id.in_(list(ids)), finished_at=_now(),
+                                    error_code=error_code, error_message=error_message)]
 
 
 def expire_leases(session: Session, max_attempts: int) -> list[uuid.UUID]:

@@ -56,6 +56,27 @@ class JobStatus:
     FINISHED = (SUCCEEDED, FAILED, CANCELLED)
 
 
+class BatchStatus:
+    """A file batch's states, as OpenAI's Batch API names them (docs/architecture.md §15)."""
+
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    FINISHED = (FAILED, COMPLETED, EXPIRED, CANCELLED)
+
+
+class Priority:
+    """Claim order within an adapter: interactive jobs before the lines of file batches."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
 
@@ -103,12 +124,14 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         UniqueConstraint("api_key_id", "idempotency_key", name="uq_jobs_api_key_idempotency"),
-        Index("ix_jobs_status_adapter_created", "status", "adapter", "created_at"),
+        Index("ix_jobs_status_adapter_priority_created", "status", "adapter", "priority", "created_at"),
         Index("ix_jobs_created_id", "created_at", "id"),
         # /v1/stats reads a window of jobs from this index alone, and finds escalations (migration 0003)
         Index("ix_jobs_stats", "created_at", "adapter", "status", "error_code", "requested_adapter", "parent_job_id",
               "queue_ms", "ttft_ms", "decode_ms", "total_ms", "completion_tokens", "id"),
         Index("ix_jobs_parent_adapter", "parent_job_id", "adapter"),
+        Index("ix_jobs_file_batch_status", "file_batch_id", "status"),
+        UniqueConstraint("file_batch_id", "batch_line", name="uq_jobs_file_batch_line"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
@@ -145,3 +168,73 @@ class Job(Base):
     total_ms: Mapped[float | None] = mapped_column(Float)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    # A line of a file batch (§15): claimed after every interactive job of its adapter.
+    priority: Mapped[int] = mapped_column(Integer, default=Priority.INTERACTIVE, server_default="0")
+    file_batch_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("file_batches.id", ondelete="CASCADE"))
+    batch_line: Mapped[int | None] = mapped_column(Integer)  # its line in the batch's input file, from 1
+    custom_id: Mapped[str | None] = mapped_column(String(512))
+
+
+class StoredFile(Base):
+    """A file of the Files API: its bytes live in KEVLAYA_FILES_DIR under this id, never under a client's name."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_key_created", "api_key_id", "created_at", "id"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id"))
+    purpose: Mapped[str] = mapped_column(String(32))  # batch (uploaded) | batch_output (written by a batch)
+    filename: Mapped[str] = mapped_column(String(255))  # shown back; never a path
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    lines: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime | None]
+
+
+class FileBatch(Base):
+    """A batch of the Batch API: an input file whose lines became jobs (docs/architecture.md §15)."""
+
+    __tablename__ = "file_batches"
+    __table_args__ = (
+        Index("ix_file_batches_key_created", "api_key_id", "created_at", "id"),
+        Index("ix_file_batches_status", "status"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    api_key_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("api_keys.id"))
+    status: Mapped[str] = mapped_column(String(16), default=BatchStatus.VALIDATING)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    input_file_id: Mapped[uuid.UUID] = mapped_column(Uuid)  # not a foreign key: the file may be deleted later
+    output_file_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    error_file_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)  # why a malformed file failed the batch
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    # Which API process validates or finalizes it, until when (a process that died leaves it to another).
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_expires_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+
+
+class RejectedLine(Base):
+    """A line of a batch's input file that the chat endpoint would have refused: it goes to the error file."""
+
+    __tablename__ = "file_batch_rejects"
+
+    file_batch_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("file_batches.id", ondelete="CASCADE"),
+                                                     primary_key=True)
+    batch_line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    status_code: Mapped[int] = mapped_column(Integer)
+    error_code: Mapped[str] = mapped_column(String(32))
+    error_message: Mapped[str] = mapped_column(Text)

@@ -162,6 +162,20 @@ class Settings(BaseSettings):
         default=15, gt=0, description="an event stream with nothing to say sends a comment this often, so proxies "
         "keep it open")
 
+    # The Batch API (/v1/files, /v1/batches; docs/architecture.md §15)
+    files_dir: Path = Field(default=Path(".kevlaya/files"), description="where the API stores uploaded files and "
+                            "the batches' output and error files (under the service's own ids)")
+    files_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1024, description="the largest file one upload may "
+                                 "store (OpenAI's limit: 200 MB)")
+    files_max_lines: int = Field(default=50_000, ge=1, description="the most lines (requests) one batch input "
+                                 "file may hold (OpenAI's limit: 50,000)")
+    files_per_key_bytes: int = Field(default=2 * 1024 ** 3, ge=1024, description="the bytes of files one API key "
+                                     "may keep at once; an upload past it is refused (413)")
+    batch_check_interval_s: float = Field(default=1.0, gt=0, description="how often the API's batch keeper looks "
+                                          "for batches to validate, expire, cancel or finish")
+    batch_lease_s: float = Field(default=60, gt=0, description="a batch being validated or written out by an API "
+                                 "process that stopped is taken over by another after this long")
+
     # VRAM (the GPU runtime uses it; the CPU path ignores it)
     vram_budget_gb: float = Field(
         default=5.5, gt=0, description="GiB PyTorch may allocate: a 6 GB card's memory after its CUDA context; on a "

@@ -154,10 +154,12 @@ API_KEY = "kl_test_bootstrap_key"
 
 
 @pytest.fixture
-def service_env(database_url: str, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+def service_env(database_url: str, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
+                tmp_path: Path) -> dict[str, str]:
     """KEVLAYA_* settings for this test, applied to this process and handed to child processes."""
     redis_server.flush()
     env = {
+        "KEVLAYA_FILES_DIR": str(tmp_path / "files"),
         "KEVLAYA_DATABASE_URL": database_url,
         "KEVLAYA_REDIS_URL": redis_server.url,
         "KEVLAYA_API_KEY": API_KEY,

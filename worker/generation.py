@@ -23,6 +23,7 @@ class GenerationRequest:
     grammar: str | None = None  # an llguidance grammar (shared/grammar.py) the answer must follow, or None: free
     stop: list[str] = field(default_factory=list)  # the answer ends before the first of these strings
     top_logprobs: int | None = None  # None: no log-probabilities asked for; else the alternatives per token
+    background: bool = False  # a line of a file batch: never in a reserved slot, never paces other prefills
 
 
 @dataclass

@@ -129,7 +129,7 @@ class Engine:
 
     def _queued(self) -> bool:
         with session_scope() as session:
-            return bool(queue_snapshot(session).waiting())
+            return queue_snapshot(session).has_work()
 
     # -- claiming ----------------------------------------------------------------------------------------------
 
@@ -153,9 +153,10 @@ class Engine:
         return reserved_slots(self.settings, self.loaded.adapters, min(self.settings.max_batch, self.decoder.limit))
 
     def _in_flight(self) -> Counter[str]:
-        """Slots each adapter holds or is about to hold (claimed, waiting for its prefill)."""
-        return Counter([self.decoder.adapters[row.adapter] for row in self.decoder.rows]
-                       + [claimed.request.adapter for claimed in self.to_prefill])
+        """Slots each adapter's interactive jobs hold or are about to hold (claimed, waiting for their prefill):
+        what its reservation is counted against."""
+        return Counter([self.decoder.adapters[row.adapter] for row in self.decoder.rows if not row.request.background]
+                       + [c.request.adapter for c in self.to_prefill if not c.request.background])
 
     def _start(self, group: ClaimGroup, jobs: list[Job]) -> None:
         self.writer.add(group, jobs)
@@ -196,13 +197,15 @@ class Engine:
         KEVLAYA_ENGINE_PREFILL_SHARE)."""
         now = time.monotonic()
         waited = [(now - c.claimed_at) * 1000 for c in self.to_prefill]
-        order = prefill_order([c.request.max_new_tokens for c in self.to_prefill], waited, self.settings.max_wait_ms)
+        order = prefill_order([c.request.max_new_tokens for c in self.to_prefill], waited, self.settings.max_wait_ms,
+                              [c.request.background for c in self.to_prefill])
         self.to_prefill, waited = [self.to_prefill[i] for i in order], [waited[i] for i in order]
         count = prefill_group([c.prompt_tokens for c in self.to_prefill], self.decoder.free,
                               self.settings.engine_prefill_tokens)
         roles = set(self._reserved())
-        latency = [c.request.adapter in roles for c in self.to_prefill]
-        if not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles for r in self.decoder.rows)):
+        latency = [c.request.adapter in roles and not c.request.background for c in self.to_prefill]
+        if not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles and not r.request.background
+                                          for r in self.decoder.rows)):
             count = min(count, unpaced_prefix(latency, waited, self.settings.max_wait_ms))
         chosen = [c.request for c in self.to_prefill[:count]]
         del self.to_prefill[:count]

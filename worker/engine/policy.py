@@ -26,9 +26,13 @@ def plan_slots(snapshot: QueueSnapshot, free: int, max_wait_ms: float, expected_
     with the shortest expected jobs (fewest new tokens), so a fast decider never queues behind a deliberate
     analyst's backlog.
 
-    `reserved` slots belong to one adapter: while it holds fewer than that (`in_flight`), the difference stays
-    free for it even when another adapter's backlog is starving, so its next job starts at the next step
-    instead of waiting for a row of the backlog to finish."""
+    `reserved` slots belong to one adapter: while it holds fewer than that (`in_flight`, its interactive rows),
+    the difference stays free for it even when another adapter's backlog is starving, so its next job starts at
+    the next step instead of waiting for a row of the backlog to finish.
+
+    The lines of file batches (`snapshot.batch_lines`) take what is left after that, shortest jobs first, and
+    never a reserved slot: a batch drains in the slots interactive work leaves free. An adapter's share is
+    still one claim, which takes its interactive jobs first."""
     reserved, in_flight = reserved or {}, in_flight or {}
     unused = {a: max(0, n - in_flight.get(a, 0)) for a, n in reserved.items()}
     waiting = snapshot.waiting()
@@ -43,14 +47,23 @@ def plan_slots(snapshot: QueueSnapshot, free: int, max_wait_ms: float, expected_
             left -= count
             if adapter in unused:
                 unused[adapter] = max(0, unused[adapter] - count)
-    return plan
+    left -= sum(unused.values())
+    shares = dict(plan)
+    for adapter in sorted(snapshot.batch_lines, key=lambda a: (expected_tokens.get(a, 0), a)):
+        count = min(left, snapshot.batch_lines[adapter])
+        if count > 0:
+            shares[adapter] = shares.get(adapter, 0) + count
+            left -= count
+    return list(shares.items())
 
 
-def prefill_order(new_tokens: list[int], waited_ms: list[float], max_wait_ms: float) -> list[int]:
-    """In which order claimed jobs are prefilled (indices): those that waited past the fairness bound first, then
-    the shortest jobs (a Laya answer starts at the next step instead of after a wave of Kev prompts); claim
-    order otherwise."""
-    return sorted(range(len(new_tokens)), key=lambda i: (waited_ms[i] <= max_wait_ms, new_tokens[i]))
+def prefill_order(new_tokens: list[int], waited_ms: list[float], max_wait_ms: float,
+                  background: list[bool] | None = None) -> list[int]:
+    """In which order claimed jobs are prefilled (indices): interactive jobs before the lines of file batches
+    (`background`); among them, those that waited past the fairness bound first, then the shortest jobs (a Laya
+    answer starts at the next step instead of after a wave of Kev prompts); claim order otherwise."""
+    background = background or [False] * len(new_tokens)
+    return sorted(range(len(new_tokens)), key=lambda i: (background[i], waited_ms[i] <= max_wait_ms, new_tokens[i]))
 
 
 def prefill_group(prompt_tokens: list[int], free: int, budget_tokens: int) -> int:

@@ -47,7 +47,7 @@ def escalate(session: Session, parent: Job, group_id: uuid.UUID, laya: JobOutcom
     kev = Job(
         adapter="kev", requested_adapter="kev", status=JobStatus.QUEUED, input=parent.input,
         params={k: v for k, v in parent.params.items() if k != "max_new_tokens"},
-        parent_job_id=parent.id, api_key_id=parent.api_key_id, created_at=now,
+        parent_job_id=parent.id, api_key_id=parent.api_key_id, created_at=now, priority=parent.priority,
     )
     session.add_all([stage, kev])
     session.flush()

@@ -7,14 +7,14 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from shared import lifecycle
-from shared.models import ClaimGroup, Job, JobStatus
+from shared.models import ClaimGroup, Job, JobStatus, Priority
 
 
 def worker_name() -> str:
@@ -28,13 +28,19 @@ def _now() -> datetime:
 
 @dataclass(frozen=True)
 class QueueSnapshot:
-    """What is waiting, per adapter: how many jobs and how long the oldest has waited."""
+    """What is waiting, per adapter: how many interactive jobs and how long the oldest has waited, and how many
+    lines of file batches (they wait behind the interactive jobs, so their waits set no bound)."""
 
     queued: dict[str, int]
     oldest_wait_ms: dict[str, float]
+    batch_lines: dict[str, int] = field(default_factory=dict)
 
     def waiting(self) -> list[str]:
+        """Adapters with interactive jobs queued, the longest-waiting first."""
         return sorted((a for a, n in self.queued.items() if n > 0), key=lambda a: -self.oldest_wait_ms[a])
+
+    def has_work(self) -> bool:
+        return any(self.queued.values()) or any(self.batch_lines.values())
 
 
 @dataclass(frozen=True)
@@ -50,20 +56,24 @@ class GroupFigures:
 def queue_snapshot(session: Session, now: datetime | None = None) -> QueueSnapshot:
     now = now or _now()
     rows = session.execute(
-        select(Job.adapter, func.count(), func.min(Job.created_at))
-        .where(Job.status == JobStatus.QUEUED).group_by(Job.adapter)
+        select(Job.adapter, Job.priority, func.count(), func.min(Job.created_at))
+        .where(Job.status == JobStatus.QUEUED).group_by(Job.adapter, Job.priority)
     ).all()
-    queued, oldest = {}, {}
-    for adapter, count, first in rows:
+    queued, oldest, batch_lines = {}, {}, {}
+    for adapter, priority, count, first in rows:
+        if priority != Priority.INTERACTIVE:
+            batch_lines[adapter] = batch_lines.get(adapter, 0) + count
+            continue
         if first.tzinfo is None:  # aggregate results bypass the column type on SQLite
             first = datetime.fromisoformat(str(first)).replace(tzinfo=timezone.utc)
         queued[adapter], oldest[adapter] = count, (now - first).total_seconds() * 1000
-    return QueueSnapshot(queued=queued, oldest_wait_ms=oldest)
+    return QueueSnapshot(queued=queued, oldest_wait_ms=oldest, batch_lines=batch_lines)
 
 
 def claim_group(session: Session, adapter: str, limit: int, worker: str,
                 lease_s: float) -> tuple[ClaimGroup, list[Job]]:
-    """Move up to `limit` of the oldest queued jobs of `adapter` to `running`, atomically, as one claim group.
+    """Move up to `limit` of the oldest queued jobs of `adapter` to `running`, atomically, as one claim group:
+    interactive jobs first, then the lines of file batches.
 
     The group's row is written first, so on SQLite this transaction already holds the write lock before it
     reads; on PostgreSQL `FOR UPDATE SKIP LOCKED` lets concurrent workers take disjoint rows. (A single
@@ -74,7 +84,7 @@ def claim_group(session: Session, adapter: str, limit: int, worker: str,
     ids = session.scalars(
         select(Job.id)
         .where(Job.status == JobStatus.QUEUED, Job.adapter == adapter)
-        .order_by(Job.created_at, Job.id)
+        .order_by(Job.priority, Job.created_at, Job.id)
         .limit(limit)
         .with_for_update(skip_locked=True)
     ).all()

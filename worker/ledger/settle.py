@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from shared import lifecycle
 from shared.lifecycle import JobOutcome
-from shared.models import Job, JobStatus
+from shared.models import Job, JobStatus, Priority
 from shared.queue import QueueUnavailable, publish_wakeup
 from shared.schemas import answer_grammar, stop_strings, to_messages, with_system_prompt
 from shared.settings import Settings
@@ -36,6 +36,7 @@ def generation_request(job: Job, settings: Settings) -> GenerationRequest:
         grammar=answer_grammar(params, messages, profile.analysis),
         stop=stop_strings(params.get("stop")),
         top_logprobs=params.get("top_logprobs", 0) if params.get("logprobs") else None,
+        background=job.priority == Priority.BATCH,
     )
 
 

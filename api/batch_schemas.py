@@ -1,0 +1,145 @@
+"""The Files and Batch APIs' objects, field for field as OpenAI's API reference defines them, so the official
+client parses them (docs/architecture.md §15). Ids carry OpenAI's prefixes; the rows keep plain UUIDs."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from shared.models import FileBatch, StoredFile
+from shared.schemas import RequestModel, Text
+
+FILE_PREFIX, BATCH_PREFIX = "file-", "batch_"
+_ID = re.compile(r"[0-9a-f]{32}")
+
+BatchEndpoint = Literal["/v1/chat/completions"]  # the only endpoint a line may call here
+
+
+def public_id(prefix: str, value: uuid.UUID) -> str:
+    return f"{prefix}{value.hex}"
+
+
+def parse_id(prefix: str, value: str) -> uuid.UUID | None:
+    """The row id behind a public id; None for anything this service did not issue."""
+    if value.startswith(prefix) and _ID.fullmatch(value[len(prefix):]):
+        return uuid.UUID(hex=value[len(prefix):])
+    return None
+
+
+def _epoch(value: datetime | None) -> int | None:
+    return None if value is None else int(value.timestamp())
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    expires_at: int | None
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["processed"] = "processed"  # deprecated by OpenAI; a stored file is always whole here
+    status_details: None = None
+
+    @classmethod
+    def of(cls, row: StoredFile) -> FileObject:
+        return cls(id=public_id(FILE_PREFIX, row.id), bytes=row.bytes, created_at=_epoch(row.created_at),
+                   expires_at=_epoch(row.expires_at), filename=row.filename, purpose=row.purpose)
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+class ExpiresAfter(RequestModel):
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=2_592_000, description="one hour to 30 days, as OpenAI allows")
+
+
+class BatchCreate(RequestModel):
+    input_file_id: Annotated[Text, Field(max_length=64)]
+    endpoint: BatchEndpoint
+    completion_window: Annotated[Text, Field(pattern=r"^[1-9][0-9]*[smhd]$", max_length=12, description=(
+        "how long the batch may run: OpenAI's `24h`, or any duration from 1s to 7d (30s, 15m, 2h)"))]
+    metadata: dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16)
+    output_expires_after: ExpiresAfter | None = Field(default=None, description="when the output and error "
+                                                      "files are removed, counted from their creation")
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchError]
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                    "cancelled"]
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None
+
+    @classmethod
+    def of(cls, row: FileBatch, counts: RequestCounts) -> BatchObject:
+        def file_id(value: uuid.UUID | None) -> str | None:
+            return None if value is None else public_id(FILE_PREFIX, value)
+
+        times: dict[str, Any] = {name: _epoch(getattr(row, name)) for name in (
+            "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
+            "expired_at", "cancelling_at", "cancelled_at")}
+        return cls(id=public_id(BATCH_PREFIX, row.id), endpoint=row.endpoint,
+                   errors=BatchErrors(data=[BatchError(**e) for e in row.errors]) if row.errors else None,
+                   input_file_id=file_id(row.input_file_id), completion_window=row.completion_window,
+                   status=row.status, output_file_id=file_id(row.output_file_id),
+                   error_file_id=file_id(row.error_file_id), request_counts=counts, metadata=row.meta, **times)
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

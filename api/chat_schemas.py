@@ -1,0 +1,158 @@
+"""The chat completion's request and answer, in OpenAI's shapes: used by `POST /v1/chat/completions` and by the
+lines of a file batch (docs/architecture.md §8, §15)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo, field_validator
+
+from api.prompt_budget import FieldNames
+from shared.schemas import (
+    MAX_TOP_LOGPROBS,
+    JobCreate,
+    JobOut,
+    JobParams,
+    JobTimings,
+    Message,
+    MessagesInput,
+    RequestedAdapter,
+    RequestModel,
+    ResponseFormat,
+    Seed,
+    Stop,
+    Temperature,
+    Text,
+    TokenLogprob,
+    TopP,
+    check_stop,
+    check_top_logprobs,
+    not_bool,
+    only_bool,
+)
+
+# Limits are reported under the names this request uses.
+CHAT_FIELDS = FieldNames(input="messages", max_new_tokens="max_tokens")
+
+
+def only_zero(value: float | None) -> float | None:
+    if value:
+        raise ValueError("only 0 is supported: this server applies no penalty")
+    return value
+
+
+NoPenalty = Annotated[float | None, Field(default=None, allow_inf_nan=False), AfterValidator(only_zero)]
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool | None = Field(default=None, description="a last chunk with the usage and no choices")
+
+
+def check_stream_options(value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+    if value is not None and not info.data.get("stream"):
+        raise ValueError("only with stream: true")
+    return value
+
+
+class ChatRequest(RequestModel):
+    # Every parameter is honoured or refused: an OpenAI field not listed here (tools, logit_bias, ...) is a 422
+    # naming it, never accepted and ignored; and JSON types are strict (RequestModel).
+
+    model: RequestedAdapter
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: Temperature = None
+    top_p: TopP = None
+    seed: Seed = None
+    stop: Annotated[Stop, AfterValidator(check_stop)] = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    _top_needs_logprobs = field_validator("top_logprobs")(check_top_logprobs)
+    user: Annotated[Text, Field(max_length=200)] | None = Field(
+        default=None, description="the end user's id: stored in the job's metadata as `user`")
+    metadata: dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16, description="stored as the job's metadata")
+    frequency_penalty: NoPenalty = None
+    presence_penalty: NoPenalty = None
+    stream: Annotated[bool | None, BeforeValidator(only_bool)] = Field(
+        default=None, description="answer as Server-Sent Events of `chat.completion.chunk` objects, ending with "
+        "`data: [DONE]`")
+    stream_options: StreamOptions | None = None
+    _options_need_stream = field_validator("stream_options")(check_stream_options)
+    n: Annotated[Literal[1] | None, BeforeValidator(not_bool)] = None
+
+    def to_job(self) -> JobCreate:
+        metadata = {**(self.metadata or {}), **({"user": self.user} if self.user is not None else {})}
+        return JobCreate(
+            adapter=self.model,
+            input=MessagesInput(messages=self.messages),
+            # Chat clients want the text (under response_format when given); a decision is attached when one parses.
+            params=JobParams(max_new_tokens=self.max_completion_tokens or self.max_tokens,
+                             temperature=self.temperature, top_p=self.top_p, seed=self.seed, output="text",
+                             stop=self.stop, response_format=self.response_format, logprobs=self.logprobs,
+                             top_logprobs=self.top_logprobs),
+            metadata=metadata or None,
+        )
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    finish_reason: Literal["stop", "length"]
+    logprobs: ChatLogprobs | None
+
+
+class ChatUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class KevlayaExtra(BaseModel):
+    """Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it."""
+
+    job_id: str
+    decision: dict[str, Any] | None
+    timings: JobTimings
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: ChatUsage
+    kevlaya: KevlayaExtra
+
+
+def completion(job: JobOut, model: str) -> ChatCompletion:
+    prompt, completion = job.tokens.prompt or 0, job.tokens.completion or 0
+    result = job.result
+    return ChatCompletion.model_validate({
+        "id": f"chatcmpl-{job.id}",
+        "object": "chat.completion",
+        "created": int(job.created_at.timestamp()),
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text if result else ""},
+            "finish_reason": (result.finish_reason if result else None) or "stop",
+            "logprobs": {"content": result.logprobs} if result and job.params.get("logprobs") else None,
+        }],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        # Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it.
+        "kevlaya": {"job_id": str(job.id), "decision": result.decision if result else None,
+                    "timings": job.timings.model_dump()},
+    })

@@ -1,0 +1,177 @@
+"""`/v1/files`: OpenAI's Files API for batch input, output and error files (docs/architecture.md §15).
+
+A key sees only its own files. An upload is streamed to disk (never held in memory) and stored under the
+service's own id; the client's file name is only shown back."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse
+from sqlalchemy import and_, delete, func, or_, select
+from sqlalchemy.orm import Session
+from starlette.datastructures import UploadFile
+
+from api.batch_schemas import FILE_PREFIX, FileDeleted, FileList, FileObject, parse_id
+from api.deps import CurrentKey, FileStoreDep, SessionDep, SettingsDep, reject_unknown_query_parameters
+from api.errors import AUTH_ERRORS, ApiError, error_responses
+from api.file_store import FileStore, Received, TooLarge
+from shared.db import new_session, one_writer
+from shared.models import ApiKey, BatchStatus, FileBatch, StoredFile
+from shared.settings import Settings
+
+router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[Depends(reject_unknown_query_parameters)])
+
+FORM_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f]")
+
+_UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"], "properties": {
+        "file": {"type": "string", "format": "binary", "description": "JSONL, one request per line"},
+        "purpose": {"type": "string", "enum": ["batch"]},
+        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+        "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000},
+    }}}}}}
+
+
+def own_file(session: Session, key: ApiKey, file_id: str) -> StoredFile:
+    row_id = parse_id(FILE_PREFIX, file_id)
+    row = None if row_id is None else session.scalar(
+        select(StoredFile).where(StoredFile.id == row_id, StoredFile.api_key_id == key.id))
+    if row is None:
+        raise ApiError(404, "not_found", f"file {file_id} not found")
+    return row
+
+
+def display_name(name: str | None) -> str:
+    """The client's file name as shown back: control characters (NUL included) dropped, at most 255 characters."""
+    return _UNPRINTABLE.sub("", name or "")[-255:] or "upload.jsonl"
+
+
+def _expiry(form_value: object, anchor: object) -> int | None:
+    if form_value is None and anchor is None:
+        return None
+    if anchor != "created_at":
+        raise ApiError(422, "invalid_request", "expires_after[anchor]: only created_at")
+    if not isinstance(form_value, str) or not form_value.isdigit() or not 3600 <= int(form_value) <= 2_592_000:
+        raise ApiError(422, "invalid_request", "expires_after[seconds]: a whole number from 3600 to 2592000")
+    return int(form_value)
+
+
+def _store(key: ApiKey, received: Received, filename: str, expires_s: int | None, settings: Settings,
+           store: FileStore) -> StoredFile:
+    row = StoredFile(id=uuid.uuid4(), api_key_id=key.id, purpose="batch", filename=filename, bytes=received.bytes,
+                     lines=received.lines, created_at=datetime.now(timezone.utc))
+    if expires_s is not None:
+        row.expires_at = row.created_at + timedelta(seconds=expires_s)
+    with new_session() as session, one_writer(session):
+        kept = session.scalar(select(func.coalesce(func.sum(StoredFile.bytes), 0))
+                              .where(StoredFile.api_key_id == key.id))
+        if kept + received.bytes > settings.files_per_key_bytes:
+            raise ApiError(413, "payload_too_large", f"file: this key keeps {kept} bytes of files and the limit "
+                           f"is {settings.files_per_key_bytes}; delete some (DELETE /v1/files/{{id}})")
+        session.add(row)
+        session.flush()
+        store.keep(received.path, row.id)
+        try:
+            session.commit()
+        except BaseException:
+            store.remove(row.id)
+            raise
+        session.refresh(row)
+        session.expunge(row)
+    return row
+
+
+@router.post("", response_model=FileObject, openapi_extra=_UPLOAD_BODY,
+             responses=error_responses(400, 413, 422, *AUTH_ERRORS))
+async def upload_file(request: Request, key: CurrentKey, session: SessionDep, settings: SettingsDep,
+                      store: FileStoreDep) -> FileObject:
+    """Upload a JSONL file of batch requests (multipart: `file`, `purpose=batch`)."""
+    session.close()  # an upload can take a while: hold no pooled connection meanwhile
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise ApiError(422, "invalid_request", "body: multipart/form-data with the fields file and purpose")
+    form = await request.form(max_files=1, max_fields=len(FORM_FIELDS))
+    try:
+        if unknown := sorted(set(form.keys()) - set(FORM_FIELDS)):
+            raise ApiError(422, "invalid_request", f"{unknown[0]}: not a field this server takes (refused rather "
+                           f"than ignored); it takes {', '.join(FORM_FIELDS)}")
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose != "batch":
+            raise ApiError(422, "invalid_request", "purpose: only batch (files here are batch input)")
+        if not isinstance(upload, UploadFile):
+            raise ApiError(422, "invalid_request", "file: missing, or not a file part")
+        expires_s = _expiry(form.get("expires_after[seconds]"), form.get("expires_after[anchor]"))
+        try:
+            received = await run_in_threadpool(store.receive, upload.file, settings.files_max_bytes,
+                                               settings.files_max_lines)
+        except TooLarge as exc:
+            raise ApiError(413, "payload_too_large", str(exc)) from None
+        try:
+            row = await run_in_threadpool(_store, key, received, display_name(upload.filename), expires_s,
+                                          settings, store)
+        finally:
+            received.path.unlink(missing_ok=True)  # still there only if it was not kept
+    finally:
+        await form.close()
+    return FileObject.of(row)
+
+
+@router.get("", response_model=FileList, responses=error_responses(400, 404, 422, *AUTH_ERRORS))
+def list_files(key: CurrentKey, session: SessionDep,
+               purpose: Annotated[Literal["batch", "batch_output"] | None, Query()] = None,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+               order: Annotated[Literal["asc", "desc"], Query()] = "desc",
+               after: Annotated[str | None, Query(description="a file id: the page starts after it")] = None,
+               ) -> FileList:
+    query = select(StoredFile).where(StoredFile.api_key_id == key.id)
+    if purpose:
+        query = query.where(StoredFile.purpose == purpose)
+    newer = order == "asc"
+    if after:
+        start = own_file(session, key, after)
+        query = query.where(or_(
+            (StoredFile.created_at > start.created_at) if newer else (StoredFile.created_at < start.created_at),
+            and_(StoredFile.created_at == start.created_at,
+                 (StoredFile.id > start.id) if newer else (StoredFile.id < start.id))))
+    keys = (StoredFile.created_at, StoredFile.id) if newer else (StoredFile.created_at.desc(), StoredFile.id.desc())
+    rows = session.scalars(query.order_by(*keys).limit(limit + 1)).all()
+    data = [FileObject.of(row) for row in rows[:limit]]
+    return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                    has_more=len(rows) > limit)
+
+
+@router.get("/{file_id}", response_model=FileObject, responses=error_responses(404, 422, *AUTH_ERRORS))
+def get_file(file_id: str, key: CurrentKey, session: SessionDep) -> FileObject:
+    return FileObject.of(own_file(session, key, file_id))
+
+
+@router.get("/{file_id}/content", response_class=FileResponse,
+            responses={200: {"content": {"application/octet-stream": {}}, "description": "the file's bytes"},
+                       **error_responses(404, 422, *AUTH_ERRORS)})
+def file_content(file_id: str, key: CurrentKey, session: SessionDep, store: FileStoreDep) -> FileResponse:
+    row = own_file(session, key, file_id)
+    path = store.path(row.id)
+    if not path.is_file():
+        raise ApiError(404, "not_found", f"file {file_id}: its content is gone from the files directory")
+    return FileResponse(path, media_type="application/octet-stream", filename=row.filename)
+
+
+@router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409, 422, *AUTH_ERRORS))
+def delete_file(file_id: str, key: CurrentKey, session: SessionDep, store: FileStoreDep) -> FileDeleted:
+    row = own_file(session, key, file_id)
+    reading = session.scalar(select(FileBatch.id).where(FileBatch.input_file_id == row.id,
+                                                        FileBatch.status == BatchStatus.VALIDATING).limit(1))
+    if reading is not None:
+        raise ApiError(409, "conflict", f"file {file_id} is the input of a batch being validated; delete it once "
+                       "the batch is in progress")
+    with one_writer(session):
+        session.execute(delete(StoredFile).where(StoredFile.id == row.id))
+        session.commit()
+    store.remove(row.id)
+    return FileDeleted(id=file_id, deleted=True)
