@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cli import db, dev, keys, models, serve
+from cli import batch, db, dev, keys, models, serve
 from modellab.bench.cli import bench, load, stream_load
 
 app = typer.Typer(help="Kev & Laya decision-job service.", no_args_is_help=True, add_completion=False)
@@ -12,6 +12,7 @@ app.add_typer(db.app, name="db")
 app.add_typer(keys.app, name="keys")
 app.add_typer(models.app, name="models")
 app.add_typer(dev.app, name="dev")
+app.add_typer(batch.app, name="batch")
 app.command("bench")(bench)  # defined beside the benchmark it runs (also `python -m modellab.bench`)
 app.command("load")(load)
 app.command("stream-load")(stream_load)

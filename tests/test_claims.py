@@ -11,7 +11,7 @@ from sqlalchemy import select, update
 from shared import lifecycle
 from shared.db import session_scope
 from shared.lifecycle import JobOutcome
-from shared.models import Job, JobStatus
+from shared.models import Job, JobStatus, Priority
 from worker.ledger.claims import claim_group, queue_snapshot, renew_leases, stale_queued_adapters
 
 
@@ -117,3 +117,16 @@ def test_stale_queued_adapters_finds_old_jobs_only(service_env):
     with session_scope() as session:
         assert stale_queued_adapters(session, older_than_s=30) == ["kev"]
         assert session.scalar(select(Job.status).where(Job.adapter == "kev")) == "queued"
+
+
+def test_interactive_jobs_are_claimed_before_older_batch_lines_of_their_adapter(service_env):
+    lines = add_jobs(["laya", "laya", "laya"], age_s=60)
+    interactive = add_jobs(["laya", "kev"])
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id.in_(lines)).values(priority=Priority.BATCH))
+    with session_scope() as session:
+        snap = queue_snapshot(session)
+        assert snap.queued == {"laya": 1, "kev": 1} and snap.batch_lines == {"laya": 3}
+        assert snap.oldest_wait_ms["laya"] < 60_000  # the lines' wait sets no bound
+        _, jobs = claim_group(session, "laya", 2, "w1", lease_s=30)
+    assert {j.id for j in jobs} == {interactive[0], lines[0]}

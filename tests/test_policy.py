@@ -143,3 +143,18 @@ def test_a_held_prefill_still_takes_the_latency_roles_jobs_and_those_past_the_fa
     assert unpaced_prefix([True, False, False, False], [5, 2500, 10, 10], max_wait_ms=2000) == 2
     assert unpaced_prefix([False, True], [10, 10], max_wait_ms=2000) == 0  # stops at the first paced job
     assert unpaced_prefix([], [], max_wait_ms=2000) == 0
+
+
+def test_batch_lines_take_only_the_slots_interactive_work_leaves_and_never_a_reserved_one():
+    reserve = {"laya": 4}
+    lines = QueueSnapshot(queued={}, oldest_wait_ms={}, batch_lines={"kev": 50, "laya": 50})
+    # 10 free, Laya's 4 reserved kept free: the lines get 6, the shortest (Laya) first
+    assert plan_slots(lines, 10, MAX_WAIT_MS, EXPECTED, reserve, {}) == [("laya", 6)]
+    # Laya's interactive rows fill its reservation: every free slot may then take lines
+    assert plan_slots(lines, 10, MAX_WAIT_MS, EXPECTED, reserve, {"laya": 4}) == [("laya", 10)]
+    # interactive jobs come first, and one claim per adapter takes them before its lines
+    both = QueueSnapshot(queued={"kev": 2}, oldest_wait_ms={"kev": 10}, batch_lines={"laya": 50, "kev": 50})
+    assert plan_slots(both, 10, MAX_WAIT_MS, EXPECTED, reserve, {}) == [("kev", 2), ("laya", 4)]
+    # lines that waited for hours set no fairness bound: a batch never starves interactive work
+    old_lines = QueueSnapshot(queued={"laya": 1}, oldest_wait_ms={"laya": 5}, batch_lines={"kev": 50})
+    assert plan_slots(old_lines, 5, MAX_WAIT_MS, EXPECTED, reserve, {}) == [("laya", 1), ("kev", 1)]
