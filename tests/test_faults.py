@@ -6,6 +6,7 @@ stuck, and the worker must serve again without a human. RELIABILITY.md lists eac
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -505,3 +506,70 @@ def test_two_workers_share_one_queue_and_one_killed_mid_batch_runs_nothing_twice
     assert sum(b.size for b in batches.values() if b.finished_at) == len(job_ids)
     # and the claims that never finished are the killed worker's (one batch, or one claim group per free slot)
     assert {b.worker for b in batches.values() if not b.finished_at} == {names[0]}
+
+
+def batch_line(i: int) -> str:
+    model = ["laya", "kev", "auto"][i % 3]
+    body = {"model": model, "messages": [{"role": "user", "content": f"Line {i}: options A cost {i}, B cost 3."}],
+            "max_tokens": 4}
+    return json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def lines_done(api, batch_id: str) -> int:  # noqa: ANN001
+    counts = api.get(f"/v1/batches/{batch_id}").json()["request_counts"]
+    return counts["completed"] + counts["failed"]
+
+
+@pytest.mark.parametrize("own_redis", ["without-its-data"], indirect=True)  # the harder case: wake-ups lost
+def test_a_batch_survives_worker_api_redis_and_database_faults_with_each_line_answered_once(
+        env, start_process, own_redis, monkeypatch, database_url, request):
+    """One batch through every fault in turn: the API killed just after the batch is created (mid-validation),
+    the worker killed mid-drain, Redis restarted (here without its data), the database away for 10 s."""
+    admin_url = request.getfixturevalue("postgres_admin_url") if database_url.startswith("postgresql") else None
+    env = {**env, "KEVLAYA_REDIS_URL": own_redis.url, "KEVLAYA_BATCH_LEASE_S": "3"}
+    monkeypatch.setenv("KEVLAYA_REDIS_URL", own_redis.url)
+    reset_process_state()
+    api = start_api(start_process, env)
+    worker = start_worker(start_process, env, api)
+    count = 240
+    content = "\n".join([*(batch_line(i) for i in range(count)), json.dumps(
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "laya", "messages": [{"role": "user", "content": "x"}], "top_p": 2}})]).encode()
+    file_id = api.post("/v1/files", files={"file": ("lines.jsonl", content)}, data={"purpose": "batch"}).json()["id"]
+    batch_id = api.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                             "completion_window": "24h"}).json()["id"]
+    start_process.started[0].kill()  # the API, while its keeper stores the lines
+    api.close()
+    api = start_api(start_process, env)
+    try:
+        wait_until(lambda: lines_done(api, batch_id) > 20, 120, interval=0.2, what="the drain to start")
+        worker.kill()
+        worker = start_worker(start_process, env, api)
+        wait_until(lambda: lines_done(api, batch_id) > 80, 120, interval=0.2, what="the drain to go on")
+        own_redis.stop()
+        time.sleep(3)
+        own_redis.start()
+        wait_until(lambda: lines_done(api, batch_id) > 140, 120, interval=0.5, what="the drain after Redis")
+        outage = DatabaseOutage(database_url, admin_url)
+        outage.begin()
+        try:
+            time.sleep(10)
+        finally:
+            outage.end()
+        batch = wait_until(lambda: (b := api.get(f"/v1/batches/{batch_id}").json())["status"] in
+                           ("completed", "failed", "expired", "cancelled") and b, 300, interval=0.5,
+                           what="the batch to finish")
+        assert batch["status"] == "completed", batch
+        assert batch["request_counts"] == {"total": count + 1, "completed": count, "failed": 1}
+
+        def lines(file_id: str) -> list[dict]:
+            return [json.loads(raw) for raw in api.get(f"/v1/files/{file_id}/content").text.splitlines()]
+
+        output, errors = lines(batch["output_file_id"]), lines(batch["error_file_id"])
+        assert sorted(o["custom_id"] for o in output) == sorted(f"line-{i}" for i in range(count))  # once each
+        assert [e["custom_id"] for e in errors] == ["bad"]
+        job_ids = [o["response"]["request_id"] for o in output]
+        assert_every_job_ended_once(job_ids, None)
+        assert worker.process.poll() is None
+    finally:
+        api.close()
