@@ -31,9 +31,10 @@ COPY migrations ./migrations
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install ".[cuda]" \
  && mkdir -p /app/models \
- && mkdir -p /data && chown kevlaya:kevlaya /data
+ && mkdir -p /data /files && chown kevlaya:kevlaya /data /files
 
-# /data: Flower's task history (a named volume takes this directory's owner on first use).
+# /data: Flower's task history; /files: the Batch API's files (a named volume takes its directory's owner on
+# first use).
 USER kevlaya
 
 EXPOSE 8000 5555 9109

@@ -490,3 +490,13 @@ def test_flower_keeps_its_history_on_a_volume_and_its_password_out_of_the_comman
     assert REQUIRED_ENV["FLOWER_BASIC_AUTH"] not in " ".join(command_tokens(flower))
     values = [rest for keyword, rest in dockerfile_instructions() if keyword == "RUN"]
     assert any("chown kevlaya:kevlaya /data" in run for run in values), "the service user must own /data"
+
+
+def test_the_apis_batch_files_live_on_a_volume_the_service_user_owns():
+    compose = raw_compose()
+    api = compose["services"]["api"]
+    files_dir = service_env(resolved_compose()["services"]["api"])["KEVLAYA_FILES_DIR"]
+    source, read_only = volume_targets(api)[files_dir]
+    assert source in compose["volumes"] and not read_only  # files and batches outlive a new container
+    runs = " ".join(rest for keyword, rest in dockerfile_instructions() if keyword == "RUN")
+    assert re.search(rf"chown kevlaya:kevlaya [^&]*{re.escape(files_dir)}\b", runs), "the service user must own it"
