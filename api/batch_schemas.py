@@ -5,18 +5,30 @@ from __future__ import annotations
 
 import re
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
 from shared.models import FileBatch, StoredFile
 from shared.schemas import RequestModel, Text
+from shared.stats import parse_window
 
 FILE_PREFIX, BATCH_PREFIX = "file-", "batch_"
 _ID = re.compile(r"[0-9a-f]{32}")
 
 BatchEndpoint = Literal["/v1/chat/completions"]  # the only endpoint a line may call here
+
+
+MAX_COMPLETION_WINDOW = timedelta(days=7)
+
+
+def completion_window(value: str) -> timedelta:
+    """`24h`, `30s`, `2h`, … up to 7 days; ValueError says what is accepted."""
+    window = parse_window(value)
+    if window > MAX_COMPLETION_WINDOW:
+        raise ValueError(f"{value!r}: at most {MAX_COMPLETION_WINDOW.days}d")
+    return window
 
 
 def public_id(prefix: str, value: uuid.UUID) -> str:

@@ -244,8 +244,9 @@ def _result_line(job: Any, request_id: str) -> tuple[bool, dict[str, Any]]:
 def _result_lines(session: Session, batch_id: uuid.UUID) -> Iterator[tuple[bool, dict[str, Any]]]:
     for reject in session.scalars(select(RejectedLine).where(RejectedLine.file_batch_id == batch_id)
                                   .order_by(RejectedLine.batch_line)):
-        yield False, {"id": f"batch_req_{batch_id.hex}_{reject.batch_line}", "custom_id": reject.custom_id,
-                      "response": {"status_code": reject.status_code, "request_id": None,
+        request_id = f"batch_req_{batch_id.hex}_{reject.batch_line}"  # no job was made for it
+        yield False, {"id": request_id, "custom_id": reject.custom_id,
+                      "response": {"status_code": reject.status_code, "request_id": request_id,
                                    "body": {"error": json.loads(reject.error_message)}}, "error": None}
     after = 0
     while True:

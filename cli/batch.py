@@ -4,7 +4,6 @@ works against a local or a remote API."""
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import time
 from collections.abc import Iterator
@@ -26,9 +25,6 @@ app = typer.Typer(help="Batches of chat requests (OpenAI's Batch API): run a JSO
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 TRANSIENT = (429, 502, 503, 504)  # a look at the batch that gets one of these is tried again
-_WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")  # as POST /v1/batches takes it: 1s to 7d
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-MAX_WINDOW_S = 7 * 86400
 
 Url = Annotated[Optional[str], typer.Option(
     help="the API's base URL (default: http://127.0.0.1:8000, or as KEVLAYA_API_HOST and KEVLAYA_API_PORT say)")]
@@ -98,6 +94,15 @@ def _batch_path(batch_id: str) -> str:
     return f"/v1/batches/{quote(batch_id, safe='')}"
 
 
+def _delete_quietly(client: httpx.Client, file_id: str) -> None:
+    import httpx
+
+    try:
+        client.delete(f"/v1/files/{quote(file_id, safe='')}")
+    except httpx.HTTPError:
+        pass
+
+
 # -- waiting and downloading -----------------------------------------------------------------------------------
 
 def _look(client: httpx.Client, batch_id: str) -> dict[str, Any] | None:
@@ -117,15 +122,20 @@ def _wait(client: httpx.Client, batch_id: str, poll: float) -> dict[str, Any]:
     from tqdm import tqdm
 
     batch = _call(client, "GET", _batch_path(batch_id))  # a wrong id or URL ends the command here
-    bar = None
+    bar, shown = None, None
     try:
         while True:
             counts = batch["request_counts"]
             if bar is None and counts["total"]:
                 bar = tqdm(total=counts["total"], desc=batch["id"], unit="req")
-            if bar is not None:
-                bar.n = counts["completed"] + counts["failed"]
-                bar.set_postfix_str(batch["status"])  # also redraws the bar
+            done = counts["completed"] + counts["failed"]
+            if bar is not None and (done, batch["status"]) != shown:  # redrawn on a change only: short logs
+                shown = (done, batch["status"])
+                bar.set_postfix_str(batch["status"], refresh=False)
+                if done != bar.n:
+                    bar.update(done - bar.n)  # through update, so the bar's rate is right
+                else:
+                    bar.refresh()
             if batch["status"] in FINAL:
                 return batch
             time.sleep(poll)
@@ -178,9 +188,12 @@ def _finish(client: httpx.Client, batch_id: str, out: Path, errors: Path, poll: 
 # -- checking arguments before anything is sent ----------------------------------------------------------------
 
 def _check_window(window: str) -> None:
-    match = _WINDOW.fullmatch(window)
-    if match is None or int(match.group(1)) * _UNIT_S[match.group(2)] > MAX_WINDOW_S:
-        fail(f"--window {window!r}: a whole number and a unit s, m, h or d, from 1s to 7d (30s, 2h, 24h)")
+    from api.batch_schemas import completion_window  # what POST /v1/batches takes
+
+    try:
+        completion_window(window)
+    except ValueError as exc:
+        fail(f"--window: {exc}")
 
 
 def _check_destinations(out: Path, errors: Path) -> None:
@@ -194,9 +207,10 @@ def _check_destinations(out: Path, errors: Path) -> None:
 
 
 def _resume(batch_id: str, url: str | None, out: Path, errors: Path) -> list[str]:
-    """The `kevlaya batch wait` command that goes on where this one stopped (the key is left out: it is secret)."""
-    return ["kevlaya", "batch", "wait", batch_id, *(["--url", url] if url else []), "--out", str(out),
-            "--errors", str(errors)]
+    """The `kevlaya batch wait` command that goes on where this one stopped, from any directory (the key is left
+    out: it is secret)."""
+    return ["kevlaya", "batch", "wait", batch_id, *(["--url", url] if url else []), "--out", os.path.abspath(out),
+            "--errors", os.path.abspath(errors)]
 
 
 # -- the commands ----------------------------------------------------------------------------------------------
@@ -236,15 +250,6 @@ def batch_run(
             raise
         typer.echo(f"{batch['id']}: {file} uploaded as {uploaded['id']}", err=True)
         _finish(client, batch["id"], out, errors, poll, _resume(batch["id"], url, out, errors))
-
-
-def _delete_quietly(client: httpx.Client, file_id: str) -> None:
-    import httpx
-
-    try:
-        client.delete(f"/v1/files/{quote(file_id, safe='')}")
-    except httpx.HTTPError:
-        pass
 
 
 @app.command("wait")

@@ -7,7 +7,7 @@ only its own batches."""
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
@@ -22,18 +22,15 @@ from api.batch_schemas import (
     BatchList,
     BatchObject,
     RequestCounts,
+    completion_window,
     parse_id,
 )
 from api.deps import BatchKeeperDep, CurrentKey, SessionDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, error_responses
 from shared.db import one_writer
 from shared.models import ApiKey, BatchStatus, FileBatch, StoredFile
-from shared.stats import parse_window
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], dependencies=[Depends(reject_unknown_query_parameters)])
-
-MAX_COMPLETION_WINDOW = timedelta(days=7)
-
 
 def own_batch(session: Session, key: ApiKey, batch_id: str) -> FileBatch:
     row_id = parse_id(BATCH_PREFIX, batch_id)
@@ -51,11 +48,9 @@ def batch_out(session: Session, row: FileBatch) -> BatchObject:
 @router.post("", response_model=BatchObject, responses=error_responses(400, 404, 422, *AUTH_ERRORS))
 def create_batch(request: BatchCreate, key: CurrentKey, session: SessionDep, keeper: BatchKeeperDep) -> BatchObject:
     try:
-        window = parse_window(request.completion_window)
+        window = completion_window(request.completion_window)
     except ValueError as exc:
         raise ApiError(422, "invalid_request", f"completion_window: {exc}") from None
-    if window > MAX_COMPLETION_WINDOW:
-        raise ApiError(422, "invalid_request", f"completion_window: at most {MAX_COMPLETION_WINDOW.days}d")
     file_id = parse_id(FILE_PREFIX, request.input_file_id)
     source = None if file_id is None else session.scalar(
         select(StoredFile).where(StoredFile.id == file_id, StoredFile.api_key_id == key.id))
