@@ -14,10 +14,12 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
 
 from api import file_batches
 from api.file_store import FileStore
@@ -86,8 +88,9 @@ class BatchKeeper:
                 if self._stop.is_set():
                     return
                 if file_batches.take(session, batch_id, [BatchStatus.VALIDATING], self.owner, lease_s):
-                    file_batches.validate(session, self.store, batch_id, self.owner, lease_s, self.check,
-                                          settings.max_body_bytes, wake)
+                    with self._leased(session, batch_id):
+                        file_batches.validate(session, self.store, batch_id, self.owner, lease_s, self.check,
+                                              settings.max_body_bytes, wake)
             file_batches.expire_due(session)
             for batch_id in file_batches.ready_to_finish(session):
                 if self._stop.is_set():
@@ -97,12 +100,27 @@ class BatchKeeper:
                                      status=BatchStatus.FINALIZING, finalizing_at=now) or \
                         file_batches.take(session, batch_id, [BatchStatus.FINALIZING, BatchStatus.CANCELLING],
                                           self.owner, lease_s):
-                    file_batches.finish(session, self.store, batch_id, self.owner, lease_s)
+                    with self._leased(session, batch_id):
+                        file_batches.finish(session, self.store, batch_id, self.owner, lease_s)
             if time.monotonic() - self._housekept > HOUSEKEEPING_S:
                 self._housekeep(session)
                 self._housekept = time.monotonic()
 
-    def _housekeep(self, session: file_batches.Session) -> None:
+    @contextmanager
+    def _leased(self, session: Session, batch_id: uuid.UUID) -> Iterator[None]:
+        """Work on a batch this keeper leased; should it fail, the lease is given back (when the database lets
+        it: else it expires) so the next look tries again."""
+        try:
+            yield
+        except Exception:
+            try:
+                file_batches.release(session, batch_id, self.owner)
+            except Exception as exc:
+                log.warning("batch %s: the lease could not be given back (%s); it expires in %.0f s", batch_id,
+                            exc, self.settings.batch_lease_s)
+            raise
+
+    def _housekeep(self, session: Session) -> None:
         now = datetime.now(timezone.utc)
         expired = session.scalars(select(StoredFile.id).where(StoredFile.expires_at < now)).all()
         if expired:

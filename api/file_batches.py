@@ -69,6 +69,15 @@ def take(session: Session, batch_id: uuid.UUID, statuses: Iterable[str], owner: 
     return bool(taken)
 
 
+def release(session: Session, batch_id: uuid.UUID, owner: str) -> None:
+    """Give the lease back after a failure (a full disk, say), so the next look tries again at once."""
+    session.rollback()
+    with one_writer(session):
+        session.execute(update(FileBatch).where(FileBatch.id == batch_id, FileBatch.lease_owner == owner)
+                        .values(lease_owner=None, lease_expires_at=None))
+        session.commit()
+
+
 def _held(session: Session, batch_id: uuid.UUID, owner: str, lease_s: float, **values: Any) -> bool:
     """Renew the lease (and set `values`) in the current transaction; False when `owner` lost it."""
     return bool(session.execute(

@@ -57,7 +57,9 @@ def waiting_wakeups() -> int:
 
 
 def ping_queue() -> None:
+    """The broker answers and takes writes. A write, not a PING: a Redis at `maxmemory` (`noeviction`) still
+    answers PING but refuses the wake-up that would follow the commit."""
     try:
-        redis_client().ping()
+        redis_client().set("kevlaya:queue:writable", b"1", ex=60)
     except redis.RedisError as exc:
         raise QueueUnavailable(f"message broker unavailable: {exc}") from exc

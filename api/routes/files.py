@@ -5,8 +5,12 @@ service's own id; the client's file name is only shown back."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import re
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Literal
 
@@ -19,13 +23,15 @@ from starlette.datastructures import UploadFile
 
 from api.batch_schemas import FILE_PREFIX, FileDeleted, FileList, FileObject, parse_id
 from api.deps import CurrentKey, FileStoreDep, SessionDep, SettingsDep, reject_unknown_query_parameters
-from api.errors import AUTH_ERRORS, ApiError, error_responses
+from api.errors import AUTH_ERRORS, RETRY_AFTER_S, ApiError, error_responses
 from api.file_store import FileStore, Received, TooLarge
 from shared.db import new_session, one_writer
 from shared.models import ApiKey, BatchStatus, FileBatch, StoredFile
 from shared.settings import Settings
 
 router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[Depends(reject_unknown_query_parameters)])
+
+log = logging.getLogger("kevlaya.api")
 
 FORM_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f]")
@@ -46,6 +52,19 @@ def own_file(session: Session, key: ApiKey, file_id: str) -> StoredFile:
     if row is None:
         raise ApiError(404, "not_found", f"file {file_id} not found")
     return row
+
+
+@contextmanager
+def storage_errors() -> Iterator[None]:
+    """A full disk (or quota) under the files directory: 503 with Retry-After; what was written is removed."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        log.error("upload refused: the files directory is full (%s)", exc)
+        raise ApiError(503, "storage_full", "no space left to store the file; nothing was stored, retry later",
+                       headers={"Retry-After": RETRY_AFTER_S}) from None
 
 
 def display_name(name: str | None) -> str:
@@ -107,16 +126,17 @@ async def upload_file(request: Request, key: CurrentKey, session: SessionDep, se
         if not isinstance(upload, UploadFile):
             raise ApiError(422, "invalid_request", "file: missing, or not a file part")
         expires_s = _expiry(form.get("expires_after[seconds]"), form.get("expires_after[anchor]"))
-        try:
-            received = await run_in_threadpool(store.receive, upload.file, settings.files_max_bytes,
-                                               settings.files_max_lines)
-        except TooLarge as exc:
-            raise ApiError(413, "payload_too_large", str(exc)) from None
-        try:
-            row = await run_in_threadpool(_store, key, received, display_name(upload.filename), expires_s,
-                                          settings, store)
-        finally:
-            received.path.unlink(missing_ok=True)  # still there only if it was not kept
+        with storage_errors():
+            try:
+                received = await run_in_threadpool(store.receive, upload.file, settings.files_max_bytes,
+                                                   settings.files_max_lines)
+            except TooLarge as exc:
+                raise ApiError(413, "payload_too_large", str(exc)) from None
+            try:
+                row = await run_in_threadpool(_store, key, received, display_name(upload.filename), expires_s,
+                                              settings, store)
+            finally:
+                received.path.unlink(missing_ok=True)  # still there only if it was not kept
     finally:
         await form.close()
     return FileObject.of(row)
