@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from modellab.presets import LORA_PRESETS
+from shared.base_match import record_base
 from shared.manifest import write_manifest
 
 PAD, EOS = "<|pad|>", "<|endoftext|>"
@@ -173,6 +174,7 @@ def build_random_model(
         with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
             peft_model.save_pretrained(scratch, selected_adapters=[name])
             shutil.move(Path(scratch) / name, out_dir / name)
+        record_base(out_dir / name, base_dir)
         write_manifest(out_dir / name)
         paths[name] = out_dir / name
     return paths

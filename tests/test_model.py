@@ -3,6 +3,7 @@ runtime (`generate`) that the slot decoder is compared against: per-row limits, 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shutil
@@ -14,6 +15,7 @@ import torch
 
 from modellab.model_factory import build_random_model
 from modellab.reference import ReferenceRun, ReferenceRuntime
+from shared.base_match import record_base
 from shared.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 from shared.settings import Settings
 from worker.generation import GenerationRequest
@@ -226,6 +228,40 @@ def test_adapter_that_fails_to_load_leaves_no_trace(runtime: ReferenceRuntime, m
     assert damaged.adapters == {other}
     requests = [request(other, p) for p in PROMPTS[:2]]
     assert texts(damaged.run_batch(requests)) == texts(runtime.run_batch(requests))
+
+
+def test_an_adapter_made_for_another_base_of_the_same_shapes_is_refused_and_the_other_still_served(
+        model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Same shapes, another tokenizer (two tokens' ids swapped): PEFT loads such an adapter without a word, and it
+    would answer noise. Its BASE.json says which base it was made for."""
+    base = tmp_path / "base"
+    shutil.copytree(model_dirs["base"], base)
+    tokenizer = json.loads((base / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (base / "tokenizer.json").write_text(json.dumps(tokenizer))
+    write_manifest(base)
+    kev = tmp_path / "kev"  # made again for the new base: served
+    shutil.copytree(model_dirs["kev"], kev)
+    record_base(kev, base)
+    write_manifest(kev)
+
+    runtime = ReferenceRuntime.load(make_settings(model_dirs, base=str(base), kev=str(kev)))
+    assert set(runtime.loaded.unavailable) == {"laya"} and runtime.adapters == {"kev"}
+    assert "for another base" in runtime.loaded.refusal("laya") and "tokenizer" in runtime.loaded.refusal("laya")
+    [answer] = runtime.run_batch([request("kev")]).results
+    assert answer.error_code is None and answer.text is not None
+
+
+def test_a_manifest_from_another_build_refuses_its_adapter_naming_the_files(model_dirs: dict[str, Path],
+                                                                             tmp_path: Path) -> None:
+    laya = tmp_path / "laya"
+    shutil.copytree(model_dirs["laya"], laya)
+    shutil.copy(model_dirs["kev"] / "MANIFEST.sha256", laya / "MANIFEST.sha256")
+    runtime = ReferenceRuntime.load(make_settings(model_dirs, laya=str(laya)))
+    assert set(runtime.loaded.unavailable) == {"laya"} and runtime.adapters == {"kev"}
+    assert "checksum mismatch for adapter_model.safetensors" in runtime.loaded.refusal("laya")
 
 
 def test_missing_adapters_and_unknown_names_are_refused(model_dirs: dict[str, Path], tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from modellab.training.data import (
 )
 from modellab.training.loop import LoopSettings, make_report, run_loop, seed_everything
 from modellab.training.scoring import score_decisions
+from shared.base_match import record_base
 from shared.manifest import write_manifest
 from worker.model.loading import resolve_device
 from worker.model.quantization import nf4_config
@@ -146,6 +147,7 @@ def train_adapter(config: TrainConfig) -> TrainReport:
         "versions": {"torch": torch.__version__, "transformers": _version("transformers"), "peft": _version("peft")},
     }
     (config.output_dir / "training.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    record_base(config.output_dir, Path(config.base_model))
     write_manifest(config.output_dir)  # last: it covers every file written above
     return report
 

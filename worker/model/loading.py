@@ -15,6 +15,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from shared.base_match import base_mismatch
 from shared.manifest import verify_manifest
 from shared.settings import ADAPTERS, Settings
 from worker.generation import GenerationRequest
@@ -112,6 +113,10 @@ def load_model(settings: Settings) -> LoadedModel:
         path = settings.adapter_profile(name).path
         if settings.verify_manifests and (problems := verify_manifest(Path(path))):
             unavailable[name] = f"adapter {name} ({path}) failed verification: {'; '.join(problems)}"
+            log.error("%s; it will not be served", unavailable[name])
+            continue
+        if reason := base_mismatch(Path(path), Path(base)):
+            unavailable[name] = f"adapter {name} ({path}) is for another base: {reason}"
             log.error("%s; it will not be served", unavailable[name])
             continue
         adapter_started = time.perf_counter()
