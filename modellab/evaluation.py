@@ -103,7 +103,8 @@ class Evaluator:
     def _decoder(self) -> SlotDecoder:
         window = min(self.settings.engine_window_tokens, self.loaded.context or self.settings.engine_window_tokens)
         return SlotDecoder(self.loaded.model, self.loaded.tokenizer, sorted(self.loaded.adapters),
-                           slots=self.batch_size, window=window, eos_ids=self.loaded.eos_ids)
+                           slots=self.batch_size, window=window, eos_ids=self.loaded.eos_ids,
+                           prefill_tokens=self.settings.engine_prefill_tokens)
 
     def _request(self, adapter: str, scenario: Scenario, constrained: bool) -> GenerationRequest:
         profile = self.settings.adapter_profile(adapter)

@@ -76,6 +76,27 @@ def test_greedy_answers_equal_per_adapter_generate(runtime: ReferenceRuntime, de
     assert_same_answers(expected, decoder(slots, window, static_steps=static_steps).run(requests))
 
 
+def test_run_prefills_within_the_prefill_budget_as_the_serving_loop_does(runtime: ReferenceRuntime, decoder) -> None:
+    """`run` (tests, the benchmark's profile) used to prefill every free slot at once, past the budget the
+    serving loop keeps, and ran out of memory where serving did not."""
+    requests = mixed_requests()[:8]
+    expected = [runtime.run_batch([r]).results[0] for r in requests]  # before a decoder takes PEFT's path over
+    budgeted = decoder(slots=8, window=256, prefill_tokens=120)
+    blocks: list[int] = []
+    prefill = budgeted.prefill
+
+    def recorded(batch: list[GenerationRequest], *args: object) -> list[GenerationResult]:
+        width = runtime.tokenizer.apply_chat_template([r.messages for r in batch], add_generation_prompt=True,
+                                                      tokenize=True, padding=True, return_dict=True,
+                                                      return_tensors="pt")["input_ids"].shape[1]
+        blocks.append(len(batch) * width)
+        return prefill(batch, *args)
+
+    budgeted.prefill = recorded
+    assert_same_answers(expected, budgeted.run(requests))
+    assert len(blocks) > 1 and max(blocks) <= 120, blocks
+
+
 def test_the_throwaway_prefill_measured_at_start_leaves_no_trace(runtime: ReferenceRuntime, decoder) -> None:
     """The worker runs its largest prefill into an empty decoder to measure memory; the jobs after it get the
     same answers as without it, and every slot is free."""

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from shared.settings import Settings
+from worker.decoder.slot_decoder import prefill_group
 from worker.engine.policy import (
     PrefillPacer,
     plan_slots,
-    prefill_group,
     prefill_order,
     reserved_slots,
     unpaced_prefix,

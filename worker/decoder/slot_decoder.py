@@ -27,6 +27,19 @@ from worker.model.tokens import encode_chats, result_text
 GENERATE_DEFAULT_TOP_K = 50
 
 
+def prefill_group(prompt_tokens: list[int], free: int, budget_tokens: int | None) -> int:
+    """How many of these jobs (in order, by prompt tokens) one prefill takes: at most `free`, and the padded block
+    (jobs × longest prompt) within `budget_tokens` (None: no bound), the size that sets a prefill's time and
+    memory; the first job always goes."""
+    taken, longest = 0, 0
+    for tokens in prompt_tokens[:free]:
+        longest = max(longest, tokens)
+        if taken and budget_tokens is not None and (taken + 1) * longest > budget_tokens:
+            break
+        taken += 1
+    return taken
+
+
 @dataclass
 class Row:
     request: GenerationRequest
@@ -56,8 +69,10 @@ class SlotDecoder:
 
     def __init__(self, model: PeftModel, tokenizer: PreTrainedTokenizerBase, adapters: list[str], *, slots: int,
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
-                 graphs: bool = False, texts: bool = True):
+                 graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
+        # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
+        self.prefill_tokens = prefill_tokens
         # texts=False: results carry token ids and log-probabilities only, and the caller makes their text on its
         # own thread (decode_with_spans costs milliseconds a row, which every row in flight would wait for).
         self.texts = texts
@@ -99,6 +114,10 @@ class SlotDecoder:
         self.lora.remove()
 
     # -- prefill -----------------------------------------------------------------------------------------------
+
+    def prefill_count(self, prompt_tokens: list[int]) -> int:
+        """How many of the waiting jobs (in order, by prompt tokens) the next prefill takes (`prefill_group`)."""
+        return prefill_group(prompt_tokens, self.free, self.prefill_tokens)
 
     def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
         """Whether a row of this size can ever run here: its prompt and new tokens within one slot's window."""
@@ -304,11 +323,14 @@ class SlotDecoder:
         return result
 
     def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Every request to the end, admitting as slots free up; results in request order (tests, benchmarks)."""
+        """Every request to the end, admitting as slots free up, each prefill within the prefill budget as in
+        the serving loop; results in request order (tests, benchmarks)."""
         waiting, done = list(requests), {}
+        lengths = encode_chats(self.tokenizer, waiting, torch.device("cpu"))["attention_mask"].sum(1).tolist()
         while waiting or self.rows:
             if waiting and self.free:
-                batch, waiting = waiting[:self.free], waiting[self.free:]
+                count = self.prefill_count(lengths)
+                batch, waiting, lengths = waiting[:count], waiting[count:], lengths[count:]
                 finished = self.prefill(batch)
             else:
                 finished = self.step()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from shared.db import session_scope
 from shared.models import ClaimGroup, Job
 from shared.settings import Settings
-from worker.engine.policy import PrefillPacer, plan_slots, prefill_group, prefill_order, reserved_slots, unpaced_prefix
+from worker.engine.policy import PrefillPacer, plan_slots, prefill_order, reserved_slots, unpaced_prefix
 from worker.engine.token_stream import TokenPublisher
 from worker.engine.writer import ResultWriter
 from worker.generation import GenerationRequest, GenerationResult
@@ -66,7 +66,8 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
 
     def build(slots: int) -> SlotDecoder:
         return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
-                           eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs, texts=False)
+                           eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs, texts=False,
+                           prefill_tokens=settings.engine_prefill_tokens)
 
     if loaded.device != "cuda":
         return build(wanted)
@@ -200,8 +201,7 @@ class Engine:
         order = prefill_order([c.request.max_new_tokens for c in self.to_prefill], waited, self.settings.max_wait_ms,
                               [c.request.background for c in self.to_prefill])
         self.to_prefill, waited = [self.to_prefill[i] for i in order], [waited[i] for i in order]
-        count = prefill_group([c.prompt_tokens for c in self.to_prefill], self.decoder.free,
-                              self.settings.engine_prefill_tokens)
+        count = self.decoder.prefill_count([c.prompt_tokens for c in self.to_prefill])
         roles = set(self._reserved())
         latency = [c.request.adapter in roles and not c.request.background for c in self.to_prefill]
         if not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles and not r.request.background

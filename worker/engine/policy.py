@@ -66,19 +66,6 @@ def prefill_order(new_tokens: list[int], waited_ms: list[float], max_wait_ms: fl
     return sorted(range(len(new_tokens)), key=lambda i: (background[i], waited_ms[i] <= max_wait_ms, new_tokens[i]))
 
 
-def prefill_group(prompt_tokens: list[int], free: int, budget_tokens: int) -> int:
-    """How many of the claimed jobs (in claim order, by prompt tokens) to prefill together before the next step:
-    at most `free`, and the padded block (jobs × longest prompt) within `budget_tokens`, the size that sets a
-    prefill's time and memory; the first job always goes."""
-    taken, longest = 0, 0
-    for tokens in prompt_tokens[:free]:
-        longest = max(longest, tokens)
-        if taken and (taken + 1) * longest > budget_tokens:
-            break
-        taken += 1
-    return taken
-
-
 @dataclass
 class PrefillPacer:
     """Keeps other roles' prefills to `share` of the engine's time while a row of a latency role (one with reserved
