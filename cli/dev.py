@@ -1,15 +1,17 @@
-"""`kevlaya dev`: development aids (bulk data for measurements)."""
+"""`kevlaya dev`: development aids (bulk data for measurements, the settings' documentation)."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from cli.common import fail, require_database
 
-app = typer.Typer(help="Development aids: bulk data for measurements.", no_args_is_help=True)
+app = typer.Typer(help="Development aids: bulk data for measurements, the settings' documentation.",
+                  no_args_is_help=True)
 
 
 @app.command("seed-jobs")
@@ -60,3 +62,29 @@ def dev_seed_jobs(
     finally:
         with session_scope() as session:  # the timing key must not outlive the measurement
             session.get(ApiKey, row_id).revoked_at = datetime.now(timezone.utc)
+
+
+@app.command("settings-doc")
+def dev_settings_doc(
+    write: Annotated[bool, typer.Option(
+        "--write", help="replace the block between README's settings markers instead of printing")] = False,
+    readme: Annotated[Path | None, typer.Option(help="the README to write (default: the project's)")] = None,
+) -> None:
+    """The Configuration tables as Markdown, generated from the settings' Field descriptions and GROUPS."""
+    from shared import settings_doc
+
+    markdown = settings_doc.render()
+    if not write:
+        typer.echo(markdown)
+        return
+    path = readme or settings_doc.README
+    text = path.read_text()
+    try:
+        updated = settings_doc.with_block(text, markdown)
+    except ValueError as error:
+        fail(f"{path}: {error}")
+    if updated == text:
+        typer.echo(f"{path}: up to date")
+        return
+    path.write_text(updated)
+    typer.echo(f"{path}: Configuration tables rewritten")

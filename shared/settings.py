@@ -1,4 +1,8 @@
-"""The one settings object. Every value comes from a `KEVLAYA_*` variable or `.env`; defaults run locally."""
+"""The one settings object. Every value comes from a `KEVLAYA_*` variable or `.env`; defaults run locally.
+
+Each field's `description` is its documentation: README's Configuration tables are generated from them and from
+`GROUPS` (`kevlaya dev settings-doc --write`; `tests/test_settings_docs.py` checks they agree). Descriptions are
+Markdown, say what the setting does, and carry no history or measurements."""
 
 from __future__ import annotations
 
@@ -16,26 +20,62 @@ ADAPTERS: tuple[Adapter, ...] = ("kev", "laya")
 
 DEFAULT_MODEL_DIR = Path("models/demo")
 
+# The settings by component, in the order of `Settings`' fields: every field in exactly one group.
+# `kev` and `laya` are the roles' profiles (`AdapterProfile`), read from `KEVLAYA_KEV__*` and `KEVLAYA_LAYA__*`.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "Endpoints": ("api_host", "api_port", "api_key", "api_workers", "api_writer", "flower_host", "flower_port",
+                  "flower_basic_auth", "redis_url"),
+    "Database": ("database_url", "db_pool_size", "sqlite_synchronous"),
+    "Models": ("base_model", "device", "quantization", "verify_manifests"),
+    "Roles": ("kev", "laya", "cascade_threshold"),
+    "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens", "engine_cuda_graphs",
+               "engine_workspace_gb", "engine_prefill_share", "engine_switch_interval_ms"),
+    "Reliability": ("lease_seconds", "max_attempts", "worker_recycle_after_tasks", "model_load_timeout_s",
+                    "job_time_limit_s", "drain_seconds", "sweep_interval_s", "heartbeat_ttl_s", "publish_retries"),
+    "Request limits": ("max_prompt_chars", "max_new_tokens_limit", "max_batch_submit", "max_body_bytes",
+                       "max_header_bytes", "max_wait_timeout_s", "wait_recheck_s", "chat_timeout_s"),
+    "Live job streams": ("stream_max_events", "stream_keep_s", "stream_heartbeat_s"),
+    "Batch API": ("files_dir", "files_max_bytes", "files_max_lines", "files_per_key_bytes",
+                  "batch_check_interval_s", "batch_lease_s"),
+    "VRAM": ("vram_budget_gb",),
+    "Observability": ("worker_metrics_host", "worker_metrics_port", "log_format", "flower_db"),
+    "Benchmarks": ("ignore_eos",),
+}
+# A line under a group's heading, where the group needs one.
+GROUP_NOTES: dict[str, str] = {
+    "Engine": "The worker's decode loop (docs/architecture.md §4, §14).",
+    "Live job streams": "`GET /v1/jobs/{id}/events` and streamed chat completions.",
+    "Batch API": "`/v1/files` and `/v1/batches` (docs/architecture.md §15).",
+    "VRAM": "The GPU runtime uses it; the CPU path ignores it.",
+    "Observability": "See Monitoring below.",
+}
+
 
 class AdapterProfile(BaseModel):
     """Per-role defaults: where the adapter lives and how it generates unless a job says otherwise."""
 
-    path: str
-    max_new_tokens: int = Field(ge=1)
-    temperature: float = Field(ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    system_prompt: str
+    path: str = Field(description="the role's PEFT LoRA adapter directory")
+    max_new_tokens: int = Field(ge=1, description="the most new tokens a job generates, unless it sets its own "
+                                "`max_new_tokens`")
+    temperature: float = Field(ge=0, description="sampling temperature, unless the job sets its own: `0` (greedy) "
+                               "or at least `0.01`")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling's top-p, unless the job sets its "
+                         "own; `1` samples from every token")
+    system_prompt: str = Field(description="the system message put before a job's messages, unless the job brings "
+                               "its own")
     reserved_slots: int = Field(
-        default=0, ge=0, description="slots kept free for this role's jobs (at most a quarter "
-        "of the slots), so another role's backlog never makes it wait for a row to finish")
+        default=0, ge=0, description="slots kept free for the role's jobs (at most a quarter of `KEVLAYA_MAX_BATCH`, "
+        "on top of it when memory allows), so a job of the role starts at the next step while another role's "
+        "backlog fills the rest")
     analysis: bool = Field(
-        default=False, description="a decision job's answer may start with free-text analysis lines before its "
-        "decision object (Kev); otherwise it is the decision object alone (Laya)")
+        default=False, description="whether a decision answer may open with free-text analysis lines before its "
+        "decision object (the object itself is always generated under the decision grammar)")
 
     # A default temperature must be runnable too: (0, 0.01) makes sampling overflow.
     _runnable_temperature = field_validator("temperature")(check_temperature)
 
 
+# The roles' defaults. Their fields are described once, in `AdapterProfile`.
 class KevProfile(AdapterProfile):
     path: str = str(DEFAULT_MODEL_DIR / "kev")
     max_new_tokens: int = Field(default=512, ge=1)
@@ -56,142 +96,191 @@ class LayaProfile(AdapterProfile):
 
 
 class Settings(BaseSettings):
+    """Grouped as `GROUPS` says, in its order."""
+
     model_config = SettingsConfigDict(
         env_prefix="KEVLAYA_", env_file=".env", env_nested_delimiter="__", extra="ignore"
     )
 
     # Endpoints
-    api_host: str = "127.0.0.1"
-    api_port: int = 8000
-    flower_host: str = "127.0.0.1"
-    flower_port: int = 5555
-    flower_basic_auth: SecretStr | None = Field(
-        default=None, description="user:password for Flower; required when Flower listens beyond localhost"
-    )
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    database_url: str = "sqlite:///./kevlaya.db"
-    api_key: SecretStr | None = Field(default=None, description="bootstrap admin key")
-    api_workers: int = Field(default=1, ge=1, description="API processes (uvicorn workers) on the one port")
+    api_host: str = Field(default="127.0.0.1", description="the address the API listens on")
+    api_port: int = Field(default=8000, description="the port the API listens on")
+    api_key: SecretStr | None = Field(
+        default=None, description="the bootstrap admin key; `kevlaya keys revoke` revokes it like any key, and a new "
+        "value gets a fresh key (keys made with `kevlaya keys create --rate-limit N` get 429 past N requests a "
+        "minute)")
+    api_workers: int = Field(default=1, ge=1, description="API processes (uvicorn workers) on the one port; each "
+                             "loads the tokenizer and keeps its own database connections")
     api_writer: Literal["process", "thread"] = Field(
-        default="process", description="where each API process stores its submits: process, a child process with "
-        "its own interpreter lock (faster under load); thread, a thread of the API process (one process less)")
-    db_pool_size: int = Field(default=40, ge=1, description="database connections kept per process")
+        default="process", description="where each API process stores its submits: `process`, a child process with "
+        "its own interpreter lock (faster under load); `thread`, a thread of the API process (one process less)")
+    flower_host: str = Field(default="127.0.0.1", description="the address Flower listens on; beyond localhost it "
+                             "needs `KEVLAYA_FLOWER_BASIC_AUTH`")
+    flower_port: int = Field(default=5555, description="the port Flower listens on")
+    flower_basic_auth: SecretStr | None = Field(
+        default=None, description="`user:password` for Flower's basic auth; required when Flower listens beyond "
+        "localhost")
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis: the Celery broker, the workers' "
+                           "heartbeats, finished-job notices and live job streams (run it with "
+                           "`maxmemory-policy noeviction`)")
+
+    # Database
+    database_url: str = Field(default="sqlite:///./kevlaya.db", description="SQLAlchemy URL; PostgreSQL: "
+                              "`postgresql+psycopg://user:pw@host/db`")
+    db_pool_size: int = Field(default=40, ge=1, description="database connections kept per process (the API runs "
+                              "up to 40 requests at once in threads)")
     sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
-        default="FULL", description="FULL: a commit survives power loss; NORMAL (WAL): survives a crash of the "
-        "process, not of the machine, and saves an fsync per commit")
+        default="FULL", description="SQLite's durability: `FULL`, an accepted job survives power loss; `NORMAL` "
+        "(WAL), it survives a crash of the process, not of the machine, and a commit saves an fsync")
 
     # Models
-    base_model: str = str(DEFAULT_MODEL_DIR / "base")
-    # Nested variables override single fields: KEVLAYA_KEV__PATH, KEVLAYA_LAYA__MAX_NEW_TOKENS, ...
-    kev: KevProfile = KevProfile()
-    laya: LayaProfile = LayaProfile()
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    base_model: str = Field(default=str(DEFAULT_MODEL_DIR / "base"), description="the base model: a local Hugging "
+                            "Face directory")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="`auto`: `cuda` when available, "
+                                                   "else `cpu`")
     quantization: Literal["auto", "nf4", "none"] = Field(
         default="auto",
-        description="auto: NF4 (double quant) on CUDA, full precision on the CPU; nf4 also works on the CPU "
-        "with a bitsandbytes that has a CPU backend; none: fp16 on CUDA, fp32 on the CPU",
+        description="`auto`: an NF4 base (double quant) with fp16 compute on CUDA, full precision on the CPU; `nf4` "
+        "forces NF4 (on the CPU too, with a bitsandbytes that has a CPU backend); `none` forces full precision: "
+        "fp16 on CUDA, fp32 on the CPU",
     )
-    verify_manifests: bool = True
+    verify_manifests: bool = Field(default=True, description="refuse model directories whose `MANIFEST.sha256` "
+                                   "does not match")
+
+    # Roles. Nested variables override single fields: KEVLAYA_KEV__PATH, KEVLAYA_LAYA__MAX_NEW_TOKENS, ...
+    kev: KevProfile = Field(default=KevProfile(), description="the profile of Kev, the deliberate analyst: its "
+                            "adapter and its jobs' defaults")
+    laya: LayaProfile = Field(default=LayaProfile(), description="the profile of Laya, the fast decider: its "
+                              "adapter and its jobs' defaults")
+    cascade_threshold: float = Field(default=0.85, ge=0, le=1, description="an `auto` job escalates to Kev when "
+                                     "Laya's confidence is below this")
 
     # Engine (docs/architecture.md §4, §14)
-    max_batch: int = Field(default=16, ge=1, description="rows decoded at once, besides the reserved slots")
+    max_batch: int = Field(default=16, ge=1, description="rows decoded at once, besides the reserved slots (fewer "
+                           "when the VRAM budget holds fewer)")
     max_wait_ms: int = Field(
         default=2000, ge=0, description="fairness bound: an adapter whose oldest job has waited longer takes the "
         "next free slots first, and its claimed jobs are neither reordered nor paced")
     engine_window_tokens: int = Field(
-        default=1024, ge=16, description="the most tokens (prompt + new) one job may hold; each "
-        "slot reserves this much key/value cache")
+        default=1024, ge=16, description="the most tokens (prompt + new) one job may hold; each slot reserves this "
+        "much key/value cache, and the API refuses a longer job (422)")
     engine_prefill_tokens: int = Field(
-        default=2048, ge=1, description="prompt tokens prefilled between two decode steps at "
-        "most, counted padded (jobs × longest prompt; one job always goes), so a burst of new jobs does not freeze "
-        "the rows already decoding; the worker measures a prefill of this size at start when it sizes the slots")
+        default=2048, ge=1, description="prompt tokens prefilled between two decode steps at most, counted padded "
+        "(jobs × longest prompt; one job always goes), so a burst of new jobs does not freeze the rows already "
+        "decoding; the worker measures a prefill of this size at start when it sizes the slots")
     engine_cuda_graphs: bool = Field(
-        default=True, description="on CUDA: capture the decode step as CUDA graphs (one per "
-        "batch-size bucket) and replay them; ignored on the CPU")
+        default=True, description="on CUDA: capture the decode step as CUDA graphs (one per batch-size bucket) and "
+        "replay them; ignored on the CPU")
     engine_workspace_gb: float = Field(
-        default=0.5, ge=0, description="on CUDA: first estimate of the memory kept free for "
-        "activations beside the weights and the key/value cache; the worker then measures the real workspace "
-        "(graphs captured, the largest prefill run) and takes slots away until it fits the budget")
+        default=0.5, ge=0, description="on CUDA: the first estimate of the memory kept free for activations beside "
+        "the weights and the key/value cache, when the slots are sized: (budget − resident − workspace) / "
+        "(key/value bytes per token × window), at most `KEVLAYA_MAX_BATCH` plus the reserved slots; the worker then "
+        "measures the real workspace (graphs captured, the largest prefill run) and takes slots away until it fits "
+        "the budget")
     engine_prefill_share: float = Field(
-        default=0.1, gt=0, le=1, description="while a row of a role with reserved slots (Laya) "
-        "decodes, the prefills of other roles' jobs take at most this share of the time, so a wave of Kev prompts "
-        "stretches a Laya answer by at most 1 / (1 - share); their jobs wait in their slots meanwhile (a job held "
-        "past KEVLAYA_MAX_WAIT_MS is not held back). 1 = no pacing")
+        default=0.1, gt=0, le=1, description="while a row of a role with reserved slots (Laya) decodes, the "
+        "prefills of other roles' jobs (Kev's) take at most this share of the time, so a wave of them stretches a "
+        "Laya answer by at most 1 / (1 − share); their jobs wait in their slots meanwhile (a job held past "
+        "`KEVLAYA_MAX_WAIT_MS` is not held back); `1` = no pacing")
     engine_switch_interval_ms: float = Field(
-        default=0.5, gt=0, le=100, description="how long the decode loop waits at most for the "
-        "interpreter lock while the worker's other threads (the result writer, lease renewals) hold it "
-        "(sys.setswitchinterval). Python's 5 ms default lets a busy writer stretch every lock hand-back of a "
-        "decode step to 5 ms")
-    cascade_threshold: float = Field(default=0.85, ge=0, le=1)
+        default=0.5, gt=0, le=100, description="the worker's thread switch interval (`sys.setswitchinterval`): how "
+        "long the decode loop waits at most for the interpreter lock while the worker's other threads (the result "
+        "writer, lease renewals) hold it; Python's default of 5 ms would let a busy writer stretch every lock "
+        "hand-back of a decode step to 5 ms")
 
     # Reliability
-    lease_seconds: float = Field(default=60, gt=0, description="a running job is re-queued this long after its worker stops renewing it")
-    max_attempts: int = Field(default=3, ge=1, description="a job whose worker dies this many times fails")
+    lease_seconds: float = Field(default=60, gt=0, description="a running job returns to the queue this long after "
+                                 "its worker stops renewing its lease")
+    max_attempts: int = Field(default=3, ge=1, description="a job whose worker dies this many times fails "
+                              "(`internal`)")
     worker_recycle_after_tasks: int | None = Field(
-        default=None, ge=1, description="restart the worker child (and reload the model) after this many tasks"
-    )
+        default=None, ge=1, description="restart the worker child (and reload the model) after this many tasks; "
+        "unset: never")
     model_load_timeout_s: float = Field(
-        default=600, gt=0, description="how long a new worker child may take to load the model before Celery kills it"
-    )
-    job_time_limit_s: int = Field(default=900, ge=10, description="hard limit for one worker task (a drain of batches)")
-    drain_seconds: float = Field(default=60, gt=0, description="a task stops claiming new batches after this long")
-    sweep_interval_s: float = Field(default=10, gt=0)
-    heartbeat_ttl_s: int = Field(default=30, ge=2)
-    publish_retries: int = Field(default=2, ge=0)
+        default=600, gt=0, description="how long a new worker child may take to load the model before Celery kills "
+        "it (`worker_proc_alive_timeout`; Celery's own default of 4 s kills every child of a slow-loading model)")
+    job_time_limit_s: int = Field(default=900, ge=10, description="Celery's hard limit for one worker task (a drain "
+                                  "of batches); the Redis visibility timeout is set above it")
+    drain_seconds: float = Field(default=60, gt=0, description="one wake-up (a worker task) claims jobs for at most "
+                                 "this long, then finishes what it holds")
+    sweep_interval_s: float = Field(
+        default=10, gt=0, description="how often the worker repairs the job ledger (expired leases re-queued, "
+        "`auto` jobs left waiting on a finished stage settled, running jobs without a lease re-queued) and "
+        "re-publishes lost wake-ups")
+    heartbeat_ttl_s: int = Field(
+        default=30, ge=2, description="a worker's heartbeat lives this long in Redis; it beats every third of it (or "
+        "every sweep, if sooner), and `/readyz` needs a live one")
+    publish_retries: int = Field(
+        default=2, ge=0, description="retries of one wake-up publish to Redis before it is given up (the job stays "
+        "queued and the sweeper publishes for it later)")
 
     # Request limits
-    max_prompt_chars: int = Field(default=16_000, ge=1)
-    max_new_tokens_limit: int = Field(default=1024, ge=1)
-    max_batch_submit: int = Field(default=256, ge=1)
-    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    max_prompt_chars: int = Field(default=16_000, ge=1, description="the longest prompt, in characters (422 beyond); "
+                                  "prompt tokens + `max_new_tokens` are also checked against the model's context")
+    max_new_tokens_limit: int = Field(default=1024, ge=1, description="the largest `max_new_tokens` a job may ask "
+                                      "for (422 beyond)")
+    max_batch_submit: int = Field(default=256, ge=1, description="the most jobs in one `POST /v1/jobs/batch` (422 "
+                                  "beyond)")
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="the largest request body (413 beyond) and "
+                                "the largest line of a batch input file; uploads have `KEVLAYA_FILES_MAX_BYTES`")
     max_header_bytes: int = Field(
         default=65_536, ge=4096, description="request line plus headers; a larger request is refused by the server"
     )
-    max_wait_timeout_s: float = Field(default=60, gt=0)
+    max_wait_timeout_s: float = Field(default=60, gt=0, description="the longest `timeout` a `/wait` long-poll "
+                                      "accepts")
     wait_recheck_s: float = Field(
-        default=5, gt=0, description="long-polls wake up on a Redis notice; this often they re-read the job anyway"
+        default=5, gt=0, description="long-polls (`/wait`, chat) wake up on a Redis \"job finished\" notice and hold "
+        "no database connection; this often they re-read the job anyway, in case a notice was lost"
     )
-    chat_timeout_s: float = Field(default=120, gt=0, description="how long /v1/chat/completions waits for its job")
+    chat_timeout_s: float = Field(default=120, gt=0, description="how long `/v1/chat/completions` waits for its job "
+                                  "(then 504; the job goes on)")
 
     # Live job streams (GET /v1/jobs/{id}/events, streamed chat completions)
     stream_max_events: int = Field(
-        default=4096, ge=16, description="entries kept in one job's Redis stream (about one per decode step it "
-        "wrote text in); a reader further behind is told to resynchronise")
-    stream_keep_s: int = Field(default=600, ge=1, description="a job's stream is kept this long after it ends")
+        default=4096, ge=16, description="entries kept in one job's Redis stream of live events (about one per "
+        "decode step it wrote text in); a client further behind is told to `resync`")
+    stream_keep_s: int = Field(default=600, ge=1, description="a job's stream of live events is kept this long "
+                               "after it ends (the stored row stays the truth)")
     stream_heartbeat_s: float = Field(
-        default=15, gt=0, description="an event stream with nothing to say sends a comment this often, so proxies "
-        "keep it open")
+        default=15, gt=0, description="an event stream with nothing new sends a comment this often, so proxies keep "
+        "it open; a client whose job's \"finished\" notice was lost finds it then")
 
-    # The Batch API (/v1/files, /v1/batches; docs/architecture.md §15)
-    files_dir: Path = Field(default=Path(".kevlaya/files"), description="where the API stores uploaded files and "
-                            "the batches' output and error files (under the service's own ids)")
-    files_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1024, description="the largest file one upload may "
-                                 "store (OpenAI's limit: 200 MB)")
-    files_max_lines: int = Field(default=50_000, ge=1, description="the most lines (requests) one batch input "
-                                 "file may hold (OpenAI's limit: 50,000)")
-    files_per_key_bytes: int = Field(default=2 * 1024 ** 3, ge=1024, description="the bytes of files one API key "
-                                     "may keep at once; an upload past it is refused (413)")
-    batch_check_interval_s: float = Field(default=1.0, gt=0, description="how often the API's batch keeper looks "
-                                          "for batches to validate, expire, cancel or finish")
+    # Batch API (/v1/files, /v1/batches; docs/architecture.md §15)
+    files_dir: Path = Field(default=Path(".kevlaya/files"), description="where the API keeps uploaded batch files "
+                            "and the batches' output and error files, each under the service's own id (in compose, "
+                            "a volume of the API)")
+    files_max_bytes: int = Field(default=200 * 1024 * 1024, ge=1024, description="the largest batch input file one "
+                                 "upload may store, in bytes (OpenAI's limit); past it, 413 and nothing kept")
+    files_max_lines: int = Field(default=50_000, ge=1, description="the most lines (requests) one batch input file "
+                                 "may hold (OpenAI's limit); past it, 413 and nothing kept")
+    files_per_key_bytes: int = Field(default=2 * 1024 ** 3, ge=1024, description="the bytes of files one API key may "
+                                     "keep at once (uploads and its batches' outputs); an upload past it gets 413")
+    batch_check_interval_s: float = Field(default=1.0, gt=0, description="how often each API process's batch keeper "
+                                          "looks for batches to validate, expire, cancel or write out")
     batch_lease_s: float = Field(default=60, gt=0, description="a batch being validated or written out by an API "
                                  "process that stopped is taken over by another after this long")
 
     # VRAM (the GPU runtime uses it; the CPU path ignores it)
     vram_budget_gb: float = Field(
-        default=5.5, gt=0, description="GiB PyTorch may allocate: a 6 GB card's memory after its CUDA context; on a "
-        "bigger GPU the worker caps itself to it")
+        default=5.5, gt=0, description="GiB PyTorch may allocate on the card being served (the default is what a "
+        "6 GB card leaves after its CUDA context); on a bigger GPU the worker caps itself to it")
 
     # Observability (README: Monitoring)
-    worker_metrics_host: str = Field(default="127.0.0.1", description="address of the worker's /metrics server")
+    worker_metrics_host: str = Field(default="127.0.0.1", description="the address of the worker's own Prometheus "
+                                     "`/metrics`, served by the worker child once its model is loaded")
     worker_metrics_port: int = Field(default=9109, ge=0, le=65535,
-                                     description="the worker's Prometheus port; 0 disables it")
+                                     description="the port of the worker's `/metrics`; `0` disables it")
     log_format: Literal["text", "json"] = Field(
-        default="text", description="log lines of the worker and of the API's own loggers: text or JSON")
-    flower_db: str | None = Field(default=None, description="Flower keeps its task history in this file")
+        default="text", description="log lines of the worker and of the API's own loggers (`kevlaya.*`; uvicorn's "
+        "stay its own): `text` (key=value fields) or `json` (one object per line)")
+    flower_db: str | None = Field(default=None, description="Flower keeps its task history in this file "
+                                  "(`--persistent=True --db=…`), so it survives a restart of Flower; compose sets "
+                                  "`/data/flower.db` on a volume")
 
-    # Benchmarks only: every job generates exactly its max_new_tokens (end-of-sequence is ignored), so two
-    # serving schemes compared on random weights produce the same number of tokens.
-    ignore_eos: bool = False
+    # Benchmarks
+    ignore_eos: bool = Field(
+        default=False, description="benchmarks only: every job generates exactly its `max_new_tokens` (end of "
+        "sequence ignored), so serving schemes compared on random weights produce the same number of tokens")
 
     @field_validator("api_key", "flower_basic_auth", "flower_db", mode="before")
     @classmethod
