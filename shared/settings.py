@@ -28,7 +28,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Database": ("database_url", "db_pool_size", "sqlite_synchronous"),
     "Models": ("base_model", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
-    "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens", "engine_cuda_graphs",
+    "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens",
+               "engine_batch_prefill_tokens", "engine_cuda_graphs",
                "engine_workspace_gb", "engine_prefill_share", "engine_switch_interval_ms"),
     "Reliability": ("lease_seconds", "max_attempts", "worker_recycle_after_tasks", "model_load_timeout_s",
                     "job_time_limit_s", "drain_seconds", "sweep_interval_s", "heartbeat_ttl_s", "publish_retries"),
@@ -168,6 +169,11 @@ class Settings(BaseSettings):
         default=2048, ge=1, description="prompt tokens prefilled between two decode steps at most, counted padded "
         "(jobs × longest prompt; one job always goes), so a burst of new jobs does not freeze the rows already "
         "decoding; the worker measures a prefill of this size at start when it sizes the slots")
+    engine_batch_prefill_tokens: int = Field(
+        default=128, ge=1, description="while interactive jobs come (one claimed in the last 10 s), the padded prompt "
+        "tokens one prefill of file-batch lines takes at most (one line always goes); such a prefill never holds "
+        "interactive jobs, so an interactive job that arrives while a batch drains waits for one short prefill at "
+        "most. With no interactive job, batch lines prefill as KEVLAYA_ENGINE_PREFILL_TOKENS allows")
     engine_cuda_graphs: bool = Field(
         default=True, description="on CUDA: capture the decode step as CUDA graphs (one per batch-size bucket) and "
         "replay them; ignored on the CPU")

@@ -8,9 +8,10 @@ import random
 import pytest
 
 from shared.settings import Settings
-from worker.decoder.slot_decoder import prefill_group
+from worker.decoder.prefill_budget import prefill_group
 from worker.engine.policy import (
     PrefillPacer,
+    apart_from_batch_lines,
     plan_slots,
     prefill_order,
     reserved_slots,
@@ -158,3 +159,13 @@ def test_batch_lines_take_only_the_slots_interactive_work_leaves_and_never_a_res
     # lines that waited for hours set no fairness bound: a batch never starves interactive work
     old_lines = QueueSnapshot(queued={"laya": 1}, oldest_wait_ms={"laya": 5}, batch_lines={"kev": 50})
     assert plan_slots(old_lines, 5, MAX_WAIT_MS, EXPECTED, reserve, {}) == [("laya", 1), ("kev", 1)]
+
+
+def test_a_prefill_never_mixes_interactive_jobs_and_batch_lines_and_lines_go_a_few_at_a_time():
+    # prefill order puts interactive jobs first: they go alone, whatever the budget would still hold
+    assert apart_from_batch_lines(6, [False, False, True, True, True, True], [50] * 6, 256) == 2
+    # batch lines alone: at most the batch budget, padded (5 × 50 fits 256, a sixth does not)
+    assert apart_from_batch_lines(8, [True] * 8, [50] * 8, 256) == 5
+    assert apart_from_batch_lines(3, [True] * 8, [50] * 8, 256) == 3  # never more than the decoder's own count
+    assert apart_from_batch_lines(8, [True] * 8, [400] * 8, 256) == 1  # one line always goes
+    assert apart_from_batch_lines(8, [True] * 8, [400] * 8, None) == 8  # no interactive traffic: no bound

@@ -187,3 +187,44 @@ def stream_load(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     typer.echo(table(result))
+
+
+def batch_load(
+    phase: Annotated[str, typer.Option(help="upload, drain or both")] = "both",
+    lines: Annotated[int, typer.Option(min=1, help="requests in the upload phase's file (OpenAI's limit: 50,000)")]
+    = 50_000,
+    drain_lines: Annotated[int, typer.Option(min=1, help="Laya and Kev requests in the batch the worker drains")]
+    = 5000,
+    probes: Annotated[int, typer.Option(min=1, help="interactive Laya requests timed idle, then cycled through "
+                                                    "while the batch drains")] = 40,
+    seed: Annotated[int, typer.Option(help="the seed of the files' and the probes' prompts")] = 0,
+    timeout: Annotated[float, typer.Option(help="seconds validation, and the drain, may take each")] = 1800,
+    profile: Annotated[bool, typer.Option(help="py-spy record the API during validation; the share of its "
+                                               "samples per function goes in the results")] = False,
+    workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (files, database, logs)")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="write the figures as JSON here")] = None,
+) -> None:
+    """The Batch API on one API process with the shipped demo model on the CPU: upload and validation time of a
+    50,000-line file and the API's memory meanwhile, then interactive Laya latency idle and while a batch drains,
+    the drain's lines/s, and every line's answer exactly once. Prints a table last."""
+    import json
+    import logging
+    import os
+    import platform
+
+    from modellab.bench.batch_load import run_batch_load, table
+    from modellab.bench.load import new_workdir
+
+    if phase not in ("upload", "drain", "both"):
+        raise typer.BadParameter("must be upload, drain or both", param_hint="--phase")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe and poll would bury the progress
+    result = run_batch_load(workdir or new_workdir(), phase, lines, drain_lines, probes, seed, timeout, profile)
+    result["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
+    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    typer.echo(table(result))
+    if "drain" in result and not result["drain"]["exactly_once"]["ok"]:
+        raise typer.Exit(1)

@@ -19,25 +19,13 @@ from transformers import PreTrainedTokenizerBase
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_step import CapturedStep
 from worker.decoder.kv_block import KVBlock
+from worker.decoder.prefill_budget import prefill_group
 from worker.decoder.row_lora import RowLoRA
 from worker.decoder.sampling import RowSampling, choose
 from worker.generation import GenerationRequest, GenerationResult, numerical_error
 from worker.model.tokens import encode_chats, result_text
 
 GENERATE_DEFAULT_TOP_K = 50
-
-
-def prefill_group(prompt_tokens: list[int], free: int, budget_tokens: int | None) -> int:
-    """How many of these jobs (in order, by prompt tokens) one prefill takes: at most `free`, and the padded block
-    (jobs × longest prompt) within `budget_tokens` (None: no bound), the size that sets a prefill's time and
-    memory; the first job always goes."""
-    taken, longest = 0, 0
-    for tokens in prompt_tokens[:free]:
-        longest = max(longest, tokens)
-        if taken and budget_tokens is not None and (taken + 1) * longest > budget_tokens:
-            break
-        taken += 1
-    return taken
 
 
 @dataclass

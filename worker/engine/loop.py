@@ -12,9 +12,16 @@ from collections import Counter
 from typing import TYPE_CHECKING, NamedTuple
 
 from shared.db import session_scope
-from shared.models import ClaimGroup, Job
+from shared.models import ClaimGroup, Job, Priority
 from shared.settings import Settings
-from worker.engine.policy import PrefillPacer, plan_slots, prefill_order, reserved_slots, unpaced_prefix
+from worker.engine.policy import (
+    PrefillPacer,
+    apart_from_batch_lines,
+    plan_slots,
+    prefill_order,
+    reserved_slots,
+    unpaced_prefix,
+)
 from worker.engine.token_stream import TokenPublisher
 from worker.engine.writer import ResultWriter
 from worker.generation import GenerationRequest, GenerationResult
@@ -36,6 +43,8 @@ from worker.metrics import METRICS
 if TYPE_CHECKING:  # torch is imported only in the worker child
     from worker.decoder.slot_decoder import SlotDecoder
     from worker.model.loading import LoadedModel
+
+INTERACTIVE_QUIET_S = 10.0  # after this long without an interactive job, batch lines prefill unbounded
 
 log = logging.getLogger("kevlaya.worker")
 # After a look at the queue found nothing to claim, the next look waits this long: a step is milliseconds, and a
@@ -92,6 +101,7 @@ class Engine:
         self.draining = threading.Event()
         self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
         self.pacer = PrefillPacer(settings.engine_prefill_share)
+        self.interactive_at = -INTERACTIVE_QUIET_S  # time.monotonic() of the last interactive job claimed
         self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes,
                                      loaded.tokenizer.all_special_ids)
         self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
@@ -164,6 +174,8 @@ class Engine:
         self.stream.started(jobs)
         METRICS.rows_in_flight.set(len(self.decoder.rows) + len(jobs))
         log.info("claim group %s: %d job(s) on %s take free slots", group.id, len(jobs), group.adapters)
+        if any(job.priority == Priority.INTERACTIVE for job in jobs):
+            self.interactive_at = time.monotonic()
         for job in jobs:
             try:  # a row this worker cannot read or check fails alone, never the loop or its group-mates
                 request = generation_request(job, self.settings)
@@ -201,7 +213,12 @@ class Engine:
         order = prefill_order([c.request.max_new_tokens for c in self.to_prefill], waited, self.settings.max_wait_ms,
                               [c.request.background for c in self.to_prefill])
         self.to_prefill, waited = [self.to_prefill[i] for i in order], [waited[i] for i in order]
-        count = self.decoder.prefill_count([c.prompt_tokens for c in self.to_prefill])
+        tokens = [c.prompt_tokens for c in self.to_prefill]
+        # Batch lines go a few at a time only while interactive jobs come: alone, a batch drains at full speed.
+        interactive = now - self.interactive_at < INTERACTIVE_QUIET_S
+        count = apart_from_batch_lines(self.decoder.prefill_count(tokens), [c.request.background for c in
+                                       self.to_prefill], tokens,
+                                       self.settings.engine_batch_prefill_tokens if interactive else None)
         roles = set(self._reserved())
         latency = [c.request.adapter in roles and not c.request.background for c in self.to_prefill]
         if not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles and not r.request.background

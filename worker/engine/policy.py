@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shared.settings import Settings
+from worker.decoder.prefill_budget import prefill_group
 from worker.ledger.claims import QueueSnapshot
 
 
@@ -64,6 +65,18 @@ def prefill_order(new_tokens: list[int], waited_ms: list[float], max_wait_ms: fl
     answer starts at the next step instead of after a wave of Kev prompts); claim order otherwise."""
     background = background or [False] * len(new_tokens)
     return sorted(range(len(new_tokens)), key=lambda i: (background[i], waited_ms[i] <= max_wait_ms, new_tokens[i]))
+
+
+def apart_from_batch_lines(count: int, background: list[bool], prompt_tokens: list[int],
+                           batch_budget_tokens: int | None) -> int:
+    """How many of the first `count` jobs (in prefill order: interactive ones first) to prefill now. A prefill
+    never mixes the two: interactive jobs go on their own, and lines of file batches at most
+    `batch_budget_tokens` padded tokens at a time (None: as many as `count`), so an interactive job that arrives
+    while a batch drains waits for one short prefill at most, never a whole claim group's."""
+    interactive = next((i for i, line in enumerate(background[:count]) if line), count)
+    if interactive:
+        return interactive
+    return prefill_group(prompt_tokens[:count], count, batch_budget_tokens)
 
 
 @dataclass
