@@ -154,44 +154,71 @@ def test_a_malformed_file_fails_the_whole_batch_and_stores_no_line(client):
     assert empty["status"] == "failed" and empty["errors"]["data"][0]["code"] == "empty_file"
 
 
-def test_lines_wait_behind_interactive_work_and_cancel_stops_the_queued_ones(client):
+def openai_client(env: dict[str, str]) -> OpenAI:
+    return OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+                  max_retries=0, timeout=60)
+
+
+def upload_with(client: OpenAI, tmp_path: Path, lines: list) -> str:
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(jsonl(lines))
+    return client.files.create(file=path.open("rb"), purpose="batch").id
+
+
+def wait_for(client: OpenAI, batch_id: str, statuses=FINAL, timeout: float = 60):  # noqa: ANN001, ANN201
+    return wait_until(lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b, timeout,
+                      interval=0.2, what=f"batch {batch_id} to reach {statuses}")
+
+
+def error_lines(client: OpenAI, file_id: str | None) -> dict[str, dict]:
+    lines = [json.loads(raw) for raw in client.files.content(file_id).text.splitlines()] if file_id else []
+    return {line["custom_id"]: line for line in lines}
+
+
+@pytest.mark.integration
+def test_lines_wait_behind_interactive_work_and_cancel_stops_the_queued_ones(env, api, tmp_path):
+    """Through the official client against a real API process, with no worker: the lines stay queued."""
+    client = openai_client(env)
     bad = [line("hot", temperature="hot"), line("stream", stream=True), line("gpt", model="gpt-4"),
            line("long", max_tokens=10**6)]
-    batch = create_batch(client, upload(client, jsonl([line("a"), *bad, line("b", model="auto")])).json()["id"])
-    running = wait_batch(client, batch["id"], ("in_progress",))
-    assert running["request_counts"] == {"total": 6, "completed": 0, "failed": 4}
+    file_id = upload_with(client, tmp_path, [line("a"), *bad, line("b", model="auto")])
+    batch = client.batches.create(input_file_id=file_id, endpoint=URL, completion_window="24h")
+    running = wait_for(client, batch.id, ("in_progress",))
+    assert (running.request_counts.total, running.request_counts.completed, running.request_counts.failed) == (6, 0, 4)
     with session_scope() as session:
         lines = session.scalars(select(Job).order_by(Job.batch_line)).all()
         assert [(j.custom_id, j.batch_line, j.priority) for j in lines] == [("a", 1, Priority.BATCH),
                                                                              ("b", 6, Priority.BATCH)]
-    assert client.post(f"/v1/batches/{batch['id']}/cancel", headers=AUTH).json()["status"] in ("cancelling",
-                                                                                               "cancelled")
-    cancelled = wait_batch(client, batch["id"])
-    assert cancelled["status"] == "cancelled" and cancelled["cancelled_at"] is not None
-    assert cancelled["request_counts"] == {"total": 6, "completed": 0, "failed": 6}
-    assert cancelled["output_file_id"] is None
-    errors = {e["custom_id"]: e for e in content_lines(client, cancelled["error_file_id"])}
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    cancelled = wait_for(client, batch.id)
+    assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
+    assert (cancelled.request_counts.total, cancelled.request_counts.completed,
+            cancelled.request_counts.failed) == (6, 0, 6)
+    assert cancelled.output_file_id is None
+    errors = error_lines(client, cancelled.error_file_id)
     assert sorted(errors) == ["a", "b", "gpt", "hot", "long", "stream"]
     assert errors["a"]["error"]["code"] == "batch_cancelled" and errors["a"]["response"] is None
     for custom_id, field in (("hot", "temperature"), ("stream", "stream"), ("gpt", "model"), ("long", "max_tokens")):
         response = errors[custom_id]["response"]
         assert response["status_code"] == 422 and field in response["body"]["error"]["message"], errors[custom_id]
-    again = client.post(f"/v1/batches/{batch['id']}/cancel", headers=AUTH)
-    assert again.status_code == 200 and again.json()["status"] == "cancelled"
+        assert isinstance(response["request_id"], str)
+    assert client.batches.cancel(batch.id).status == "cancelled"  # again: the batch as it is
 
 
-def test_lines_unfinished_at_the_end_of_the_completion_window_expire_into_the_error_file(client):
-    batch = create_batch(client, upload(client, jsonl([line("a"), line("b", model="kev")])).json()["id"], "2s")
-    expired = wait_batch(client, batch["id"], timeout=30)
-    assert expired["status"] == "expired" and expired["expired_at"] is not None
-    assert expired["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
-    errors = content_lines(client, expired["error_file_id"])
-    assert sorted(e["custom_id"] for e in errors) == ["a", "b"]
-    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+@pytest.mark.integration
+def test_lines_unfinished_at_the_end_of_the_completion_window_expire_into_the_error_file(env, api, tmp_path):
+    client = openai_client(env)
+    file_id = upload_with(client, tmp_path, [line("a"), line("b", model="kev")])
+    batch = client.batches.create(input_file_id=file_id, endpoint=URL, completion_window="2s")  # type: ignore[arg-type]
+    expired = wait_for(client, batch.id, timeout=30)
+    assert expired.status == "expired" and expired.expired_at is not None
+    assert (expired.request_counts.total, expired.request_counts.completed, expired.request_counts.failed) == (2, 0, 2)
+    errors = error_lines(client, expired.error_file_id)
+    assert sorted(errors) == ["a", "b"] and {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
     with session_scope() as session:
         assert set(session.scalars(select(Job.status)).all()) == {"cancelled"}
-    listed = client.get("/v1/batches", headers=AUTH, params={"limit": 1}).json()
-    assert [b["id"] for b in listed["data"]] == [batch["id"]] and listed["has_more"] is False
+    page = client.batches.list(limit=1)
+    assert [b.id for b in page.data] == [batch.id] and not page.has_more
 
 
 # -- the official client, a real API process and worker --------------------------------------------------------

@@ -159,6 +159,9 @@ def test_batch_lines_take_only_the_slots_interactive_work_leaves_and_never_a_res
     # lines that waited for hours set no fairness bound: a batch never starves interactive work
     old_lines = QueueSnapshot(queued={"laya": 1}, oldest_wait_ms={"laya": 5}, batch_lines={"kev": 50})
     assert plan_slots(old_lines, 5, MAX_WAIT_MS, EXPECTED, reserve, {}) == [("laya", 1), ("kev", 1)]
+    # while interactive jobs come, the lines get at most the room the engine leaves them
+    assert plan_slots(lines, 10, MAX_WAIT_MS, EXPECTED, reserve, {"laya": 4}, batch_room=3) == [("laya", 3)]
+    assert plan_slots(both, 10, MAX_WAIT_MS, EXPECTED, reserve, {}, batch_room=0) == [("kev", 2)]
 
 
 def test_a_prefill_never_mixes_interactive_jobs_and_batch_lines_and_lines_go_a_few_at_a_time():

@@ -149,7 +149,7 @@ class Engine:
         free = self.decoder.free - len(self.to_prefill)
         with session_scope() as session:
             plan = plan_slots(queue_snapshot(session), free, self.settings.max_wait_ms, self.expected_tokens,
-                              self._reserved(), self._in_flight())
+                              self._reserved(), self._in_flight(), self._batch_room())
         claimed = 0
         for adapter, count in plan:
             with session_scope() as session:
@@ -162,6 +162,19 @@ class Engine:
     def _reserved(self) -> dict[str, int]:
         # From the current limit: after an out-of-memory shrank it, a reservation must not take the last slots.
         return reserved_slots(self.settings, self.loaded.adapters, min(self.settings.max_batch, self.decoder.limit))
+
+    def _interactive(self) -> bool:
+        """Whether interactive jobs come now: one was claimed in the last INTERACTIVE_QUIET_S."""
+        return time.monotonic() - self.interactive_at < INTERACTIVE_QUIET_S
+
+    def _batch_room(self) -> int | None:
+        """How many more batch lines may take slots: while interactive jobs come, lines hold at most half of
+        KEVLAYA_MAX_BATCH, so an interactive row decodes beside fewer of them; else no bound."""
+        if not self._interactive():
+            return None
+        held = sum(row.request.background for row in self.decoder.rows)
+        held += sum(c.request.background for c in self.to_prefill)
+        return max(0, self.settings.max_batch // 2 - held)
 
     def _in_flight(self) -> Counter[str]:
         """Slots each adapter's interactive jobs hold or are about to hold (claimed, waiting for their prefill):
@@ -215,10 +228,9 @@ class Engine:
         self.to_prefill, waited = [self.to_prefill[i] for i in order], [waited[i] for i in order]
         tokens = [c.prompt_tokens for c in self.to_prefill]
         # Batch lines go a few at a time only while interactive jobs come: alone, a batch drains at full speed.
-        interactive = now - self.interactive_at < INTERACTIVE_QUIET_S
         count = apart_from_batch_lines(self.decoder.prefill_count(tokens), [c.request.background for c in
                                        self.to_prefill], tokens,
-                                       self.settings.engine_batch_prefill_tokens if interactive else None)
+                                       self.settings.engine_batch_prefill_tokens if self._interactive() else None)
         roles = set(self._reserved())
         latency = [c.request.adapter in roles and not c.request.background for c in self.to_prefill]
         if not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles and not r.request.background

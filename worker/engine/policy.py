@@ -19,7 +19,7 @@ def reserved_slots(settings: Settings, adapters: Iterable[str], rows: int) -> di
 
 def plan_slots(snapshot: QueueSnapshot, free: int, max_wait_ms: float, expected_tokens: dict[str, int],
                reserved: Mapping[str, int] | None = None,
-               in_flight: Mapping[str, int] | None = None) -> list[tuple[str, int]]:
+               in_flight: Mapping[str, int] | None = None, batch_room: int | None = None) -> list[tuple[str, int]]:
     """Who takes the `free` slots, as (adapter, count) in claiming order.
 
     A slot costs nothing to switch, so adapter affinity does not pay; what matters is who waits. Adapters whose
@@ -32,8 +32,9 @@ def plan_slots(snapshot: QueueSnapshot, free: int, max_wait_ms: float, expected_
     the next step instead of waiting for a row of the backlog to finish.
 
     The lines of file batches (`snapshot.batch_lines`) take what is left after that, shortest jobs first, and
-    never a reserved slot: a batch drains in the slots interactive work leaves free. An adapter's share is
-    still one claim, which takes its interactive jobs first."""
+    never a reserved slot, and at most `batch_room` more of them (None: no bound): a batch drains in the slots
+    interactive work leaves free. An adapter's share is still one claim, which takes its interactive jobs
+    first."""
     reserved, in_flight = reserved or {}, in_flight or {}
     unused = {a: max(0, n - in_flight.get(a, 0)) for a, n in reserved.items()}
     waiting = snapshot.waiting()
@@ -49,6 +50,8 @@ def plan_slots(snapshot: QueueSnapshot, free: int, max_wait_ms: float, expected_
             if adapter in unused:
                 unused[adapter] = max(0, unused[adapter] - count)
     left -= sum(unused.values())
+    if batch_room is not None:
+        left = min(left, batch_room)
     shares = dict(plan)
     for adapter in sorted(snapshot.batch_lines, key=lambda a: (expected_tokens.get(a, 0), a)):
         count = min(left, snapshot.batch_lines[adapter])
