@@ -155,3 +155,9 @@ class BatchList(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+
+class BatchDeleted(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    deleted: bool

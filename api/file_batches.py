@@ -17,6 +17,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import and_, exists, func, insert, or_, select, update
+from sqlalchemy import delete as delete_rows
 from sqlalchemy.orm import Session
 
 from api.batch_lines import MalformedFile, Rejected, Request, check_file, read_requests
@@ -222,6 +223,21 @@ def expire_due(session: Session) -> list[uuid.UUID]:
             expired.append(batch_id)
             log.info("batch %s expired: %d queued line(s) will not run", batch_id, stopped)
     return expired
+
+
+def delete(session: Session, batch: FileBatch) -> None:
+    """A finished batch, its lines' jobs (their `auto` stages with them) and its output and error file rows, in
+    one transaction; the caller removes the files' bytes once it has committed."""
+    files = [file_id for file_id in (batch.output_file_id, batch.error_file_id) if file_id is not None]
+    with one_writer(session):
+        lines = select(Job.id).where(_lines_of(batch.id)).scalar_subquery()
+        session.execute(delete_rows(Job).where(Job.parent_job_id.in_(lines)))
+        session.execute(delete_rows(Job).where(Job.file_batch_id == batch.id))
+        session.execute(delete_rows(RejectedLine).where(RejectedLine.file_batch_id == batch.id))
+        session.execute(delete_rows(StoredFile).where(StoredFile.id.in_(files)))
+        session.execute(delete_rows(FileBatch).where(FileBatch.id == batch.id))
+        session.commit()
+    log.info("batch %s deleted with its lines and %d file(s)", batch.id, len(files))
 
 
 # -- finishing: the output and error files --------------------------------------------------------------------

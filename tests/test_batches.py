@@ -220,6 +220,17 @@ def test_lines_unfinished_at_the_end_of_the_completion_window_expire_into_the_er
     page = client.batches.list(limit=1)
     assert [b.id for b in page.data] == [batch.id] and not page.has_more
 
+    running = client.batches.create(input_file_id=file_id, endpoint=URL, completion_window="24h")
+    assert api.delete(f"/v1/batches/{running.id}").status_code == 409  # not finished: cancel it first
+    deleted = api.delete(f"/v1/batches/{batch.id}")  # a finished one goes, with its lines and files
+    assert deleted.json() == {"id": batch.id, "object": "batch", "deleted": True}
+    assert api.get(f"/v1/batches/{batch.id}").status_code == 404
+    assert api.get(f"/v1/files/{expired.error_file_id}/content").status_code == 404
+    assert not (Path(env["KEVLAYA_FILES_DIR"]) / expired.error_file_id.removeprefix("file-")).exists()
+    assert client.files.retrieve(file_id).id == file_id  # the upload stays
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(Job).where(Job.file_batch_id.is_not(None))) == 2
+
 
 # -- the official client, a real API process and worker --------------------------------------------------------
 

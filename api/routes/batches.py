@@ -19,13 +19,14 @@ from api.batch_schemas import (
     BATCH_PREFIX,
     FILE_PREFIX,
     BatchCreate,
+    BatchDeleted,
     BatchList,
     BatchObject,
     RequestCounts,
     completion_window,
     parse_id,
 )
-from api.deps import BatchKeeperDep, CurrentKey, SessionDep, reject_unknown_query_parameters
+from api.deps import BatchKeeperDep, CurrentKey, FileStoreDep, SessionDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, error_responses
 from shared.db import one_writer
 from shared.models import ApiKey, BatchStatus, FileBatch, StoredFile
@@ -105,3 +106,18 @@ def cancel_batch(batch_id: str, key: CurrentKey, session: SessionDep, keeper: Ba
     session.refresh(row)
     keeper.kick()
     return batch_out(session, row)
+
+
+@router.delete("/{batch_id}", response_model=BatchDeleted, responses=error_responses(404, 409, 422, *AUTH_ERRORS))
+def delete_batch(batch_id: str, key: CurrentKey, session: SessionDep, store: FileStoreDep) -> BatchDeleted:
+    """Not in OpenAI's API (its batches are kept): removes a finished batch, its lines' jobs and its output and
+    error files, rows and bytes. The input file stays, as the upload it is (DELETE /v1/files/{id})."""
+    row = own_batch(session, key, batch_id)
+    if row.status not in BatchStatus.FINISHED:
+        raise ApiError(409, "conflict", f"batch {batch_id} is {row.status}; cancel it and wait until it is "
+                       "cancelled, or until it has finished")
+    files = [file_id for file_id in (row.output_file_id, row.error_file_id) if file_id is not None]
+    file_batches.delete(session, row)
+    for file_id in files:
+        store.remove(file_id)
+    return BatchDeleted(id=batch_id, deleted=True)
