@@ -31,6 +31,7 @@ from modellab.training import (
     read_samples,
     train_adapter,
 )
+from shared.base_match import base_mismatch
 from shared.manifest import MANIFEST_NAME, verify_manifest
 
 SYSTEM = "You are Laya."
@@ -195,6 +196,7 @@ def test_output_has_only_adapter_files_and_a_manifest_that_verifies(base: Path, 
     report = train_adapter(cfg)
     assert {p.name for p in cfg.output_dir.iterdir()} == OUTPUT_FILES
     assert verify_manifest(cfg.output_dir) == []
+    assert base_mismatch(cfg.output_dir, base) is None  # it records the base it was trained on
     record = json.loads((cfg.output_dir / "training.json").read_text())
     assert record["config"]["adapter"] == "laya" and record["report"]["steps"] == report.steps == 3
     assert record["report"]["labels_after"] == {"A": 2, "B": 2, "none": 2}

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from modellab.presets import LORA_PRESETS
+from shared.base_match import BASE_RECORD
 from shared.manifest import MANIFEST_NAME
 from shared.settings import ADAPTERS
 
@@ -14,7 +15,7 @@ IGNORE_INDEX = -100  # label value the loss skips (prompt and padding tokens)
 CLIP_NORM = 1.0
 MAX_LISTED_PROBLEMS = 50
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-OUTPUT_FILES = frozenset({*ADAPTER_FILES, "training.json", MANIFEST_NAME})
+OUTPUT_FILES = frozenset({*ADAPTER_FILES, "training.json", BASE_RECORD, MANIFEST_NAME})
 
 
 @dataclass
