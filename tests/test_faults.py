@@ -531,7 +531,7 @@ def test_a_batch_survives_worker_api_redis_and_database_faults_with_each_line_an
     reset_process_state()
     api = start_api(start_process, env)
     worker = start_worker(start_process, env, api)
-    count = 240
+    count = 120
     content = "\n".join([*(batch_line(i) for i in range(count)), json.dumps(
         {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "laya", "messages": [{"role": "user", "content": "x"}], "top_p": 2}})]).encode()
@@ -542,14 +542,14 @@ def test_a_batch_survives_worker_api_redis_and_database_faults_with_each_line_an
     api.close()
     api = start_api(start_process, env)
     try:
-        wait_until(lambda: lines_done(api, batch_id) > 20, 120, interval=0.2, what="the drain to start")
+        wait_until(lambda: lines_done(api, batch_id) > 10, 120, interval=0.2, what="the drain to start")
         worker.kill()
         worker = start_worker(start_process, env, api)
-        wait_until(lambda: lines_done(api, batch_id) > 80, 120, interval=0.2, what="the drain to go on")
+        wait_until(lambda: lines_done(api, batch_id) > 40, 120, interval=0.2, what="the drain to go on")
         own_redis.stop()
         time.sleep(3)
         own_redis.start()
-        wait_until(lambda: lines_done(api, batch_id) > 140, 120, interval=0.5, what="the drain after Redis")
+        wait_until(lambda: lines_done(api, batch_id) > 70, 120, interval=0.5, what="the drain after Redis")
         outage = DatabaseOutage(database_url, admin_url)
         outage.begin()
         try:
