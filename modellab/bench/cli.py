@@ -171,22 +171,28 @@ def stream_load(
     """Many clients following running jobs' event streams (GET /v1/jobs/{id}/events) on one API process, with the
     shipped demo model on the CPU: every event once and the stored text for each client, /healthz latency
     meanwhile, and the API's memory per client. Prints a table last."""
-    import json
     import logging
-    import os
-    import platform
 
     from modellab.bench.load import new_workdir
     from modellab.bench.stream_load import run_stream_load, table
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     result = run_stream_load(workdir or new_workdir(), clients, jobs, new_tokens, timeout)
+    _keep(result, out)
+    typer.echo(table(result))
+
+
+def _keep(result: dict, out: Path | None) -> None:
+    """The command line and the machine go into the results, written to `out` when given."""
+    import json
+    import os
+    import platform
+
     result["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    typer.echo(table(result))
 
 
 def batch_load(
@@ -207,10 +213,7 @@ def batch_load(
     """The Batch API on one API process with the shipped demo model on the CPU: upload and validation time of a
     50,000-line file and the API's memory meanwhile, then interactive Laya latency idle and while a batch drains,
     the drain's lines/s, and every line's answer exactly once. Prints a table last."""
-    import json
     import logging
-    import os
-    import platform
 
     from modellab.bench.batch_load import run_batch_load, table
     from modellab.bench.load import new_workdir
@@ -220,11 +223,7 @@ def batch_load(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe and poll would bury the progress
     result = run_batch_load(workdir or new_workdir(), phase, lines, drain_lines, probes, seed, timeout, profile)
-    result["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
-    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    _keep(result, out)
     typer.echo(table(result))
     if "drain" in result and not result["drain"]["exactly_once"]["ok"]:
         raise typer.Exit(1)
