@@ -47,6 +47,13 @@ class MalformedFile(ValueError):
         self.errors = errors
 
 
+def _skip_rest_of_line(source: BinaryIO) -> None:
+    """Read past the end of the current line a chunk at a time: it may be as large as the file."""
+    while more := source.readline(1024 * 1024):
+        if more.endswith(b"\n"):
+            return
+
+
 def _lines(source: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
     """(number, bytes) of each non-blank line; None for a line over `max_line_bytes`, which is skipped unread."""
     number = 0
@@ -56,8 +63,7 @@ def _lines(source: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes |
             return
         number += 1
         if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
-            while (more := source.readline(1024 * 1024)) and not more.endswith(b"\n"):
-                pass
+            _skip_rest_of_line(source)
             yield number, None
         elif raw.strip():
             yield number, raw

@@ -3,6 +3,7 @@ works against a local or a remote API."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import time
@@ -97,10 +98,8 @@ def _batch_path(batch_id: str) -> str:
 def _delete_quietly(client: httpx.Client, file_id: str) -> None:
     import httpx
 
-    try:
+    with contextlib.suppress(httpx.HTTPError):  # best effort: the upload only counts against the key's quota
         client.delete(f"/v1/files/{quote(file_id, safe='')}")
-    except httpx.HTTPError:
-        pass
 
 
 # -- waiting and downloading -----------------------------------------------------------------------------------
