@@ -25,7 +25,7 @@ DEFAULT_MODEL_DIR = Path("models/demo")
 GROUPS: dict[str, tuple[str, ...]] = {
     "Endpoints": ("api_host", "api_port", "api_key", "api_workers", "api_writer", "flower_host", "flower_port",
                   "flower_basic_auth", "redis_url"),
-    "Database": ("database_url", "db_pool_size", "sqlite_synchronous"),
+    "Database": ("database_url", "db_pool_size", "db_pool_timeout_s", "sqlite_synchronous"),
     "Models": ("base_model", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
     "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens",
@@ -130,6 +130,10 @@ class Settings(BaseSettings):
                               "`postgresql+psycopg://user:pw@host/db`")
     db_pool_size: int = Field(default=40, ge=1, description="database connections kept per process (the API runs "
                               "up to 40 requests at once in threads)")
+    db_pool_timeout_s: float = Field(
+        default=3, gt=0, description="how long a request or thread waits for a free database connection of its "
+        "process when every one is in use (slow requests holding them all); then the API answers 503 "
+        "`database_unavailable` with `Retry-After`, before a client's own timeout would cut it off")
     sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
         default="FULL", description="SQLite's durability: `FULL`, an accepted job survives power loss; `NORMAL` "
         "(WAL), it survives a crash of the process, not of the machine, and a commit saves an fsync")
