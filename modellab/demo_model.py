@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from modellab import decision_data as dd
 from modellab.model_factory import SPECIAL_TOKENS, chat_tokenizer
-from modellab.presets import preset
+from modellab.presets import ALL_LINEAR, preset
 from modellab.training import (
     PretrainConfig,
     TrainConfig,
@@ -42,7 +42,6 @@ from worker.model.loading import resolve_device
 
 log = logging.getLogger("kevlaya.training")
 
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCENARIOS = "test_scenarios.jsonl"  # the held-out split, beside the models for `kevlaya eval`
 OUTPUTS = ("base", "kev", "laya", SCENARIOS, "BUILD.json", MANIFEST_NAME)
 

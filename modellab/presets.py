@@ -9,6 +9,9 @@ from typing import Any
 
 from shared.settings import ADAPTERS, Adapter, KevProfile, LayaProfile
 
+# The layers the demo adapters cover, as common QLoRA practice does: every linear layer of a decoder block.
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 @dataclass(frozen=True)
 class LoraPreset:

@@ -7,6 +7,8 @@ Entries, in order (each an `event` name and its JSON `data`):
     status  {"status": "queued", "attempt": n}                                 given back to the queue
     status  {"status": "escalated", "stage": "kev", "job_id": child}           an `auto` job's Kev stage follows
     delta   {"text": "...", "tokens": n}                                       new text; tokens so far this run
+A delta whose text starts its run's also has a field FIRST_TOKEN_AT beside `data`, never sent to clients: when the
+worker made the run's first token (epoch seconds), so the benchmark can measure the stream's delay.
 The end of a job is not an entry: readers learn it from the "job finished" notice (shared.notify) and answer
 with the stored row.
 """
@@ -18,6 +20,7 @@ import uuid
 from typing import Any
 
 RUNNING, QUEUED, ESCALATED = "running", "queued", "escalated"
+FIRST_TOKEN_AT = "first_token_at"
 
 
 def stream_key(job_id: uuid.UUID | str) -> str:

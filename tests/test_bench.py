@@ -12,7 +12,7 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     kevlaya = str(Path(os.sys.executable).parent / "kevlaya")
     out = tmp_path / "results"
     command = [kevlaya, "bench", "--shape", "tiny", "--device", "cpu", "--jobs", "6", "--kev-tokens", "12",
-               "--laya-tokens", "4", "--recipe-jobs", "1", "--latency-samples", "2", "--fit", "2",
+               "--laya-tokens", "4", "--recipe-jobs", "1", "--latency-samples", "2", "--fit", "2", "--stream-jobs", "2",
                "--out", str(out), "--workdir", str(tmp_path / "work"), "--redis-url", redis_server.url]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "KEVLAYA_BENCH_MARKER": "1", "KEVLAYA_ENGINE_PREFILL_SHARE": "0.5"})
@@ -46,9 +46,29 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     assert [len(runs) for runs in pairs["runs"].values()] == [2, 2]  # free and constrained, alternately
     assert pairs["jobs_per_s_vs_free"] == pairs["grammar"]["jobs_per_s"] / pairs["free"]["jobs_per_s"]
     assert pairs["grammar"]["step_ms"] > 0 and pairs["step_ms_vs_free"] > 0
+    # the peer on the same model and jobs, and the service against it
+    peer = result["peer"]
+    assert peer["jobs"] == 6 and peer["generated_tokens"] == 3 * 12 + 3 * 4  # every job wrote all its tokens
+    assert service["speedup_vs_peer"] == service["jobs_per_s"] / peer["jobs_per_s"]
+    assert result["workload"]["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj"]
+    # the census of a decode step: every LoRA layer, attention and the rest, each counted per step
+    census = service["census"]["classes"]
+    assert census["lora"]["kernels_per_step"] > 0 and census["attention"]["kernels_per_step"] > 0
+    assert service["census"]["ms_per_step"] == sum(c["ms_per_step"] for c in census.values())
+    # the same Kev jobs with no client and with an SSE client each, alternately: every client saw the stored text,
+    # and each first delta's delay from the worker's first token was measured
+    streaming = service["streaming"]
+    assert [len(runs) for runs in streaming["runs"].values()] == [2, 2] and streaming["jobs"] == 2
+    assert streaming["mismatches"] == 0 and streaming["problems"] == {}
+    delays = [ms for run in streaming["runs"]["streamed"] for ms in run["first_delta_ms"]]
+    assert len(delays) == 4 and all(ms is not None and ms >= 0 for ms in delays)
+    assert streaming["first_delta_ms"]["samples"] == 4 and streaming["first_delta_ms"]["p95"] is not None
+    assert streaming["jobs_per_s_vs_free"] > 0 and streaming["step_ms_vs_free"] > 0
     table = done.stdout[done.stdout.index("written "):]  # the table, printed last
     assert "recipe" in table and "service" in table and "speedup vs the recipe's scheme" in table
-    assert "decision grammar" in table
+    assert "decision grammar" in table and "speedup vs the peer" in table and "census of one" in table
+    assert "first delta after first token" in table
 
 
 def test_jobs_in_flight_are_counted_from_their_start_and_finish_times() -> None:

@@ -11,6 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from modellab.presets import ALL_LINEAR
+
 SHAPES = ("tiny", "qwen2.5-1.5b", "qwen2.5-3b", "llama-2-7b")
 
 
@@ -40,6 +42,16 @@ def bench(
     prefill_tokens: Annotated[Optional[int], typer.Option(
         help="KEVLAYA_ENGINE_PREFILL_TOKENS: padded prompt tokens prefilled between two "
              "steps, and the prefill measured at start (default: the service's default)", min=1)] = None,
+    lora_targets: Annotated[str, typer.Option(
+        help="comma-separated layers the random adapters cover (default: every linear layer, as the demo model)")]
+        = ",".join(ALL_LINEAR),
+    peer: Annotated[bool, typer.Option(help="time transformers' continuous batching on the same model and jobs")]
+        = True,
+    census: Annotated[bool, typer.Option(help="a kernel census of the decode step and, on CUDA, the fp32-LoRA "
+                                              "A/B pair")] = True,
+    stream_jobs: Annotated[int, typer.Option(
+        min=0, help="Kev jobs run with no client and with an SSE client each, alternately (0: no streaming "
+                    "phase)")] = 32,
     seed: Annotated[int, typer.Option(help="the seed of the model weights and the workload")] = 0,
     workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (model, database, logs)")] = None,
     redis_url: Annotated[Optional[str], typer.Option(
@@ -60,6 +72,9 @@ def bench(
         raise typer.BadParameter("needs 1 <= --prompt-min <= --prompt-max", param_hint="--prompt-min")
     if jobs < 2 or recipe_jobs < 1 or latency_samples < 1 or max_batch < 1:
         raise typer.BadParameter("--jobs >= 2, --recipe-jobs, --latency-samples and --max-batch >= 1")
+    targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+    if not targets or set(targets) - set(ALL_LINEAR):
+        raise typer.BadParameter(f"a comma-separated subset of {', '.join(ALL_LINEAR)}", param_hint="--lora-targets")
     try:
         loads = tuple(int(x) for x in (fit or ("4,8,16" if shape == "llama-2-7b" else "")).split(",") if x.strip())
     except ValueError:
@@ -73,7 +88,8 @@ def bench(
                          new_tokens={"kev": kev_tokens, "laya": laya_tokens}, recipe_per_adapter=recipe_jobs,
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url,
                          cuda_graphs=cuda_graphs, window_tokens=window_tokens,
-                         prefill_tokens=prefill_tokens)
+                         prefill_tokens=prefill_tokens, lora_targets=targets, peer=peer, census=census,
+                         stream_jobs=stream_jobs)
     command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
                          else ["python", "-m", "modellab.bench", *sys.argv[1:]])
     stem = f"{shape}-{date.today().isoformat()}"

@@ -19,6 +19,20 @@ def _grammar(engine: dict[str, Any], key: str, spec: str) -> str:
     return f"{pairs['free'][key]:{spec}} / {pairs['grammar'][key]:{spec}} ({pairs[key + '_vs_free']:.2f}×)"
 
 
+def _streaming(engine: dict[str, Any]) -> str:
+    streaming = engine.get("streaming")
+    if not streaming:
+        return "—"
+    return f"{streaming['jobs_per_s_vs_free']:.3f}×, {streaming['step_ms_vs_free']:.3f}×"
+
+
+def _first_delta(engine: dict[str, Any]) -> str:
+    delay = (engine.get("streaming") or {}).get("first_delta_ms")
+    if not delay:
+        return "—"
+    return " / ".join(_fmt(delay[key], ".1f") for key in ("p50", "p95", "max"))
+
+
 def table(result: dict[str, Any]) -> str:
     seed, engines = result["seed_scheme"], {"service": result["service"]}
     names = list(engines)
@@ -30,6 +44,12 @@ def table(result: dict[str, Any]) -> str:
         row(f"jobs/s ({result['workload']['jobs']}-job interleaved workload)", _fmt(seed["jobs_per_s"], ".3f"),
             lambda e: _fmt(e["jobs_per_s"], ".3f")),
         row("speedup vs the recipe's scheme", "1.0×", lambda e: f"{e['speedup_vs_seed']:.1f}×"),
+        row("speedup vs the peer (transformers CB; its jobs/s)", _fmt((result.get("peer") or {}).get("jobs_per_s"),
+                                                                        ".3f"),
+            lambda e: _fmt(e.get("speedup_vs_peer"), ".2f") + "×"),
+        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32)", "",
+            lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms'))} "
+                      f"({_fmt(((e.get('lora_fp32') or {}).get('profile') or {}).get('step_ms'))})"),
         row("Laya p50 / p95 ms, idle worker", "",
             lambda e: f"{_fmt(e.get('laya_p50_ms_idle'), '.0f')} / {_fmt(e.get('laya_p95_ms_idle'), '.0f')}"),
         row("Laya p50 / p95 ms, under Kev load", "",
@@ -43,6 +63,8 @@ def table(result: dict[str, Any]) -> str:
         row("claim groups / mean size", "", lambda e: f"{e['claim_groups']} / {e['mean_group_size']:.1f}"),
         row("decode step ms, free / decision grammar", "", lambda e: _grammar(e, "step_ms", ".2f")),
         row("jobs/s, free / decision grammar", "", lambda e: _grammar(e, "jobs_per_s", ".2f")),
+        row("SSE client per job vs none: jobs/s, step ms", "", _streaming),
+        row("first delta after first token ms p50 / p95 / max", "", _first_delta),
     ]
     loads = [f["load"] for f in next(iter(engines.values())).get("fit", [])]
     for index, load in enumerate(loads):
@@ -55,7 +77,29 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"{result['shape']} on {result['gpu']}, cap {result['vram_budget_gb']} GiB",
              f"{'':<{width}}  {'recipe':>10}" + "".join(f"  {name:>22}" for name in names)]
     lines += [f"{r[0]:<{width}}  {r[1]:>10}" + "".join(f"  {cell:>22}" for cell in r[2:]) for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + census_table(result["service"]))
+
+
+def _rows(result: dict[str, Any]) -> str:
+    return str((result["service"].get("census") or result["service"].get("profile") or {}).get("rows", "—"))
+
+
+def census_table(service: dict[str, Any]) -> list[str]:
+    """Per decode step, by kernel class: kernels and milliseconds (and the same with the LoRA products in fp32)."""
+    census, fp32 = (c if c and "classes" in c else None  # a comparison that failed left only its error
+                    for c in (service.get("census"), (service.get("lora_fp32") or {}).get("census")))
+    if not census:
+        return []
+    lines = ["", f"census of one {census['rows']}-row decode step ({census['what']}, eager): kernels, ms"
+             + ("; with the LoRA products in fp32" if fp32 else "")]
+    for kind in [*census["classes"], "total"]:
+        def cell(c: dict[str, Any] | None) -> str:
+            if c is None:
+                return ""
+            figures = c if kind == "total" else c["classes"][kind]
+            return f"{figures['kernels_per_step']:>7.0f} {figures['ms_per_step']:>8.2f}"
+        lines.append(f"  {kind:<26}{cell(census)}   {cell(fp32)}")
+    return lines
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -65,7 +109,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     engines = {name: e for name, e in {"service": result["service"]}.items() if "jobs_per_s" in e}
-    fig, (throughput, latency, memory) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (throughput, latency, memory, kernels) = plt.subplots(1, 4, figsize=(20, 4.2))
     fig.suptitle(f"kevlaya bench: {result['shape']} on {result['gpu']}, cap {result['vram_budget_gb']} GiB")
     throughput.bar(["recipe\n(one at a time)", *engines],
                    [result["seed_scheme"]["jobs_per_s"], *(e["jobs_per_s"] for e in engines.values())],
@@ -90,9 +134,27 @@ def plot(result: dict[str, Any], path: Path) -> None:
     memory.set_ylabel("peak allocated per claim group, GiB")
     memory.set_title("memory over time")
     memory.legend()
+    _plot_census(kernels, result["service"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_census(axes: Any, service: dict[str, Any]) -> None:
+    """Stacked milliseconds per decode step by kernel class, the LoRA products in the compute dtype and in fp32."""
+    bars = {"LoRA in compute dtype": service.get("census"),
+            "LoRA in fp32": (service.get("lora_fp32") or {}).get("census")}
+    bars = {label: census for label, census in bars.items() if census and "classes" in census}
+    axes.set_title("kernel census of one decode step")
+    if not bars:
+        return
+    bottom = [0.0] * len(bars)
+    for kind in next(iter(bars.values()))["classes"]:
+        heights = [census["classes"][kind]["ms_per_step"] for census in bars.values()]
+        axes.bar(list(bars), heights, bottom=bottom, label=kind)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    axes.set_ylabel("ms per step (kernel time)" if "CUDA" in next(iter(bars.values()))["what"] else "ms per step (CPU)")
+    axes.legend(fontsize="small")
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:

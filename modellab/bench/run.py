@@ -5,6 +5,7 @@ the recipe and the service are compared within one run."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -20,12 +21,16 @@ from typing import Any
 
 import torch
 
+from modellab.bench.census import kernel_census
 from modellab.bench.load import percentile
+from modellab.bench.peer import peer_phase
 from modellab.bench.profile import decode_busy_fraction
 from modellab.bench.recipe import time_recipe
 from modellab.bench.service import BatchRow, JobRow, Service
+from modellab.bench.stream_phase import stream_pairs
 from modellab.bench.workload import BenchJob, make_jobs
 from modellab.model_factory import build_random_model
+from modellab.presets import ALL_LINEAR
 from modellab.reference import ReferenceRuntime
 from shared.schemas import answer_grammar
 from shared.settings import Settings
@@ -53,6 +58,10 @@ class BenchConfig:
     cuda_graphs: bool = True  # capture the decode step on CUDA
     window_tokens: int | None = None  # KEVLAYA_ENGINE_WINDOW_TOKENS; None: the service's default
     prefill_tokens: int | None = None  # KEVLAYA_ENGINE_PREFILL_TOKENS; None: the service's default
+    lora_targets: tuple[str, ...] = ALL_LINEAR  # the layers the random adapters cover (the demo model: every one)
+    peer: bool = True  # time transformers' continuous batching on the same model and jobs
+    census: bool = True  # GPU only: the kernel census and the fp32-LoRA A/B of the decode step
+    stream_jobs: int = 32  # Kev jobs run with no client and with an SSE client each (0: no streaming phase)
 
 
 def _seconds(rows: list[JobRow]) -> float:
@@ -91,35 +100,84 @@ def _requests(jobs: list[BenchJob]) -> list[GenerationRequest]:
                               max_new_tokens=j.max_new_tokens, temperature=0.0, top_p=1.0, seed=None) for j in jobs]
 
 
+def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchConfig,
+                   kev: list[GenerationRequest]) -> dict[str, Any]:
+    """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share and step time
+    (captured steps, as served), the same under the decision grammar, the LoRA products in fp32 as an A/B pair
+    (CUDA), and a kernel census of eager steps with either LoRA dtype."""
+    from worker.decoder.slot_decoder import SlotDecoder
+    from worker.engine.loop import build_decoder
+
+    decoder = build_decoder(runtime.loaded, settings.model_copy(update={"engine_cuda_graphs": config.cuda_graphs}))
+    try:
+        profile = decode_busy_fraction(decoder.run, runtime.device, kev)
+        slots, window = decoder.limit, decoder.window
+        if profile is not None:
+            # The same rows under the decision grammar: masks computed while the GPU runs leave its busy share be.
+            constrained = [dataclasses.replace(r, grammar=answer_grammar({"output": "decision"}, r.messages, True))
+                           for r in kev]
+            profile["decision_grammar"] = decode_busy_fraction(decoder.run, runtime.device, constrained)
+    finally:
+        decoder.close()
+        del decoder
+    figures: dict[str, Any] = {"profile": profile}
+    if not config.census:
+        return figures
+    loaded = runtime.loaded
+    variants = {"census": ({"graphs": False}, kernel_census)}
+    if runtime.device == "cuda":
+        variants["lora_fp32"] = ({"graphs": config.cuda_graphs, "lora_dtype": torch.float32}, decode_busy_fraction)
+        variants["census_lora_fp32"] = ({"graphs": False, "lora_dtype": torch.float32}, kernel_census)
+    for name, (options, measure) in variants.items():
+        decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
+                              eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
+                              prefill_tokens=settings.engine_prefill_tokens, **options)
+        try:
+            figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))
+        finally:
+            decoder.close()
+            del decoder
+        _free_cache()
+    return figures
+
+
+def _recorded(name: str, measure: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+    """A comparison's figures, or the error that stopped it: the run's own figures do not depend on it, and a run
+    on a lent GPU is too dear to lose to one."""
+    try:
+        return measure()
+    except Exception as exc:
+        log.exception("%s failed; the run goes on without it", name)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _free_cache() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def runtime_phase(config: BenchConfig, settings: Settings, jobs: list[BenchJob]) -> dict[str, Any]:
-    """The recipe's scheme and the profiler, in this process, on the model the worker also loads: batch 1 through
-    `generate` for the recipe, a full Kev batch through the slot decoder, as the worker builds it."""
+    """The recipe's scheme, the peer and the profiler, in this process, on the model the worker also loads: batch
+    1 through `generate` for the recipe, transformers' continuous batching for the peer, a full Kev batch through
+    the slot decoder, as the worker builds it."""
     runtime = ReferenceRuntime.load(settings)
     try:
         recipe = time_recipe(runtime, jobs, config.recipe_per_adapter)
         log.info("recipe's scheme: %.3f jobs/s (%s)", recipe["jobs_per_s"], recipe["method"])
         kev = _requests([j for j in jobs if j.adapter == "kev"][:config.max_batch])
         recipe["profile"] = decode_busy_fraction(runtime.run_batch, runtime.device, kev[:1])
-        from worker.engine.loop import build_decoder
-
-        decoder = build_decoder(runtime.loaded, settings.model_copy(update={"engine_cuda_graphs": config.cuda_graphs}))
-        try:
-            profile = decode_busy_fraction(decoder.run, runtime.device, kev)
-            # The same rows under the decision grammar: masks computed while the GPU runs leave its busy share be.
-            constrained = [dataclasses.replace(r, grammar=answer_grammar({"output": "decision"}, r.messages, True))
-                           for r in kev]
-            if profile is not None:
-                profile["decision_grammar"] = decode_busy_fraction(decoder.run, runtime.device, constrained)
-        finally:
-            decoder.close()
-            del decoder
-        log.info("GPU busy during decode: batch 1 %s; %d Kev rows %s", recipe["profile"], len(kev), profile)
+        peer = _recorded("peer", functools.partial(peer_phase, runtime, jobs)) if config.peer else None
+        if peer and "jobs_per_s" in peer:
+            log.info("peer (transformers' continuous batching): %.3f jobs/s", peer["jobs_per_s"])
+        _free_cache()
+        decoder = _decoder_phase(runtime, settings, config, kev)
+        log.info("GPU busy during decode: batch 1 %s; %d Kev rows %s", recipe["profile"], len(kev),
+                 decoder["profile"])
     finally:
         del runtime
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return {"recipe": recipe, "profile": profile}
+        _free_cache()
+    return {"recipe": recipe, "peer": peer, **decoder}
 
 
 class KevLoad:
@@ -204,7 +262,8 @@ def grammar_pairs(service: Service, jobs: list[BenchJob], rounds: int = 2) -> di
 
 
 def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob], laya_jobs: list[BenchJob],
-                  fit_jobs: dict[int, list[BenchJob]], figures: dict[str, Any], save: Callable[[], None]) -> None:
+                  fit_jobs: dict[int, list[BenchJob]], figures: dict[str, Any], save: Callable[[], None],
+                  stream_jobs: list[BenchJob] | None = None) -> None:
     """Fills `figures` phase by phase and calls `save` after each, so a run cut short keeps what it measured."""
     rng = random.Random(config.seed)
     env = {**env, "KEVLAYA_ENGINE_CUDA_GRAPHS": str(config.cuda_graphs).lower()}
@@ -224,6 +283,12 @@ def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob]
         figures["decision_grammar"] = grammar_pairs(service, jobs)
         log.info("service under the decision grammar: %s", figures["decision_grammar"])
         save()
+
+        if stream_jobs:
+            figures["streaming"] = stream_pairs(service, stream_jobs)
+            log.info("service streaming to SSE clients: %s", {k: v for k, v in figures["streaming"].items()
+                                                              if k not in ("runs", "first_delta_method")})
+            save()
 
         laya_latencies(service, laya_jobs, rng, figures, "idle")
         save()
@@ -253,7 +318,8 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     started = time.perf_counter()
     model_dir = config.workdir / "model"
     dtype = torch.float16 if device == "cuda" else torch.float32
-    paths = build_random_model(model_dir, config.shape, seed=config.seed, dtype=dtype, device=device)
+    paths = build_random_model(model_dir, config.shape, seed=config.seed, dtype=dtype, device=device,
+                               target_modules=config.lora_targets)
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -283,6 +349,8 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                           adapters=("laya",), **{**workload, "seed": config.seed + 1})
     fit_jobs = {load: make_jobs(tokenizer, count=load, prompt_tokens=(256, 256), **{
         **workload, "seed": config.seed + 2, "new_tokens": {"kev": 128, "laya": 128}}) for load in config.fit_loads}
+    stream_jobs = make_jobs(tokenizer, count=config.stream_jobs, prompt_tokens=config.prompt_tokens,
+                            adapters=("kev",), **{**workload, "seed": config.seed + 3})
 
     result: dict[str, Any] = {
         "complete": False,
@@ -295,6 +363,7 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                      "new_tokens": config.new_tokens, "greedy": True, "exact_lengths": True, "seed": config.seed,
                      "latency_samples": config.latency_samples, "fit_loads": list(config.fit_loads),
                      "max_batch": config.max_batch, "window_tokens": settings.engine_window_tokens,
+                     "lora_targets": list(config.lora_targets),
                      "prefill_tokens": config.prefill_tokens or settings.engine_prefill_tokens,
                      "prompt_tokens_seen": [min(j.prompt_tokens for j in jobs), max(j.prompt_tokens for j in jobs)]},
         "gpu_busy_method": "PyTorch profiler: CUDA kernel time over wall time of 16 decode steps (prefill removed "
@@ -309,18 +378,24 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     }
     measured = runtime_phase(config, settings, jobs)
     result["seed_scheme"] = measured["recipe"]
+    result["peer"] = measured["peer"]
     result["service"] = service = {"gpu_busy_fraction": (measured["profile"] or {}).get("busy_fraction"),
-                                   "profile": measured["profile"]}
+                                   "profile": measured["profile"], "census": measured.get("census")}
+    if "lora_fp32" in measured:  # the A/B pair: the same decode step with the LoRA products in fp32
+        service["lora_fp32"] = {"profile": measured["lora_fp32"], "census": measured["census_lora_fp32"]}
 
     def checkpoint() -> None:
         if "jobs_per_s" in service:
             service["speedup_vs_seed"] = service["jobs_per_s"] / result["seed_scheme"]["jobs_per_s"]
+            if "jobs_per_s" in (result["peer"] or {}):
+                service["speedup_vs_peer"] = service["jobs_per_s"] / result["peer"]["jobs_per_s"]
         result["speedup_vs_seed"] = service.get("speedup_vs_seed")
+        result["speedup_vs_peer"] = service.get("speedup_vs_peer")
         result["bench_seconds"] = time.perf_counter() - started
         save(result)
 
     checkpoint()
-    service_phase(config, env, jobs, laya_jobs, fit_jobs, service, checkpoint)
+    service_phase(config, env, jobs, laya_jobs, fit_jobs, service, checkpoint, stream_jobs)
     result["complete"] = True
     checkpoint()
     return result

@@ -10,7 +10,6 @@ them connected.
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
 import os
 import signal
@@ -24,6 +23,7 @@ import httpx
 
 from modellab.bench.load import percentile
 from modellab.bench.service import API_KEY, Service
+from modellab.bench.sse import SseParser
 from shared.job_stream import entry_order
 from shared.settings import DEFAULT_MODEL_DIR
 
@@ -37,7 +37,14 @@ class ClientRun:
     job_id: str
     events: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
-    first_delta_at: float | None = None
+    first_delta_at: float | None = None  # time.time() when the first `delta` arrived
+
+    def add(self, event: dict[str, Any]) -> bool:
+        """An event as it arrives; True for the last one (`done`)."""
+        self.events.append(event)
+        if event["event"] == "delta" and self.first_delta_at is None:
+            self.first_delta_at = time.time()
+        return event["event"] == "done"
 
     def problems(self, stored: dict[str, Any]) -> list[str]:
         out = []
@@ -73,21 +80,11 @@ async def follow(session: aiohttp.ClientSession, base_url: str, run: ClientRun, 
             counter[0] += 1
             if counter[0] == total:
                 connected.set()
-            event: dict[str, Any] = {}
+            parser = SseParser()
             async for raw in response.content:
-                line = raw.decode().rstrip("\n")
-                if not line:
-                    if "event" in event:
-                        run.events.append(event)
-                        if event["event"] == "delta" and run.first_delta_at is None:
-                            run.first_delta_at = time.time()
-                        if event["event"] == "done":
-                            return
-                    event = {}
-                elif not line.startswith(":"):
-                    name, _, value = line.partition(":")
-                    value = value[1:] if value.startswith(" ") else value
-                    event[name] = json.loads(value) if name == "data" else value
+                event = parser.feed(raw.decode().rstrip("\n"))
+                if event is not None and run.add(event):
+                    return
     except Exception as exc:  # reported per client, never lost
         run.error = f"{exc.__class__.__name__}: {exc}"
 

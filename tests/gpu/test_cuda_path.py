@@ -321,3 +321,37 @@ def test_constrained_and_free_rows_share_captured_steps_on_nf4(demo: ReferenceRu
         assert found.value["decision"] != scenario.label or scenario.label == "none"
     answer = json.loads(demo.tokenizer.decode(together[8].token_ids, skip_special_tokens=True))
     assert set(answer) == {"pick", "sure"} and answer["pick"] in ("A", "B") and isinstance(answer["sure"], bool)
+
+
+HOG = """
+import sys, torch
+held, chunk = [], 1 << 30
+while chunk >= 1 << 20:  # take every byte the driver will give, in halving chunks
+    try:
+        held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+    except torch.cuda.OutOfMemoryError:
+        chunk //= 2
+print(torch.cuda.mem_get_info()[0], flush=True)
+sys.stdin.read()  # hold it until the test closes our stdin
+"""
+
+
+def test_memory_taken_by_another_process_after_sizing_fails_no_job(env, api, start_process) -> None:  # noqa: ANN001
+    """Once the worker has sized its slots (and reserved what its largest prefill and its captured steps need),
+    another process takes every byte left on the card: the worker keeps serving, and no job fails."""
+    import subprocess
+    import sys
+
+    start_worker(start_process, env, api)
+    hog = subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        left = int(hog.stdout.readline())
+        assert left < 64 * 2**20, f"{left} bytes still free on the card"
+        prompts = [render_prompt(s) for _, s in load_scenarios(DEMO / "test_scenarios.jsonl", 32)]
+        ids = [submit(api, adapter, prompt, max_new_tokens=64)
+               for adapter, prompt in zip(["kev", "laya"] * 16, prompts)]
+        jobs = wait_finished(api, ids, timeout=300)
+        assert [j["status"] for j in jobs] == ["succeeded"] * 32, [j.get("error") for j in jobs]
+    finally:
+        hog.stdin.close()
+        hog.wait(timeout=60)

@@ -21,12 +21,23 @@ from peft.tuners.lora import LoraLayer
 NO_ADAPTER = -1  # a row index that selects no adapter (the bare base model)
 
 
+def _compute_dtype(base: torch.nn.Module) -> torch.dtype:
+    """The dtype a base layer's output has: bitsandbytes' 4-bit layers compute in `compute_dtype`."""
+    compute = getattr(base, "compute_dtype", None)
+    if isinstance(compute, torch.dtype):
+        return compute
+    return base.weight.dtype if base.weight.dtype.is_floating_point else torch.float32
+
+
 class RowLoRA:
     """Installed on a PeftModel: its own LoRA path is switched off and replaced by the row-selected one until
     `remove()`. One instance per model; the decoder calls `select` before every forward pass."""
 
-    def __init__(self, model: PeftModel, adapters: list[str]):
+    def __init__(self, model: PeftModel, adapters: list[str], dtype: torch.dtype | None = None):
+        """`dtype`: the LoRA products' dtype, by default the dtype the base layers compute in. PEFT keeps adapter
+        weights in fp32 beside a 4-bit base, which costs a cast each way and fp32 (SIMT) matmuls per layer."""
         self.adapters = list(adapters)
+        self.dtype = dtype
         self.layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
         if not self.layers:
             raise ValueError("the model has no LoRA layers")
@@ -64,7 +75,9 @@ class RowLoRA:
                 b = reference.new_zeros(base.out_features, rank)
             a_blocks.append(a)
             b_blocks.append(b)
-        return torch.cat(a_blocks).detach().contiguous(), torch.cat(b_blocks, dim=1).detach().contiguous()
+        dtype = self.dtype or _compute_dtype(base)
+        return (torch.cat(a_blocks).detach().to(dtype).contiguous(),
+                torch.cat(b_blocks, dim=1).detach().to(dtype).contiguous())
 
     def _rows(self, adapter_of_row: list[int]) -> torch.Tensor:
         """The row mask, gathered on the CPU from the per-adapter table (one copy to the device, not one per row)."""
@@ -85,8 +98,12 @@ class RowLoRA:
     def _add_delta(self, layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor:
         a, b = self._stacked[layer]
         x = args[0].to(a.dtype)
-        delta = ((x @ a.T) * self.mask) @ b.T
-        return output + delta.to(output.dtype)
+        shrunk = (x @ a.T) * self.mask
+        if output.dtype != a.dtype:
+            return output + (shrunk @ b.T).to(output.dtype)
+        # expand and add as one GEMM (C = output + shrunk @ B)
+        flat = torch.addmm(output.reshape(-1, output.shape[-1]), shrunk.reshape(-1, shrunk.shape[-1]), b.T)
+        return flat.view(output.shape)
 
     def remove(self) -> None:
         for hook in self._hooks:

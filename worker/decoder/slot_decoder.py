@@ -57,7 +57,8 @@ class SlotDecoder:
 
     def __init__(self, model: PeftModel, tokenizer: PreTrainedTokenizerBase, adapters: list[str], *, slots: int,
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
-                 graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None):
+                 graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
+                 lora_dtype: torch.dtype | None = None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -73,7 +74,8 @@ class SlotDecoder:
         if self.device.type == "cpu":
             dtype = torch.float32
         self.kv = KVBlock(model.config, slots, window, dtype, self.device)
-        self.lora = RowLoRA(model, self.adapters)
+        # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare).
+        self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype)
         self.grammars = RowGrammars(tokenizer, model.config.vocab_size, self.eos_ids, slots, self.device)
         self.rows: list[Row] = []  # row i lives in slot i
         self.limit = slots  # rows admitted at most; the engine lowers it after an out-of-memory (worker/memory.py)

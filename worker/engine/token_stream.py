@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from shared.job_stream import ESCALATED, QUEUED, RUNNING, entry, stream_key
+from shared.job_stream import ESCALATED, FIRST_TOKEN_AT, QUEUED, RUNNING, entry, stream_key
 from shared.models import Job
 from shared.queue import redis_client
 from shared.settings import Settings
@@ -53,6 +53,7 @@ class LiveJob:
     # different ways): nothing more is published until the stored text brings the rest.
     stopped: bool = False
     written: bool = False  # its `running` entry, which creates the stream, is written
+    first_token_at: float | None = None  # its run's first token, on the wall clock (time.time())
     utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
     def take(self, piece: str) -> str:
@@ -71,6 +72,14 @@ class LiveJob:
         keep = max((k for s in self.stop for k in range(1, len(s)) if self.held.endswith(s[:k])), default=0)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
+
+
+def _first_text(fields: dict[str, str], live: LiveJob) -> dict[str, str]:
+    """A delta entry whose text starts the run's: it also holds when the run's first token was made, beside its
+    data (clients never see it), so the stream's delay can be measured from the token itself."""
+    if live.first_token_at is not None:
+        fields[FIRST_TOKEN_AT] = repr(live.first_token_at)
+    return fields
 
 
 class TokenPublisher:
@@ -158,11 +167,14 @@ class TokenPublisher:
 
     def _deltas(self) -> list[tuple[LiveJob, str]]:
         out = []
+        wall = time.time() - time.perf_counter()  # the decoder's perf_counter instants onto the wall clock
         for row in self._rows():
             live = self._live.get(row.request.job_id)
             if live is None:
                 continue
             count = len(row.tokens)
+            if count and live.first_token_at is None:  # the decode thread sets it just after the token
+                live.first_token_at = (row.first_token_at or time.perf_counter()) + wall
             new = row.tokens[live.tokens:count]
             live.tokens = count
             piece = live.utf8.decode(b"".join(self._token_bytes(t) for t in new if t not in self._special))
@@ -182,20 +194,23 @@ class TokenPublisher:
                 pipe.xadd(key, entry("status", status=RUNNING, attempt=live.attempt, stage=live.stage),
                           maxlen=limit, approximate=True)
                 if live.text:
-                    pipe.xadd(key, entry("delta", text=live.text, tokens=live.tokens), maxlen=limit,
-                              approximate=True)
+                    pipe.xadd(key, _first_text(entry("delta", text=live.text, tokens=live.tokens), live),
+                              maxlen=limit, approximate=True)
                 pipe.expire(key, running_ttl)
             live.written = True
 
         def delta(live: LiveJob, text: str) -> None:
+            first = not live.text
             live.text += text
             if not live.written:
                 restart(live)
                 return
+            fields = entry("delta", text=text, tokens=live.tokens)
+            if first:
+                _first_text(fields, live)
             for key in live.keys:
                 appended.append((live, len(pipe)))
-                pipe.xadd(key, entry("delta", text=text, tokens=live.tokens), maxlen=limit, approximate=True,
-                          nomkstream=True)
+                pipe.xadd(key, fields, maxlen=limit, approximate=True, nomkstream=True)
 
         for key, fields in statuses:
             pipe.xadd(key, fields, maxlen=limit, approximate=True)
