@@ -12,7 +12,8 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     kevlaya = str(Path(os.sys.executable).parent / "kevlaya")
     out = tmp_path / "results"
     command = [kevlaya, "bench", "--shape", "tiny", "--device", "cpu", "--jobs", "6", "--kev-tokens", "12",
-               "--laya-tokens", "4", "--recipe-jobs", "1", "--latency-samples", "2", "--fit", "2", "--stream-jobs", "2",
+               "--laya-tokens", "4", "--recipe-jobs", "1", "--latency-samples", "2", "--fit", "2", "--pair-rounds", "2",
+               "--stream-jobs", "2",
                "--out", str(out), "--workdir", str(tmp_path / "work"), "--redis-url", redis_server.url]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "KEVLAYA_BENCH_MARKER": "1", "KEVLAYA_ENGINE_PREFILL_SHARE": "0.5"})

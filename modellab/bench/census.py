@@ -8,8 +8,10 @@ token, once for `steps` more. Off CUDA the census counts CPU operators' own time
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
+import sys
 from collections import Counter
 
 import torch
@@ -20,18 +22,21 @@ from worker.generation import GenerationRequest
 
 CLASSES = ("nf4_matmul", "lora", "attention", "other_gemm", "norm_rotary_elementwise", "other")
 _ATTENTION = re.compile(r"fmha|flash|attention|softmax|sdpa|scaled_dot_product", re.I)
-_GEMM = re.compile(r"gemm|gemv|cutlass|xmma|splitk|cublas|\bmm\b|aten::(mm|bmm|addmm|matmul|linear)$", re.I)
+_GEMM = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitk|cublas|\bmm\b|aten::(mm|bmm|addmm|matmul|linear)$", re.I)
 _ELEMENTWISE = re.compile(r"elementwise|vectorized|unrolled|reduce|copy|cat|index|fill|aten::", re.I)
 
 
-def kernel_class(name: str, stack: list[str]) -> str:
-    """The class of a kernel (or CPU operator) `name` launched from Python `stack` (innermost frame first)."""
-    frames = " ".join(stack)
-    if "row_lora.py" in frames:
+_REGIONS = {"lora": "row_lora.py", "nf4_matmul": "bitsandbytes", "attention": "sdpa_attention"}
+
+
+def kernel_class(name: str, frames: list[str]) -> str:
+    """The class of a kernel (or CPU operator) `name` launched from within Python `frames`."""
+    where = " ".join(frames)
+    if _REGIONS["lora"] in where:
         return "lora"
-    if "bitsandbytes" in frames or re.search(r"4bit|dequantize|nf4", name, re.I):
+    if _REGIONS["nf4_matmul"] in where or re.search(r"4bit|dequantize|nf4", name, re.I):
         return "nf4_matmul"
-    if _ATTENTION.search(name) or "sdpa_attention" in frames:
+    if _ATTENTION.search(name) or _REGIONS["attention"] in where:
         return "attention"
     if _GEMM.search(name):
         return "other_gemm"  # the LM head, and any projection a maintained kernel does not cover
@@ -40,18 +45,44 @@ def kernel_class(name: str, stack: list[str]) -> str:
     return "other"
 
 
-def _frames(event) -> list[str]:  # noqa: ANN001 (a profiler FunctionEvent)
-    """Where an operator ran from: its recorded stack, else the Python functions the profiler saw around it."""
+class _Regions:
+    """The time spans of the Python functions that name a class (the LoRA hook, bitsandbytes, SDPA), so an
+    operator is placed by when it ran as well as by its recorded parents."""
+
+    def __init__(self, events: list) -> None:  # noqa: ANN001 (profiler FunctionEvents)
+        self.spans: dict[str, tuple[list[float], list[float]]] = {}
+        for kind, marker in _REGIONS.items():
+            merged: list[list[float]] = []
+            for start, end in sorted((e.time_range.start, e.time_range.end) for e in events
+                                     if ".py(" in e.name and marker in e.name):
+                if merged and start <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], end)
+                else:
+                    merged.append([start, end])
+            self.spans[kind] = ([m[0] for m in merged], [m[1] for m in merged])
+
+    def around(self, t: float) -> list[str]:
+        found = []
+        for kind, (starts, ends) in self.spans.items():
+            i = bisect.bisect_right(starts, t) - 1
+            if i >= 0 and t <= ends[i]:
+                found.append(_REGIONS[kind])
+        return found
+
+
+def _frames(event, regions: _Regions) -> list[str]:  # noqa: ANN001 (a profiler FunctionEvent)
+    """Where an operator ran from: its recorded stack, the Python functions recorded around it, and the class
+    regions it ran within."""
     frames = list(event.stack or [])
     parent = event.cpu_parent
     while parent is not None:
         frames.append(parent.name)
         parent = parent.cpu_parent
-    return frames
+    return frames + regions.around(event.time_range.start)
 
 
-def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> dict[str, tuple[int, float]]:
-    """Per class: (kernels, microseconds) of running `requests` to the end."""
+def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> tuple[dict[str, tuple[int, float]], Counter]:
+    """Per class: (kernels, microseconds) of running `requests` to the end; and the unclassed kernels by name."""
     if cuda:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -59,22 +90,26 @@ def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> dict[st
         run(requests)
         if cuda:
             torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    regions = _Regions(events)
     counts: Counter[str] = Counter()
     micros: Counter[str] = Counter()
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        stack = _frames(event)
+    unclassed: Counter[str] = Counter()
+    for event in events:
         if cuda:
-            for kernel in event.kernels:
-                kind = kernel_class(kernel.name, stack)
-                counts[kind] += 1
-                micros[kind] += kernel.duration
+            launched = [(kernel.name, kernel.duration) for kernel in event.kernels]
         elif event.name.startswith("aten::") and event.self_cpu_time_total > 0:
-            kind = kernel_class(event.name, stack)
+            launched = [(event.name, event.self_cpu_time_total)]
+        else:
+            continue
+        frames = _frames(event, regions) if launched else []
+        for name, duration in launched:
+            kind = kernel_class(name, frames)
             counts[kind] += 1
-            micros[kind] += event.self_cpu_time_total
-    return {kind: (counts[kind], micros[kind]) for kind in CLASSES}
+            micros[kind] += duration
+            if kind == "other":
+                unclassed[name[:80]] += 1
+    return {kind: (counts[kind], micros[kind]) for kind in CLASSES}, unclassed
 
 
 def kernel_census(run: Run, device: str, requests: list[GenerationRequest], steps: int = 4) -> dict:
@@ -82,11 +117,13 @@ def kernel_census(run: Run, device: str, requests: list[GenerationRequest], step
     cuda = device == "cuda"
     requests = [dataclasses.replace(r, max_new_tokens=steps + 1) for r in requests]
     run(requests)  # warm-up
-    one = _profile(run, [dataclasses.replace(r, max_new_tokens=1) for r in requests], cuda)
-    full = _profile(run, requests, cuda)
+    one, _ = _profile(run, [dataclasses.replace(r, max_new_tokens=1) for r in requests], cuda)
+    full, unclassed = _profile(run, requests, cuda)
     classes = {kind: {"kernels_per_step": (full[kind][0] - one[kind][0]) / steps,
                       "ms_per_step": (full[kind][1] - one[kind][1]) / steps / 1000} for kind in CLASSES}
     return {"rows": len(requests), "steps": steps, "what": "CUDA kernels" if cuda else "CPU operators (own time)",
             "classes": classes,
             "kernels_per_step": sum(c["kernels_per_step"] for c in classes.values()),
-            "ms_per_step": sum(c["ms_per_step"] for c in classes.values())}
+            "ms_per_step": sum(c["ms_per_step"] for c in classes.values()),
+            "unclassed": unclassed.most_common(8),
+            "python_profiler_left_on": sys.getprofile() is not None}

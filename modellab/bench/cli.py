@@ -52,6 +52,8 @@ def bench(
     stream_jobs: Annotated[int, typer.Option(
         min=0, help="Kev jobs run with no client and with an SSE client each, alternately (0: no streaming "
                     "phase)")] = 32,
+    pair_rounds: Annotated[int, typer.Option(min=1, help="runs of each side, alternately, of the free / decision "
+                                                         "grammar and no client / SSE client comparisons")] = 4,
     seed: Annotated[int, typer.Option(help="the seed of the model weights and the workload")] = 0,
     workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (model, database, logs)")] = None,
     redis_url: Annotated[Optional[str], typer.Option(
@@ -89,7 +91,7 @@ def bench(
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url,
                          cuda_graphs=cuda_graphs, window_tokens=window_tokens,
                          prefill_tokens=prefill_tokens, lora_targets=targets, peer=peer, census=census,
-                         stream_jobs=stream_jobs)
+                         pair_rounds=pair_rounds, stream_jobs=stream_jobs)
     command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
                          else ["python", "-m", "modellab.bench", *sys.argv[1:]])
     stem = f"{shape}-{date.today().isoformat()}"
