@@ -231,6 +231,47 @@ def test_a_job_that_runs_out_of_memory_alone_fails_instead_of_going_back_to_the_
     assert (ran.status, ran.completion_tokens) == ("succeeded", 6)
 
 
+def test_a_job_alone_out_of_memory_on_a_card_another_process_filled_waits_and_runs(service_env, tiny_model,
+                                                                                   monkeypatch):
+    """Another process filled the card after the worker sized its slots, and a job alone fails cuDNN's attention
+    (a failed call, not an out-of-memory error: seen on the H200). It fits the worker's budget, so it goes back
+    to the queue rather than failing, and runs once the memory is back."""
+    import worker.engine.loop
+    import worker.memory
+    from shared.settings import Settings
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=1,
+                        ignore_eos=True)
+    with session_scope() as session:
+        job = Job(adapter="kev", requested_adapter="kev", input="Question?", params={**TEXT, "max_new_tokens": 6})
+        session.add(job)
+    engine = Engine(load_model(settings), settings)
+    refusals = []
+    monkeypatch.setattr(worker.memory, "device_free_bytes", lambda: 0)  # the card reads full throughout
+    monkeypatch.setattr(worker.memory, "reserved_bytes", lambda: 2**30)  # well under the budget
+    monkeypatch.setattr(worker.engine.loop, "CARD_FULL_PAUSE_S", 0.01)
+
+    def refused_while_the_card_is_full(module, args):  # noqa: ANN001, ANN202
+        if len(refusals) < 2 and args[0].shape[1] > 1:  # a prefill, until the memory is back
+            refusals.append(True)
+            raise RuntimeError("Expected mha_graph.execute(handle, variant_pack, workspace_ptr.get()).is_good() "
+                               "to be true, but got false.")
+
+    handle = engine.loaded.model.get_input_embeddings().register_forward_pre_hook(refused_while_the_card_is_full)
+    try:
+        assert engine.drain(30) == 3  # claimed, given back twice, then run
+    finally:
+        handle.remove()
+        engine.decoder.close()
+    with session_scope() as session:
+        stored = session.get(Job, job.id)
+    assert len(refusals) == 2
+    assert (stored.status, stored.error_code, stored.completion_tokens) == ("succeeded", None, 6)
+
+
 def test_a_reservation_shrinks_with_the_slots_an_out_of_memory_left(service_env, tiny_model):
     """After out-of-memory errors shrank the decoder to one slot, Laya's reservation must not keep that slot
     from a Kev backlog: the Kev jobs still run."""

@@ -310,6 +310,23 @@ def test_out_of_memory_detection() -> None:
     assert not is_out_of_memory(ValueError("out of memory"))
 
 
+CUDNN_FAILURE = ("Expected mha_graph.execute(handle, variant_pack, workspace_ptr.get()).is_good() to be true, but "
+                 "got false.")  # what cuDNN's attention raised on an H200 another process had filled
+
+
+@pytest.mark.parametrize("free", [0, 8 * 2**30], ids=["card-full", "room-left"])
+def test_a_gpu_library_failing_on_a_full_card_is_out_of_memory(monkeypatch, free: int) -> None:  # noqa: ANN001
+    """cuDNN and cuBLAS report a failed allocation of their own as a failed call: on a full card it is memory
+    (the job goes back to the queue); with room left it is a bug, and must show."""
+    import worker.memory
+    from worker.memory import is_out_of_memory
+
+    monkeypatch.setattr(worker.memory, "device_free_bytes", lambda: free)
+    assert is_out_of_memory(RuntimeError(CUDNN_FAILURE)) is (free == 0)
+    assert is_out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")) is (free == 0)
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))  # not a library's call, whatever the card holds
+
+
 def test_nf4_base_serves_both_adapters_on_the_cpu(model_dirs: dict[str, Path]) -> None:
     """The NF4 path (bitsandbytes Linear4bit, double quant) is the same code the GPU runs; bitsandbytes'
     CPU backend lets it run here."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -27,11 +28,48 @@ def cap_process_memory(budget_gb: float) -> None:
         torch.cuda.set_per_process_memory_fraction(budget_gb * GIB / total, 0)
 
 
+# Less than this free on the card for anyone: the card is full.
+CARD_FULL_BYTES = 256 * 2**20
+# How long a job that ran out of memory on a card another process filled waits before it is claimed again.
+CARD_FULL_PAUSE_S = 1.0
+_GPU_LIBRARY = re.compile(r"cudnn|cublas|mha_graph|CUDA error", re.IGNORECASE)
+
+
+def device_free_bytes() -> int | None:
+    """What the card has free for any process; None off CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.mem_get_info()[0]
+
+
+def reserved_bytes() -> int:
+    """What this process's allocator holds on the card."""
+    import torch
+
+    return torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+
+
+def card_full() -> bool:
+    free = device_free_bytes()
+    return free is not None and free < CARD_FULL_BYTES
+
+
+def memory_taken_elsewhere(budget_bytes: int) -> bool:
+    """The card is full while this process holds well under its budget: another process took the memory, so a
+    job that ran out of it could run here later."""
+    return card_full() and reserved_bytes() + CARD_FULL_BYTES < budget_bytes
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     import torch
 
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "out of memory" in str(exc))
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "out of memory" in str(exc)):
+        return True
+    # cuDNN and cuBLAS report a failed allocation of their own as a failed call (cuDNN's attention: "Expected
+    # mha_graph.execute(...) to be true"); on a full card that is memory too.
+    return isinstance(exc, RuntimeError) and bool(_GPU_LIBRARY.search(str(exc))) and card_full()
 
 
 def after_step_out_of_memory(rows: int) -> tuple[int, int]:

@@ -342,7 +342,7 @@ def test_memory_taken_by_another_process_after_sizing_fails_no_job(env, api, sta
     import subprocess
     import sys
 
-    start_worker(start_process, env, api)
+    worker = start_worker(start_process, env, api)
     hog = subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         left = int(hog.stdout.readline())
@@ -351,7 +351,8 @@ def test_memory_taken_by_another_process_after_sizing_fails_no_job(env, api, sta
         ids = [submit(api, adapter, prompt, max_new_tokens=64)
                for adapter, prompt in zip(["kev", "laya"] * 16, prompts)]
         jobs = wait_finished(api, ids, timeout=300)
-        assert [j["status"] for j in jobs] == ["succeeded"] * 32, [j.get("error") for j in jobs]
+        failed = [(j["status"], j.get("error")) for j in jobs if j["status"] != "succeeded"]
+        assert not failed, (failed, worker.output()[-4000:])
     finally:
         hog.stdin.close()
         hog.wait(timeout=60)

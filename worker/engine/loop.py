@@ -29,6 +29,7 @@ from worker.ledger.claims import claim_group, queue_snapshot, worker_name
 from worker.ledger.leases import leases_kept
 from worker.ledger.settle import failed, generation_request, unreadable
 from worker.memory import (
+    CARD_FULL_PAUSE_S,
     GIB,
     SlotBudget,
     after_prefill_out_of_memory,
@@ -37,6 +38,7 @@ from worker.memory import (
     fit_slots,
     is_out_of_memory,
     kv_bytes_per_token,
+    memory_taken_elsewhere,
 )
 from worker.metrics import METRICS
 
@@ -297,7 +299,15 @@ class Engine:
         self._finished(finished)
 
     def _out_of_memory_alone(self, request: GenerationRequest) -> None:
-        """A job that runs out of memory with nothing beside it fails, rather than going back to the queue again."""
+        """A job that runs out of memory with nothing beside it fails, rather than going back to the queue again;
+        unless another process filled the card, which says nothing of whether the job fits the budget."""
+        if memory_taken_elsewhere(int(self.settings.vram_budget_gb * GIB)):
+            log.warning("job %s: out of memory on a card another process filled; it goes back to the queue",
+                        request.job_id)
+            self.writer.release([request.job_id])
+            METRICS.oom_give_backs.inc()
+            time.sleep(CARD_FULL_PAUSE_S)
+            return
         message = alone_out_of_memory(request.max_new_tokens)
         log.warning("job %s: %s", request.job_id, message)
         self.writer.store([(request.job_id, failed("out_of_memory", message))])
