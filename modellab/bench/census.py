@@ -9,10 +9,13 @@ token, once for `steps` more. Off CUDA the census counts CPU operators' own time
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import re
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -26,15 +29,18 @@ _GEMM = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitk|cublas|\bmm\b|aten::(mm
 _ELEMENTWISE = re.compile(r"elementwise|vectorized|unrolled|reduce|copy|cat|index|fill|aten::", re.I)
 
 
-_REGIONS = {"lora": "row_lora.py", "nf4_matmul": "bitsandbytes", "attention": "sdpa_attention"}
+LORA_RANGE, NF4_RANGE = "kevlaya.row_lora", "kevlaya.nf4_matmul"
+_REGIONS = {"lora": LORA_RANGE, "nf4_matmul": NF4_RANGE, "attention": "sdpa_attention"}
+_FILES = {"lora": "row_lora.py", "nf4_matmul": "bitsandbytes"}  # the same regions, as Python frames name them
 
 
 def kernel_class(name: str, frames: list[str]) -> str:
     """The class of a kernel (or CPU operator) `name` launched from within Python `frames`."""
     where = " ".join(frames)
-    if _REGIONS["lora"] in where:
+    if _REGIONS["lora"] in where or _FILES["lora"] in where:
         return "lora"
-    if _REGIONS["nf4_matmul"] in where or re.search(r"4bit|dequantize|nf4", name, re.I):
+    if _REGIONS["nf4_matmul"] in where or _FILES["nf4_matmul"] in where or re.search(r"4bit|dequantize|nf4", name,
+                                                                                     re.I):
         return "nf4_matmul"
     if _ATTENTION.search(name) or _REGIONS["attention"] in where:
         return "attention"
@@ -53,8 +59,9 @@ class _Regions:
         self.spans: dict[str, tuple[list[float], list[float]]] = {}
         for kind, marker in _REGIONS.items():
             merged: list[list[float]] = []
+            names = (marker, _FILES.get(kind, marker))
             for start, end in sorted((e.time_range.start, e.time_range.end) for e in events
-                                     if ".py(" in e.name and marker in e.name):
+                                     if any(n in e.name for n in names)):
                 if merged and start <= merged[-1][1]:
                     merged[-1][1] = max(merged[-1][1], end)
                 else:
@@ -68,6 +75,30 @@ class _Regions:
             if i >= 0 and t <= ends[i]:
                 found.append(_REGIONS[kind])
         return found
+
+
+@contextlib.contextmanager
+def _ranges() -> Iterator[None]:
+    """Name the LoRA products and bitsandbytes' 4-bit matmuls as profiler ranges while the census runs."""
+    from worker.decoder.row_lora import RowLoRA
+
+    RowLoRA.profile_label = LORA_RANGE
+    try:
+        import bitsandbytes
+    except ImportError:
+        bitsandbytes = None
+    matmul = getattr(bitsandbytes, "matmul_4bit", None)
+    if matmul is not None:
+        def labelled(*args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(NF4_RANGE):
+                return matmul(*args, **kwargs)
+        bitsandbytes.matmul_4bit = labelled
+    try:
+        yield
+    finally:
+        RowLoRA.profile_label = None
+        if matmul is not None:
+            bitsandbytes.matmul_4bit = matmul
 
 
 def _frames(event, regions: _Regions) -> list[str]:  # noqa: ANN001 (a profiler FunctionEvent)
@@ -86,7 +117,7 @@ def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> tuple[d
     if cuda:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, with_stack=True, acc_events=True) as prof:
+    with _ranges(), profile(activities=activities, with_stack=True, acc_events=True) as prof:
         run(requests)
         if cuda:
             torch.cuda.synchronize()

@@ -39,8 +39,9 @@ def decode_busy_fraction(run: Run, device: str, requests: list[GenerationRequest
     if device != "cuda":
         return None
     requests = [dataclasses.replace(r, max_new_tokens=steps + 1) for r in requests]
-    run(requests)  # warm-up
     prefill_only = [dataclasses.replace(r, max_new_tokens=1) for r in requests]
+    run(requests)  # warm-up, of both runs: a cold one-token run would make decode look faster than it is
+    run(prefill_only)
     kernels_one, wall_one = _kernels_and_wall(run, prefill_only)
     kernels_all, wall_all = _kernels_and_wall(run, requests)
     decode_wall, decode_kernels = wall_all - wall_one, kernels_all - kernels_one

@@ -112,7 +112,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     decoder = build_decoder(runtime.loaded, settings.model_copy(update={"engine_cuda_graphs": config.cuda_graphs}))
     try:
         profile = decode_busy_fraction(decoder.run, runtime.device, kev)
-        slots, window = decoder.limit, decoder.window
+        window = decoder.window
         if profile is not None:
             # The same rows under the decision grammar: masks computed while the GPU runs leave its busy share be.
             constrained = [dataclasses.replace(r, grammar=answer_grammar({"output": "decision"}, r.messages, True))
@@ -135,7 +135,8 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     if runtime.device == "cuda":
         variants["census_lora_fp32"] = ({"graphs": False, "lora_dtype": torch.float32}, kernel_census)
     for name, (options, measure) in variants.items():
-        decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
+        # as many slots as rows: the fp32 products need more memory than the sizing left spare under the cap
+        decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
                               eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
                               prefill_tokens=settings.engine_prefill_tokens, **options)
         try:

@@ -33,6 +33,9 @@ class RowLoRA:
     """Installed on a PeftModel: its own LoRA path is switched off and replaced by the row-selected one until
     `remove()`. One instance per model; the decoder calls `select` before every forward pass."""
 
+    # Set by a profiler's user (the benchmark's kernel census): each LoRA product then runs in a range so named.
+    profile_label: str | None = None
+
     def __init__(self, model: PeftModel, adapters: list[str], dtype: torch.dtype | None = None):
         """`dtype`: the LoRA products' dtype, by default the dtype the base layers compute in. PEFT keeps adapter
         weights in fp32 beside a 4-bit base, which costs a cast each way and fp32 (SIMT) matmuls per layer."""
@@ -96,6 +99,12 @@ class RowLoRA:
         return torch.zeros(rows, 1, self.width, dtype=self.mask.dtype, device=self.mask.device)
 
     def _add_delta(self, layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if RowLoRA.profile_label is not None:
+            with torch.profiler.record_function(RowLoRA.profile_label):
+                return self._delta(layer, args, output)
+        return self._delta(layer, args, output)
+
+    def _delta(self, layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor:
         a, b = self._stacked[layer]
         x = args[0].to(a.dtype)
         shrunk = (x @ a.T) * self.mask
