@@ -245,3 +245,65 @@ def batch_load(
     typer.echo(table(result))
     if "drain" in result and not result["drain"]["exactly_once"]["ok"]:
         raise typer.Exit(1)
+
+
+def soak(
+    minutes: Annotated[float, typer.Option(help="stop submitting after this many minutes (or at --jobs)")] = 30,
+    jobs: Annotated[int, typer.Option(min=1, help="stop submitting after this many jobs (or at --minutes)")]
+    = 50_000,
+    rate: Annotated[Optional[float], typer.Option(
+        help="jobs per second, on schedule whatever the answers take (open loop); default: 10, which the CPU "
+             "worker of a 2-core machine keeps up with for these short jobs (it fell behind at 20 idle, at 12 "
+             "beside the test suite)")] = None,
+    sample_every: Annotated[float, typer.Option(help="seconds between two samples of memory and backlog")] = 10,
+    warmup_minutes: Annotated[Optional[float], typer.Option(
+        help="minutes left out of the memory growth figures; default: a tenth of the run")] = None,
+    drain_timeout: Annotated[float, typer.Option(help="seconds the drain after the last submit may take")] = 600,
+    database_url: Annotated[Optional[str], typer.Option(
+        help="a fresh PostgreSQL (migrated here; it must hold no jobs); default: a SQLite file in --workdir")]
+    = None,
+    redis_url: Annotated[Optional[str], typer.Option(help="a Redis to use; default: a private server")] = None,
+    workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (database, logs)")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="write the figures and every sample as JSON here, and the memory curve beside it (.png); without "
+             "it the curve goes to --workdir")] = None,
+) -> None:
+    """A bounded soak with the shipped demo model on the CPU worker: short laya, kev and auto jobs at a steady
+    rate while the API's and the worker's processes' resident memory and the backlog are sampled; then every job
+    checked to have ended exactly once, and memory growth after the warm-up (at the end, at most, slope). Exit
+    code 1 when a job did not end exactly once. Prints a table last."""
+    import logging
+
+    from modellab.bench.load import new_workdir, require_loopback
+    from modellab.bench.soak import DEFAULT_RATE, SoakConfig, plot, require_fresh, run_soak, table
+
+    config = SoakConfig(workdir=workdir or Path(), minutes=minutes, jobs=jobs, rate=rate or DEFAULT_RATE,
+                        sample_every_s=sample_every, warmup_minutes=warmup_minutes, database_url=database_url,
+                        redis_url=redis_url, drain_timeout_s=drain_timeout)
+    if min(minutes, config.rate, sample_every, drain_timeout) <= 0 or (warmup_minutes or 0) < 0:
+        raise typer.BadParameter("--minutes, --rate, --sample-every and --drain-timeout > 0, --warmup-minutes >= 0")
+    if config.warmup_s + 2 * sample_every > config.run_s:
+        raise typer.BadParameter(f"the run ({config.run_s:.0f} s) needs room for the warm-up ({config.warmup_s:.0f} "
+                                 f"s) and two samples after it (--sample-every {sample_every:g})")
+    for given in (redis_url, None if (database_url or "sqlite").startswith("sqlite") else database_url):
+        if given:
+            try:
+                require_loopback(given)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
+    if database_url:
+        try:
+            require_fresh(database_url)
+        except RuntimeError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--database-url") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    config.workdir = workdir or new_workdir()
+    result = run_soak(config)
+    png = out.with_suffix(".png") if out else config.workdir / "soak.png"
+    result["plot"] = str(png)
+    _keep(result, out)
+    plot(result, png)
+    typer.echo(table(result))
+    if not result["exactly_once"]:
+        raise typer.Exit(1)

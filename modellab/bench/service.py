@@ -1,5 +1,6 @@
 """The whole service as a user runs it, as real processes: a Redis-protocol server, the API and the Celery worker
-(`kevlaya api`, `kevlaya worker`) on a SQLite file. Jobs go in over HTTP; what happened is read from the rows."""
+(`kevlaya api`, `kevlaya worker`) on a SQLite file or a PostgreSQL. Jobs go in over HTTP; what happened is read from
+the rows."""
 
 from __future__ import annotations
 
@@ -101,11 +102,13 @@ class Processes:
 
 
 class Service:
-    """API + worker + Redis for one benchmark run; `settings` are KEVLAYA_* values (e.g. the model paths)."""
+    """API + worker + Redis for one benchmark run; `settings` are KEVLAYA_* values (e.g. the model paths). The
+    database is a SQLite file in `workdir` unless `database_url` names another (migrated on start)."""
 
-    def __init__(self, workdir: Path, settings: dict[str, str], redis_url: str | None = None):
+    def __init__(self, workdir: Path, settings: dict[str, str], redis_url: str | None = None,
+                 database_url: str | None = None):
         self.port, self.metrics_port = free_port(), free_port()
-        database_url = f"sqlite:///{workdir / 'bench.db'}"
+        database_url = database_url or f"sqlite:///{workdir / 'bench.db'}"
         self.processes = Processes(workdir, {**settings, "KEVLAYA_API_KEY": API_KEY, "KEVLAYA_API_PORT": str(self.port),
                                               "KEVLAYA_WORKER_METRICS_PORT": str(self.metrics_port)},
                                    database_url, redis_url or f"redis://127.0.0.1:{free_port()}/0")
