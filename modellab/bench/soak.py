@@ -35,10 +35,9 @@ from modellab.bench.stream_load import cpu_seconds, resident_bytes
 
 log = logging.getLogger("kevlaya.soak")
 
-# jobs/s: on the 2-core development machine, idle, the CPU worker kept up with 17/s for 1.5 min and fell behind at
-# 20/s (about 14/s drained); with the test suite running beside it, it fell behind at 12/s. 10/s leaves a margin.
+# jobs/s that the 2-core development machine's CPU worker keeps up with, with a margin (results README: the soak)
 DEFAULT_RATE = 10.0
-ADAPTERS = ("laya", "kev", "auto")
+ROLES = ("laya", "kev", "auto")
 NEW_TOKENS = (4, 5, 6, 7, 8)
 BATCH_EVERY = 10  # one request in ten is a batch submit
 BATCH_SIZE = 8
@@ -78,7 +77,7 @@ def soak_settings(workdir: Path) -> dict[str, str]:
 
 def job_body(rng: random.Random, n: int) -> dict[str, Any]:
     """Text answers: a decision fails unless its object closes within `max_new_tokens`, which 8 never allow."""
-    return {"adapter": ADAPTERS[n % len(ADAPTERS)], "input": decision_prompt(rng),
+    return {"adapter": ROLES[n % len(ROLES)], "input": decision_prompt(rng),
             "params": {"output": "text", "max_new_tokens": NEW_TOKENS[n % len(NEW_TOKENS)]}}
 
 
@@ -400,7 +399,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
     return {"database": make_kind(processes.database_url), "wall_s": round(wall_s, 2),
             **figures(config, submits, samples, drain, wall_s),
             "sampler_error": sampler.error, "samples": samples, **result,
-            "workload": {"adapters": ADAPTERS, "new_tokens": NEW_TOKENS, "output": "text",
+            "workload": {"adapters": ROLES, "new_tokens": NEW_TOKENS, "output": "text",
                          "batch_every": BATCH_EVERY, "batch_size": BATCH_SIZE},
             "config": {"minutes": config.minutes, "jobs": config.jobs, "rate": config.rate,
                        "sample_every_s": config.sample_every_s, "warmup_s": round(config.warmup_s, 2),
