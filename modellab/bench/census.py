@@ -1,7 +1,8 @@
 """A kernel census of one decode step: what the GPU runs, by class, from the PyTorch profiler.
 
-Each kernel is attributed to the operator that launched it and that operator's Python stack, so a LoRA product
-is told from the LM head although both are plain GEMMs. The steps must run eager (no CUDA graph), since a graph's
+Each kernel is attributed to the operator that launched it and the named ranges that operator ran in (the LoRA
+products and bitsandbytes' 4-bit matmuls run inside ranges while the census profiles), so a LoRA product is told
+from the LM head although both are plain GEMMs. The steps must run eager (no CUDA graph), since a graph's
 kernels are replayed without their operators. Prefill is taken out as in profile.py: the same rows once for one
 token, once for `steps` more. Off CUDA the census counts CPU operators' own time instead, by the same classes.
 """
@@ -30,19 +31,17 @@ _ELEMENTWISE = re.compile(r"elementwise|vectorized|unrolled|reduce|copy|cat|inde
 
 
 LORA_RANGE, NF4_RANGE = "kevlaya.row_lora", "kevlaya.nf4_matmul"
-_REGIONS = {"lora": LORA_RANGE, "nf4_matmul": NF4_RANGE, "attention": "sdpa_attention"}
-_FILES = {"lora": "row_lora.py", "nf4_matmul": "bitsandbytes"}  # the same regions, as Python frames name them
+_REGIONS = {"lora": LORA_RANGE, "nf4_matmul": NF4_RANGE}
 
 
 def kernel_class(name: str, frames: list[str]) -> str:
     """The class of a kernel (or CPU operator) `name` launched from within Python `frames`."""
     where = " ".join(frames)
-    if _REGIONS["lora"] in where or _FILES["lora"] in where:
+    if _REGIONS["lora"] in where:
         return "lora"
-    if _REGIONS["nf4_matmul"] in where or _FILES["nf4_matmul"] in where or re.search(r"4bit|dequantize|nf4", name,
-                                                                                     re.I):
+    if _REGIONS["nf4_matmul"] in where or re.search(r"4bit|dequantize|nf4", name, re.I):
         return "nf4_matmul"
-    if _ATTENTION.search(name) or _REGIONS["attention"] in where:
+    if _ATTENTION.search(name):
         return "attention"
     if _GEMM.search(name):
         return "other_gemm"  # the LM head, and any projection a maintained kernel does not cover
@@ -52,16 +51,14 @@ def kernel_class(name: str, frames: list[str]) -> str:
 
 
 class _Regions:
-    """The time spans of the Python functions that name a class (the LoRA hook, bitsandbytes, SDPA), so an
-    operator is placed by when it ran as well as by its recorded parents."""
+    """The time spans of the named ranges, so an operator is placed by when it ran as well as by its recorded
+    parents."""
 
     def __init__(self, events: list) -> None:  # noqa: ANN001 (profiler FunctionEvents)
         self.spans: dict[str, tuple[list[float], list[float]]] = {}
         for kind, marker in _REGIONS.items():
             merged: list[list[float]] = []
-            names = (marker, _FILES.get(kind, marker))
-            for start, end in sorted((e.time_range.start, e.time_range.end) for e in events
-                                     if any(n in e.name for n in names)):
+            for start, end in sorted((e.time_range.start, e.time_range.end) for e in events if marker in e.name):
                 if merged and start <= merged[-1][1]:
                     merged[-1][1] = max(merged[-1][1], end)
                 else:
@@ -102,9 +99,8 @@ def _ranges() -> Iterator[None]:
 
 
 def _frames(event, regions: _Regions) -> list[str]:  # noqa: ANN001 (a profiler FunctionEvent)
-    """Where an operator ran from: its recorded stack, the Python functions recorded around it, and the class
-    regions it ran within."""
-    frames = list(event.stack or [])
+    """The ranges an operator ran within: its recorded parents, and the named ranges its start falls in."""
+    frames = []
     parent = event.cpu_parent
     while parent is not None:
         frames.append(parent.name)
@@ -117,7 +113,7 @@ def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> tuple[d
     if cuda:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with _ranges(), profile(activities=activities, with_stack=True, acc_events=True) as prof:
+    with _ranges(), profile(activities=activities, acc_events=True) as prof:
         run(requests)
         if cuda:
             torch.cuda.synchronize()
