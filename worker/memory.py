@@ -20,12 +20,16 @@ GIB = 2**30
 
 def cap_process_memory(budget_gb: float) -> None:
     """On a GPU with more memory than the budget, cap this process to it, so a 6 GB card is emulated on a bigger
-    one and over-budget work fails in testing as it would on the real card."""
+    one and over-budget work fails in testing as it would on the real card. And keep the attention's memory
+    inside what the allocator holds: cuDNN's attention builds and loads a new plan for each new prompt shape,
+    with memory taken from the card outside the allocator, which fails once another process filled the card;
+    the flash and memory-efficient kernels are loaded once and use the allocator's memory."""
     import torch
 
     total = torch.cuda.get_device_properties(0).total_memory
     if budget_gb * GIB < total:
         torch.cuda.set_per_process_memory_fraction(budget_gb * GIB / total, 0)
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 # Less than this free on the card for anyone: the card is full.

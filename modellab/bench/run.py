@@ -129,7 +129,10 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     # profiler's Python tracing is the dearest thing here and nothing timed runs after it.
     variants: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {}
     if runtime.device == "cuda":
-        variants["lora_fp32"] = ({"graphs": config.cuda_graphs, "lora_dtype": torch.float32}, decode_busy_fraction)
+        # one prompt per prefill: the fp32 products of a full prefill group do not fit beside the rows under the
+        # cap, and the pair compares decode steps
+        variants["lora_fp32"] = ({"graphs": config.cuda_graphs, "lora_dtype": torch.float32,
+                                  "prefill_tokens": window}, decode_busy_fraction)
         variants["profile_again"] = ({"graphs": config.cuda_graphs}, decode_busy_fraction)
     variants["census"] = ({"graphs": False}, kernel_census)
     if runtime.device == "cuda":
@@ -138,7 +141,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
         # as many slots as rows: the fp32 products need more memory than the sizing left spare under the cap
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
                               eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
-                              prefill_tokens=settings.engine_prefill_tokens, **options)
+                              **{"prefill_tokens": settings.engine_prefill_tokens, **options})
         try:
             figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))
         finally:

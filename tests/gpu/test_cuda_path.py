@@ -350,7 +350,10 @@ def test_memory_taken_by_another_process_after_sizing_fails_no_job(env, api, sta
         prompts = [render_prompt(s) for _, s in load_scenarios(DEMO / "test_scenarios.jsonl", 32)]
         ids = [submit(api, adapter, prompt, max_new_tokens=64)
                for adapter, prompt in zip(["kev", "laya"] * 16, prompts)]
-        jobs = wait_finished(api, ids, timeout=300)
+        try:
+            jobs = wait_finished(api, ids, timeout=180)
+        except Exception as exc:  # a job put back for ever: say why from the worker's log
+            raise AssertionError(f"{exc}\n{worker.output()[-6000:]}") from exc
         failed = [(j["status"], j.get("error")) for j in jobs if j["status"] != "succeeded"]
         assert not failed, (failed, worker.output()[-4000:])
     finally:
