@@ -32,7 +32,11 @@ log = logging.getLogger("kevlaya.api")
 
 QUEUE_EVENTS = 256  # per follower; beyond this it reads from the stream itself
 READ_COUNT = 512  # entries per catch-up read
+READ_CONNECTIONS = 32  # Redis connections for the catch-up reads of all followers
 BLOCK_MS = 100  # a reader's XREAD waits this long at most, so a new follower's stream joins the next one
+# Followers woken between two turns of the event loop: each turn also serves the other requests (a health probe
+# waits for at most one slice of deliveries, not for every client of every job).
+WAKE_SLICE = 32
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,11 @@ class Follower:
         self.wake.clear()
         if self.behind or self.finished:
             self.behind = False  # the reader queues what comes next while this reads what came before
-            out = await read_after(client, self.job_id, self.position)
+            try:
+                out = await read_after(client, self.job_id, self.position)
+            except BaseException:
+                self.behind = True  # what this read was to bring is still to be read
+                raise
             # Still behind if there is more to read, or if the queue filled up during the read (the reader then
             # dropped what it could not queue).
             self.behind = self.behind or len(out) == READ_COUNT
@@ -133,10 +141,12 @@ class StreamReader:
         self._joined = asyncio.Event()
 
     def client(self) -> aioredis.Redis:
-        """The connection pool followers read their catch-ups with."""
+        """The connection pool followers read their catch-ups with. Hundreds start or fall behind at once: a
+        catch-up waits for one of READ_CONNECTIONS (redis-py's own pool would refuse it beyond 100)."""
         if self._client is None:
-            self._client = aioredis.Redis.from_url(get_settings().redis_url, socket_connect_timeout=2,
-                                                   socket_timeout=5)
+            pool = aioredis.BlockingConnectionPool.from_url(get_settings().redis_url, max_connections=READ_CONNECTIONS,
+                                                            timeout=5, socket_connect_timeout=2, socket_timeout=5)
+            self._client = aioredis.Redis.from_pool(pool)  # closed with the client
         return self._client
 
     @contextmanager
@@ -185,17 +195,24 @@ class StreamReader:
                             follower.wake.set()
                     await asyncio.sleep(1)
                     continue
+                woken = 0
                 for key, rows in replies or ():
                     key = key.decode() if isinstance(key, bytes) else key
-                    self._hand_out(key, [_event(entry_id, fields) for entry_id, fields in rows])
+                    woken = await self._hand_out(key, [_event(entry_id, fields) for entry_id, fields in rows], woken)
         finally:
             await client.aclose()
 
-    def _hand_out(self, key: str, events: list[StreamEvent]) -> None:
+    async def _hand_out(self, key: str, events: list[StreamEvent], woken: int = 0) -> int:
+        """Queue the entries for the key's followers and wake them; returns `woken` plus the followers woken."""
         if not events or key not in self._cursors:
-            return
+            return woken
         self._cursors[key] = events[-1].id
-        for follower in self._followers.get(key, ()):
+        # A copy: followers come and go while the loop turns. One that joins meanwhile starts behind and reads
+        # these entries itself.
+        for follower in list(self._followers.get(key, ())):
+            woken += 1
+            if woken % WAKE_SLICE == 0:
+                await asyncio.sleep(0)
             if not follower.behind:
                 for event in events:
                     try:
@@ -204,6 +221,7 @@ class StreamReader:
                         follower.behind = True  # it reads the rest itself; the queue stays bounded
                         break
             follower.wake.set()
+        return woken
 
 
 reader = StreamReader()
@@ -212,8 +230,9 @@ reader = StreamReader()
 async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], position: str,
                      heartbeat_s: float) -> AsyncIterator[list[StreamEvent] | JobOut | Gap | None]:
     """What a client following `job` (not finished when it was read) is told, in order: stream entries after
-    `position` (as many at once as were there), a Gap where the stream cannot continue (then all it holds),
-    None when `heartbeat_s` passed in silence, and last the finished job, as stored."""
+    `position` (as many at once as were there), a Gap where the stream cannot continue (then all it holds; or,
+    once the job ended and its stream cannot be read, nothing more: the stored text is the text), None when
+    `heartbeat_s` passed in silence, and last the finished job, as stored."""
     with reader.follow(job.id, position) as follower:
         await notices.subscribed(timeout_s=1.0)
         job = await read_job()  # followed first, read second: a notice in between is not missed
@@ -228,6 +247,12 @@ async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], pos
                 follower.position, follower.behind = "0", True
                 continue
             except Exception as exc:  # Redis away: the end still comes from the row
+                # Ended, and the rest of its text cannot be read: the stored row is the text. (A notice can also
+                # wake a follower whose job goes on: the row says which.)
+                if follower.finished and (ended := await read_job()).status in JobStatus.FINISHED:
+                    job = ended
+                    yield Gap(f"the stream of job {job.id} is unreadable at its end: {exc}")
+                    break
                 log.warning("job %s: stream unreadable (%s); following its row", job.id, exc)
                 events = []
                 await asyncio.sleep(min(1.0, heartbeat_s))
@@ -238,5 +263,6 @@ async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], pos
                 job = await read_job()
             elif not events:
                 yield None
-                job = await read_job()  # a lost notice costs one heartbeat at most
+                if (await read_job()).status in JobStatus.FINISHED:  # a lost notice costs one heartbeat at most
+                    follower.finished = True  # and the rest of the stream is read before the end
         yield job

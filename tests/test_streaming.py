@@ -11,6 +11,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from modellab.bench.sse import streamed_text
 from shared.settings import DEFAULT_MODEL_DIR
 from tests.conftest import AUTH, start_worker, submit, wait_until
 
@@ -58,17 +59,6 @@ def follow(api: httpx.Client, job_id: str, last_event_id: str | None = None, sto
             if event["event"] == "done" or (stop_after is not None and len(seen) >= stop_after):
                 break
     return seen
-
-
-def streamed_text(events: list[dict]) -> str:
-    """The text a client builds: deltas appended, a `running` status or a `resync` restarting it."""
-    text = ""
-    for event in events:
-        if event["event"] == "resync" or (event["event"] == "status" and event["data"]["status"] == "running"):
-            text = ""
-        elif event["event"] == "delta":
-            text += event["data"]["text"]
-    return text
 
 
 @pytest.mark.integration
@@ -242,8 +232,11 @@ def test_api_restarted_mid_stream_the_client_resumes_with_last_event_id(env, sta
 @pytest.mark.faults
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("env", [SLOW], indirect=True)
+@pytest.mark.parametrize("outage", ["2s", "until-the-job-ended"])
 def test_redis_restarted_mid_stream_clients_resynchronise_and_lose_nothing(env, start_process, tmp_path,
-                                                                           monkeypatch):
+                                                                           monkeypatch, outage):
+    """Redis restarts empty while three clients follow a job: for 2 s (the job goes on after), or until the job
+    has ended (its last text and its finished notice never reach Redis)."""
     from tests.conftest import RedisServer, reset_process_state, start_api
 
     own = RedisServer(tmp_path / "own-redis")  # without its data: the streams are gone when it is back
@@ -258,7 +251,11 @@ def test_redis_restarted_mid_stream_clients_resynchronise_and_lose_nothing(env, 
         watchers = [Watcher(str(api.base_url), job_id) for _ in range(3)]
         wait_until(lambda: all(w.deltas() > 5 for w in watchers), 120, interval=0.05, what="the text to stream")
         own.stop()
-        threading.Event().wait(2)
+        if outage == "2s":
+            threading.Event().wait(2)
+        else:
+            wait_until(lambda: api.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded", 120, interval=0.1,
+                       what="the job to end")
         own.start()
         for watcher in watchers:
             events = watcher.finish()
@@ -333,6 +330,94 @@ def test_a_piece_that_is_not_utf8_stops_the_live_text_until_the_stored_text():
 
 
 @pytest.mark.integration
+def test_hundreds_of_followers_catching_up_at_once_all_read_the_stream(redis_server, monkeypatch):
+    """Every follower starts behind and reads what came before itself: 300 at once wait for a connection of the
+    pool rather than fail (redis-py's own pool refused the 101st: "Too many connections")."""
+    import asyncio
+    import uuid
+
+    import redis as sync_redis
+
+    import api.job_events as job_events
+    from shared.job_stream import entry, stream_key
+    from tests.conftest import reset_process_state
+
+    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    reset_process_state()
+    job_id = uuid.uuid4()
+    writer = sync_redis.Redis.from_url(redis_server.url)
+    for i in range(5):
+        writer.xadd(stream_key(job_id), entry("delta", text=f"{i},", tokens=i + 1))
+
+    async def main() -> list:
+        reader = job_events.StreamReader()
+        client = reader.client()
+        followers = [job_events.Follower(job_id, "0") for _ in range(300)]
+        try:
+            return await asyncio.gather(*(f.events(client, 0.1) for f in followers), return_exceptions=True)
+        finally:
+            await reader.close()
+
+    results = asyncio.run(main())
+    assert [r for r in results if not isinstance(r, list)] == []
+    assert all("".join(e.data["text"] for e in r) == "0,1,2,3,4," for r in results)
+
+
+@pytest.mark.integration
+def test_a_follower_woken_while_its_job_runs_and_the_stream_is_unreadable_does_not_end(redis_server, monkeypatch):
+    """The notices wake every follower when they (re)subscribe, whether its job ended or not. A follower so woken
+    whose stream read then fails goes on following while the row says the job runs, and ends only with the
+    finished job."""
+    import asyncio
+    import contextlib
+    import uuid
+    from types import SimpleNamespace
+
+    import api.job_events as job_events
+    from shared.models import JobStatus
+    from tests.conftest import reset_process_state
+
+    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    reset_process_state()
+    reads = []
+
+    async def read_job():  # the row: running for its first three reads
+        reads.append(1)
+        return SimpleNamespace(id=job_id, status=JobStatus.RUNNING if len(reads) <= 3 else JobStatus.SUCCEEDED)
+
+    async def unreadable(client, job, position):  # noqa: ANN001, ANN202
+        raise ConnectionError("Too many connections")
+
+    class WakeAtOnce:  # a (re)subscribe wakes the follower as soon as it follows
+        @staticmethod
+        @contextlib.contextmanager
+        def watch(job_id, waiter):  # noqa: ANN001, ANN205
+            waiter.set()
+            yield waiter
+
+        @staticmethod
+        async def subscribed(timeout_s):  # noqa: ANN001, ANN205
+            return None
+
+    monkeypatch.setattr(job_events, "notices", WakeAtOnce)
+    monkeypatch.setattr(job_events, "read_after", unreadable)
+    job_id = uuid.uuid4()
+
+    monkeypatch.setattr(job_events.reader, "_ensure_reading", lambda: None)
+
+    async def main() -> list:
+        out = [item async for item in job_events.follow_job(SimpleNamespace(id=job_id, status=JobStatus.RUNNING),
+                                                            read_job, "0", 0.01)]
+        await job_events.reader.close()
+        return out
+
+    items = asyncio.run(main())
+    ends = [item for item in items if isinstance(item, SimpleNamespace)]
+    assert [end.status for end in ends] == [JobStatus.SUCCEEDED]  # one end, the finished job
+    assert isinstance(items[-2], job_events.Gap)  # its text is the stored one
+
+
+@pytest.mark.integration
 def test_a_follower_whose_queue_fills_while_it_reads_loses_nothing(redis_server, monkeypatch):
     """Regression: the reader drops what a full queue cannot take and marks the follower behind; a catch-up read
     that was in flight meanwhile must leave it behind, so it reads the dropped entries from the stream."""
@@ -369,7 +454,7 @@ def test_a_follower_whose_queue_fills_while_it_reads_loses_nothing(redis_server,
         # while this read was in flight, many more entries came and the reader handed them out
         ids = [writer.xadd(stream_key(job_id), entry("delta", text=f"{i},", tokens=i + 1)) for i in range(5, 5 + flood)]
         fresh = await client.xrange(stream_key(job_id), min=ids[0], max=ids[-1])
-        reader._hand_out(stream_key(job_id), [job_events._event(i, f) for i, f in fresh])
+        await reader._hand_out(stream_key(job_id), [job_events._event(i, f) for i, f in fresh])
         return rows
 
     monkeypatch.setattr(job_events, "read_after", read_while_the_stream_grows)

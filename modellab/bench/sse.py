@@ -1,5 +1,5 @@
-"""Server-Sent Events as the benchmarks' clients read them, fed one line at a time, so any HTTP client (aiohttp,
-httpx) shares one parser."""
+"""Server-Sent Events as the benchmarks' and the tests' clients read them, fed one line at a time, so any HTTP
+client (aiohttp, httpx) shares one parser; and the text such a client builds from the job's events."""
 
 from __future__ import annotations
 
@@ -24,3 +24,17 @@ class SseParser:
             value = value[1:] if value.startswith(" ") else value
             self._event[name] = json.loads(value) if name == "data" else value
         return None
+
+
+def streamed_text(events: list[dict[str, Any]]) -> str:
+    """The text a client of the job's events builds: deltas appended, a `running` status restarting it, a `resync`
+    setting it to the stored job's (none while the job runs)."""
+    text = ""
+    for event in events:
+        if event["event"] == "resync":
+            text = ((event["data"]["job"].get("result") or {}).get("text")) or ""
+        elif event["event"] == "status" and event["data"]["status"] == "running":
+            text = ""
+        elif event["event"] == "delta":
+            text += event["data"]["text"]
+    return text

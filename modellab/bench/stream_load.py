@@ -23,7 +23,7 @@ import httpx
 
 from modellab.bench.load import percentile
 from modellab.bench.service import API_KEY, Service
-from modellab.bench.sse import SseParser
+from modellab.bench.sse import SseParser, streamed_text
 from shared.job_stream import entry_order
 from shared.settings import DEFAULT_MODEL_DIR
 
@@ -59,13 +59,7 @@ class ClientRun:
             return out + ["no done event"]
         if self.events[-1]["data"] != stored:
             out.append("done is not the stored job")
-        text = ""
-        for event in self.events:
-            if event["event"] == "resync" or (event["event"] == "status" and event["data"]["status"] == "running"):
-                text = ""
-            elif event["event"] == "delta":
-                text += event["data"]["text"]
-        if text != (stored["result"] or {}).get("text"):
+        if streamed_text(self.events) != (stored["result"] or {}).get("text"):
             out.append("the streamed text is not the stored one")
         return out
 
