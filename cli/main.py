@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from cli import batch, db, dev, keys, models, serve
-from modellab.bench.cli import batch_load, bench, load, soak, stream_load
+from modellab.bench.cli import batch_load, bench, load, scale_out, soak, stream_load
 
 app = typer.Typer(help="Kev & Laya decision-job service.", no_args_is_help=True, add_completion=False)
 app.add_typer(db.app, name="db")
@@ -18,6 +18,7 @@ app.command("load")(load)
 app.command("stream-load")(stream_load)
 app.command("batch-load")(batch_load)
 app.command("soak")(soak)
+app.command("scale-out")(scale_out)
 app.command("api")(serve.api)
 app.command("worker")(serve.worker)
 app.command("worker-health")(serve.worker_health)

@@ -307,3 +307,105 @@ def soak(
     typer.echo(table(result))
     if not result["exactly_once"]:
         raise typer.Exit(1)
+
+
+def scale_out(
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs to spread the workers over, one `kevlaya worker` each (its "
+                                               "CUDA_VISIBLE_DEVICES set to that GPU); on --device cpu, the number "
+                                               "of CPU workers")] = 2,
+    workers_per_gpu: Annotated[int, typer.Option(min=1, help="workers on each GPU, each capped to --vram-budget-gb "
+                                                          "(2 with --gpus 1: the path on a machine of one GPU)")] = 1,
+    device: Annotated[str, typer.Option(help="auto (cuda when torch sees a GPU), cuda or cpu (the workers' torch on "
+                                             "one thread each)")] = "auto",
+    shape: Annotated[Optional[str], typer.Option(
+        help=f"model shape, random weights: {', '.join(SHAPES)}; default: qwen2.5-3b on cuda, tiny on cpu")] = None,
+    jobs: Annotated[int, typer.Option(min=2, help="jobs in each phase's workload: kev and laya interleaved, the "
+                                                  "benchmark's prompts")] = 256,
+    kev_tokens: Annotated[int, typer.Option(min=1, help="new tokens per Kev job (exact: end-of-sequence ignored)")]
+    = 128,
+    laya_tokens: Annotated[int, typer.Option(min=1, help="new tokens per Laya job (exact)")] = 32,
+    prompt_min: Annotated[int, typer.Option(help="shortest prompt, tokens")] = 200,
+    prompt_max: Annotated[int, typer.Option(help="longest prompt, tokens")] = 256,
+    max_batch: Annotated[int, typer.Option(min=1, help="KEVLAYA_MAX_BATCH for the service")] = 16,
+    vram_budget_gb: Annotated[float, typer.Option(
+        help="KEVLAYA_VRAM_BUDGET_GB: each worker's allocator cap, GiB (5.5 = a 6 GB card after its context)")] = 5.5,
+    lease_seconds: Annotated[Optional[float], typer.Option(
+        help="KEVLAYA_LEASE_SECONDS for the service: a killed worker's jobs come back this long after its last "
+             "lease renewal; default: the service's setting")] = None,
+    sweep_interval: Annotated[Optional[float], typer.Option(
+        help="KEVLAYA_SWEEP_INTERVAL_S for the service: how often a worker re-queues expired leases; default: the "
+             "service's setting")] = None,
+    kill: Annotated[bool, typer.Option(help="phase 3: the workload again with one worker SIGKILLed mid-run")] = True,
+    timeout: Annotated[float, typer.Option(help="seconds each phase may take")] = 1800,
+    seed: Annotated[int, typer.Option(help="the seed of the model weights and the workload")] = 0,
+    database_url: Annotated[Optional[str], typer.Option(
+        help="a fresh PostgreSQL (migrated here; it must hold no jobs); default: a SQLite file in --workdir")]
+    = None,
+    redis_url: Annotated[Optional[str], typer.Option(help="a Redis to use; default: a private server")] = None,
+    workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (model, database, logs)")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="write the figures as JSON here, and the plot beside it (.png); default: scale-out.json in --workdir")]
+    = None,
+) -> None:
+    """Scale-out: one API, Redis and database, then the benchmark's workload on one worker alone, on N workers
+    (--gpus x --workers-per-gpu, each pinned to its GPU), and on N workers with one SIGKILLed mid-run: jobs/s, the
+    speedup, and every job ended exactly once in each phase (the killed worker's jobs once more, on the survivors,
+    after its lease). Exit code 1 when a check fails. Prints a table last."""
+    import logging
+
+    from modellab.bench.load import new_workdir, require_loopback
+    from modellab.bench.scale_out import ScaleOutConfig, plot, run_scale_out, table, visible_gpus
+    from modellab.bench.soak import require_fresh
+
+    if device not in ("auto", "cuda", "cpu"):
+        raise typer.BadParameter("must be auto, cuda or cpu", param_hint="--device")
+    if shape is not None and shape not in SHAPES:
+        raise typer.BadParameter(f"must be one of {', '.join(SHAPES)}", param_hint="--shape")
+    if gpus * workers_per_gpu < 2:
+        raise typer.BadParameter("scale-out needs at least 2 workers (--gpus x --workers-per-gpu): --gpus 2, or "
+                                 "--gpus 1 --workers-per-gpu 2 on one GPU", param_hint="--gpus")
+    if not 1 <= prompt_min <= prompt_max:
+        raise typer.BadParameter("needs 1 <= --prompt-min <= --prompt-max", param_hint="--prompt-min")
+    if min(timeout, vram_budget_gb, *(v for v in (lease_seconds, sweep_interval) if v is not None)) <= 0:
+        raise typer.BadParameter("--timeout, --vram-budget-gb, --lease-seconds and --sweep-interval must be > 0")
+    if device != "cpu":
+        visible = visible_gpus()
+        if device == "auto":
+            device = "cuda" if visible else "cpu"
+        if device == "cuda" and len(visible) < gpus:
+            raise typer.BadParameter(
+                f"--gpus {gpus} on cuda needs {gpus} GPU(s) and this machine has {len(visible)} visible "
+                "(CUDA_VISIBLE_DEVICES counts); two workers on one GPU: --gpus 1 --workers-per-gpu 2",
+                param_hint="--gpus")
+    for given in (redis_url, None if (database_url or "sqlite").startswith("sqlite") else database_url):
+        if given:
+            try:
+                require_loopback(given)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
+    if database_url:
+        try:
+            require_fresh(database_url)
+        except RuntimeError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--database-url") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll would bury the progress
+    scratch = workdir or new_workdir()
+    logging.getLogger("kevlaya.scale_out").info("scratch directory (model, database, logs): %s", scratch)
+    config = ScaleOutConfig(workdir=scratch, device=device, gpus=gpus, workers_per_gpu=workers_per_gpu,
+                            shape=shape or ("qwen2.5-3b" if device == "cuda" else "tiny"), jobs=jobs,
+                            prompt_tokens=(prompt_min, prompt_max), new_tokens={"kev": kev_tokens, "laya": laya_tokens},
+                            max_batch=max_batch, vram_budget_gb=vram_budget_gb, lease_seconds=lease_seconds,
+                            sweep_interval_s=sweep_interval, kill=kill, timeout_s=timeout, seed=seed,
+                            database_url=database_url, redis_url=redis_url)
+    json_path = out or scratch / "scale-out.json"
+    png_path = json_path.with_suffix(".png")
+    # Written after every phase: a run stopped early (a time limit on a lent GPU) keeps what it measured.
+    result = run_scale_out(config, save=lambda partial: _keep({**partial, "plot": str(png_path)}, json_path))
+    result["plot"] = str(png_path)
+    _keep(result, json_path)
+    plot(result, png_path)
+    typer.echo(f"written {json_path} and {png_path}")
+    typer.echo(table(result))
+    if not result["ok"]:
+        raise typer.Exit(1)
