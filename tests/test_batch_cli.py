@@ -113,8 +113,11 @@ def test_cancel_ends_a_batch_no_worker_runs(env, api, tmp_path):
 def test_ctrl_c_leaves_the_batch_running_and_the_printed_wait_command_fetches_its_results(
         env, api, start_process, tmp_path):
     source = write_jsonl(tmp_path / "questions.jsonl", [request_line(f"r{i}") for i in range(4)])
+    # Ctrl-C as a terminal delivers it to its foreground command, whatever this run inherited (a shell starts a
+    # background job with SIGINT ignored, and a child keeps that)
     run = subprocess.Popen(batch_args(env, "run", str(source), "--poll", "0.2"), cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         batches = wait_until(lambda: api.get("/v1/batches").json()["data"], 60, what="the batch to be created")
         wait_until(lambda: status(api, batches[0]["id"]) == "in_progress", 30, what="the batch to be in progress")
