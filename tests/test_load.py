@@ -116,4 +116,6 @@ def test_at_a_rate_submits_go_out_on_schedule_and_count_their_wait(tmp_path: Pat
     assert paced["offered_rate_per_s"] == 40 and paced["accepted_jobs"] == 60
     assert 1.45 <= paced["seconds"] <= 2.5 and paced["p50_ms"] < 100
     assert closed["offered_rate_per_s"] is None
-    assert behind["p50_ms"] > 10 * closed["p50_ms"] and behind["max_ms"] > 1.5 * behind["p50_ms"]
+    # The last waited for all 60 answers, the median for about 30: twice as long when answers take equal times;
+    # on a busy machine the first answers can take several times longer than the last.
+    assert behind["p50_ms"] > 10 * closed["p50_ms"] and behind["max_ms"] > 1.2 * behind["p50_ms"]
