@@ -274,8 +274,8 @@ def soak(
     code 1 when a job did not end exactly once. Prints a table last."""
     import logging
 
-    from modellab.bench.load import new_workdir, require_loopback
-    from modellab.bench.soak import DEFAULT_RATE, SoakConfig, plot, require_fresh, run_soak, table
+    from modellab.bench.load import new_workdir
+    from modellab.bench.soak import DEFAULT_RATE, SoakConfig, plot, run_soak, table
 
     config = SoakConfig(workdir=workdir or Path(), minutes=minutes, jobs=jobs, rate=rate or DEFAULT_RATE,
                         sample_every_s=sample_every, warmup_minutes=warmup_minutes, database_url=database_url,
@@ -285,17 +285,7 @@ def soak(
     if config.warmup_s + 2 * sample_every > config.run_s:
         raise typer.BadParameter(f"the run ({config.run_s:.0f} s) needs room for the warm-up ({config.warmup_s:.0f} "
                                  f"s) and two samples after it (--sample-every {sample_every:g})")
-    for given in (redis_url, None if (database_url or "sqlite").startswith("sqlite") else database_url):
-        if given:
-            try:
-                require_loopback(given)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc)) from None
-    if database_url:
-        try:
-            require_fresh(database_url)
-        except RuntimeError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--database-url") from None
+    _check_servers(redis_url, database_url)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config.workdir = workdir or new_workdir()
@@ -353,9 +343,8 @@ def scale_out(
     after its lease). Exit code 1 when a check fails. Prints a table last."""
     import logging
 
-    from modellab.bench.load import new_workdir, require_loopback
+    from modellab.bench.load import new_workdir
     from modellab.bench.scale_out import ScaleOutConfig, plot, run_scale_out, table, visible_gpus
-    from modellab.bench.soak import require_fresh
 
     if device not in ("auto", "cuda", "cpu"):
         raise typer.BadParameter("must be auto, cuda or cpu", param_hint="--device")
@@ -377,17 +366,7 @@ def scale_out(
                 f"--gpus {gpus} on cuda needs {gpus} GPU(s) and this machine has {len(visible)} visible "
                 "(CUDA_VISIBLE_DEVICES counts); two workers on one GPU: --gpus 1 --workers-per-gpu 2",
                 param_hint="--gpus")
-    for given in (redis_url, None if (database_url or "sqlite").startswith("sqlite") else database_url):
-        if given:
-            try:
-                require_loopback(given)
-            except ValueError as exc:
-                raise typer.BadParameter(str(exc)) from None
-    if database_url:
-        try:
-            require_fresh(database_url)
-        except RuntimeError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--database-url") from None
+    _check_servers(redis_url, database_url)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll would bury the progress
     scratch = workdir or new_workdir()
@@ -409,3 +388,21 @@ def scale_out(
     typer.echo(table(result))
     if not result["ok"]:
         raise typer.Exit(1)
+
+
+def _check_servers(redis_url: str | None, database_url: str | None) -> None:
+    """The Redis and the database a soak or a scale-out run is given: on loopback, and the database fresh."""
+    from modellab.bench.load import require_loopback
+    from modellab.bench.soak import require_fresh
+
+    for given in (redis_url, None if (database_url or "sqlite").startswith("sqlite") else database_url):
+        if given:
+            try:
+                require_loopback(given)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc)) from None
+    if database_url:
+        try:
+            require_fresh(database_url)
+        except RuntimeError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--database-url") from None
