@@ -28,6 +28,11 @@ from shared.redis_server import redis_server_binary, start_redis_server
 from shared.settings import get_settings
 from tests.postgres_server import PostgresServer
 
+# One OpenMP thread per process, set before torch is first imported (none of the imports above does): the test
+# processes and the API, worker and CLI processes they start share this machine's cores, and idle OpenMP threads
+# spin-wait, taking the CPU the other processes need (results README: the test suite).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 POSTGRES_ADMIN_URL = os.environ.get("KEVLAYA_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
