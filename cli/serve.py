@@ -51,9 +51,11 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
 def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:
     """Run the GPU worker: one Celery prefork child at concurrency 1 that loads the model."""
     require_own_schema()
+    # Without mingle and gossip: they sync revoked tasks and clocks with the other workers, and a job's state is its
+    # row, never a Celery revoke; mingle also waited a second at every start for neighbours' replies.
     _exec_celery(["-A", "worker.tasks", "worker", "--pool", "prefork", "--concurrency", "1",
-                      "--prefetch-multiplier", "1", "-E", "-n", f"kevlaya-{os.getpid()}@{socket.gethostname()}",
-                      "--loglevel", loglevel])
+                  "--prefetch-multiplier", "1", "-E", "--without-mingle", "--without-gossip",
+                  "-n", f"kevlaya-{os.getpid()}@{socket.gethostname()}", "--loglevel", loglevel])
 
 
 def worker_health() -> None:
