@@ -7,7 +7,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # Test processes: a serial run keeps under one core busy (tests wait on real servers and workers); 4 on 2 cores
-# ran only 4 % faster than 2, with twice the processes sharing the cores that timing tests measure on (results
+# ran only 8 % faster than 2, with twice the processes sharing the cores that timing tests measure on (results
 # README: the test suite). With worksteal a process that runs out of tests takes some of the other's.
 TEST_WORKERS ?= 2
 
