@@ -29,7 +29,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Models": ("base_model", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
     "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens",
-               "engine_batch_prefill_tokens", "engine_cuda_graphs",
+               "engine_batch_prefill_tokens", "engine_cuda_graphs", "engine_kv_dtype",
                "engine_workspace_gb", "engine_prefill_share", "engine_switch_interval_ms"),
     "Reliability": ("lease_seconds", "max_attempts", "worker_recycle_after_tasks", "model_load_timeout_s",
                     "job_time_limit_s", "drain_seconds", "sweep_interval_s", "heartbeat_ttl_s", "publish_retries"),
@@ -181,6 +181,12 @@ class Settings(BaseSettings):
     engine_cuda_graphs: bool = Field(
         default=True, description="on CUDA: capture the decode step as CUDA graphs (one per batch-size bucket) and "
         "replay them; ignored on the CPU")
+    engine_kv_dtype: Literal["auto", "fp8"] = Field(
+        default="auto", description="how the key/value cache stores keys and values: `auto`, in the compute dtype "
+        "(fp16 on CUDA, fp32 on the CPU); `fp8`, as `float8_e4m3fn`, one byte an element, so twice as many slots "
+        "as with fp16 fit in what the VRAM budget leaves for the cache. Attention still runs in the compute dtype: "
+        "each layer's cached keys and values are cast back up when read, at a small cost in accuracy (and, on the "
+        "CPU, in speed)")
     engine_workspace_gb: float = Field(
         default=0.5, ge=0, description="on CUDA: the first estimate of the memory kept free for activations beside "
         "the weights and the key/value cache, when the slots are sized: (budget − resident − workspace) / "

@@ -95,7 +95,8 @@ def after_prefill_out_of_memory(rows: int) -> int:
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """Keys and values of one token in every layer."""
+    """Keys and values of one token in every layer, as the block stores them (`dtype_bytes`: 2 for fp16, 1 for
+    fp8). An fp8 block is read back in the compute dtype one layer at a time: those temporaries are workspace."""
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
@@ -103,7 +104,7 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: i
 class SlotBudget:
     budget_bytes: int  # what this process may use (KEVLAYA_VRAM_BUDGET_GB)
     resident_bytes: int  # the weights and adapters, measured after loading
-    workspace_bytes: int  # activations of one step, kept free beside the cache
+    workspace_bytes: int  # activations of one step (an fp8 cache's read, cast up), kept free beside the cache
     kv_per_token: int
     window: int  # tokens one slot holds
 

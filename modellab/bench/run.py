@@ -56,6 +56,7 @@ class BenchConfig:
     max_batch: int = 16
     redis_url: str | None = None
     cuda_graphs: bool = True  # capture the decode step on CUDA
+    kv_dtype: str = "auto"  # KEVLAYA_ENGINE_KV_DTYPE: the key/value cache's storage, the compute dtype or fp8
     window_tokens: int | None = None  # KEVLAYA_ENGINE_WINDOW_TOKENS; None: the service's default
     prefill_tokens: int | None = None  # KEVLAYA_ENGINE_PREFILL_TOKENS; None: the service's default
     lora_targets: tuple[str, ...] = ALL_LINEAR  # the layers the random adapters cover (the demo model: every one)
@@ -106,6 +107,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share and step time
     (captured steps, as served), the same under the decision grammar, the LoRA products in fp32 as an A/B pair
     (CUDA), and a kernel census of eager steps with either LoRA dtype."""
+    from worker.decoder.kv_block import STORAGE_DTYPES
     from worker.decoder.slot_decoder import SlotDecoder
     from worker.engine.loop import build_decoder
 
@@ -141,6 +143,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
         # as many slots as rows: the fp32 products need more memory than the sizing left spare under the cap
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
                               eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
+                              kv_dtype=STORAGE_DTYPES[settings.engine_kv_dtype],
                               **{"prefill_tokens": settings.engine_prefill_tokens, **options})
         try:
             figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))
@@ -338,7 +341,7 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     env = {"KEVLAYA_BASE_MODEL": str(paths["base"]), "KEVLAYA_KEV__PATH": str(paths["kev"]),
            "KEVLAYA_LAYA__PATH": str(paths["laya"]), "KEVLAYA_DEVICE": device,
            "KEVLAYA_VRAM_BUDGET_GB": str(config.vram_budget_gb), "KEVLAYA_IGNORE_EOS": "true",
-           "KEVLAYA_MAX_BATCH": str(config.max_batch),
+           "KEVLAYA_MAX_BATCH": str(config.max_batch), "KEVLAYA_ENGINE_KV_DTYPE": config.kv_dtype,
            # random weights from this run: hashing gigabytes again would only slow the start
            "KEVLAYA_VERIFY_MANIFESTS": "false"}
     window = {} if config.window_tokens is None else {"engine_window_tokens": config.window_tokens}
@@ -349,7 +352,7 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     settings = Settings(_env_file=None, base_model=env["KEVLAYA_BASE_MODEL"], kev={"path": env["KEVLAYA_KEV__PATH"]},
                         laya={"path": env["KEVLAYA_LAYA__PATH"]}, device=device,
                         vram_budget_gb=config.vram_budget_gb, ignore_eos=True, verify_manifests=False,
-                        max_batch=config.max_batch, **window)
+                        max_batch=config.max_batch, engine_kv_dtype=config.kv_dtype, **window)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(paths["base"])
@@ -381,6 +384,7 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                            "= a full Kev batch (max_batch rows) through the slot decoder, seed = batch 1 through "
                            "generate (modellab/reference.py)",
         "cuda_graphs": config.cuda_graphs,
+        "kv_dtype": config.kv_dtype,
         # service settings from the environment, which the service's processes inherit, and the engine's settings
         # as the service reads them (defaults included)
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KEVLAYA_")},

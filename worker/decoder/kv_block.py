@@ -5,6 +5,9 @@ columns: every row's last cached token is at column `t - 1`, so one decode step 
 column `t`. A row admitted later is prefilled right-aligned to end at `t - 1`; the columns before its `start` are
 masked out. When `t` reaches the window's end the block is shifted left by the oldest row's start (docs/
 architecture.md §14). Nothing is allocated after construction, so memory use is known before the first job.
+
+The block may store keys and values in fp8 (`KEVLAYA_ENGINE_KV_DTYPE=fp8`, one byte an element) while the model
+computes in its own dtype: a write casts down, a read casts the rows' read range back up, one layer at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+# KEVLAYA_ENGINE_KV_DTYPE: the block's storage dtype (None: the compute dtype).
+STORAGE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -47,12 +53,14 @@ class SlotLayer(CacheLayerMixin):
         v = self.view
         if v.column is not None:
             keys, values = self.keys[v.rows], self.values[v.rows]
-            keys.index_copy_(2, v.column, key_states)
-            values.index_copy_(2, v.column, value_states)
-            return keys, values
-        self.keys[v.rows, :, v.write_lo:v.write_hi] = key_states
-        self.values[v.rows, :, v.write_lo:v.write_hi] = value_states
-        return self.keys[v.rows, :, v.read_lo:v.write_hi], self.values[v.rows, :, v.read_lo:v.write_hi]
+            write_column(keys, v.column, key_states)
+            write_column(values, v.column, value_states)
+        else:
+            self.keys[v.rows, :, v.write_lo:v.write_hi] = stored(key_states, self.keys.dtype)
+            self.values[v.rows, :, v.write_lo:v.write_hi] = stored(value_states, self.values.dtype)
+            keys, values = self.keys[v.rows, :, v.read_lo:v.write_hi], self.values[v.rows, :, v.read_lo:v.write_hi]
+        # the compute dtype: no copy when the block stores in it
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.view.column is not None:
@@ -64,6 +72,23 @@ class SlotLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
+
+
+def stored(states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`states` in the block's storage dtype, saturated at its largest finite value: older torch versions cast
+    anything beyond fp8's range to NaN, which would break the row."""
+    if states.dtype == dtype:
+        return states
+    largest = torch.finfo(dtype).max
+    return states.clamp(-largest, largest).to(dtype)
+
+
+def write_column(block: torch.Tensor, column: torch.Tensor, states: torch.Tensor) -> None:
+    """Write `states` into `block` at the column index `column` holds (the captured step's write)."""
+    if block.dtype == states.dtype:
+        block.index_copy_(2, column, states)
+    else:  # index_copy_ has no float8 kernel on the CPU: copy the bytes
+        block.view(torch.uint8).index_copy_(2, column, stored(states, block.dtype).view(torch.uint8))
 
 
 def kv_shape(config: object) -> tuple[int, int, int]:
@@ -78,6 +103,8 @@ def kv_shape(config: object) -> tuple[int, int, int]:
 
 
 class KVBlock:
+    """`dtype`: what the block stores (the compute dtype, or fp8); reads come back in the compute dtype."""
+
     def __init__(self, config: object, slots: int, window: int, dtype: torch.dtype, device: torch.device):
         layers, kv_heads, head_dim = kv_shape(config)
         self.slots, self.window = slots, window

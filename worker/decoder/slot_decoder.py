@@ -58,7 +58,7 @@ class SlotDecoder:
     def __init__(self, model: PeftModel, tokenizer: PreTrainedTokenizerBase, adapters: list[str], *, slots: int,
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
-                 lora_dtype: torch.dtype | None = None):
+                 lora_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -73,7 +73,8 @@ class SlotDecoder:
         dtype = model.config.dtype if isinstance(model.config.dtype, torch.dtype) else torch.float16
         if self.device.type == "cpu":
             dtype = torch.float32
-        self.kv = KVBlock(model.config, slots, window, dtype, self.device)
+        # KEVLAYA_ENGINE_KV_DTYPE: the cache may store in another dtype (fp8); attention still reads it in `dtype`.
+        self.kv = KVBlock(model.config, slots, window, kv_dtype or dtype, self.device)
         # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare).
         self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype)
         self.grammars = RowGrammars(tokenizer, model.config.vocab_size, self.eos_ids, slots, self.device)

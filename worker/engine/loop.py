@@ -67,26 +67,28 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     worker/memory.py sizes it by arithmetic, then by its measured peak)."""
     import torch
 
-    from worker.decoder.kv_block import kv_shape
+    from worker.decoder.kv_block import STORAGE_DTYPES, kv_shape
     from worker.decoder.slot_decoder import SlotDecoder
 
     window = min(settings.engine_window_tokens, loaded.context or settings.engine_window_tokens)
     # Reserved slots come on top of max_batch, so a role's backlog keeps max_batch rows when memory allows.
     wanted = settings.max_batch + sum(reserved_slots(settings, loaded.adapters, settings.max_batch).values())
     graphs = settings.engine_cuda_graphs and loaded.device == "cuda"
+    kv_dtype = STORAGE_DTYPES[settings.engine_kv_dtype]
 
     def build(slots: int) -> SlotDecoder:
         return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
                            eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs, texts=False,
-                           prefill_tokens=settings.engine_prefill_tokens)
+                           prefill_tokens=settings.engine_prefill_tokens, kv_dtype=kv_dtype)
 
     if loaded.device != "cuda":
         return build(wanted)
     torch.cuda.empty_cache()  # what loading left cached is not the decoder's to count
+    element_bytes = kv_dtype.itemsize if kv_dtype else 2  # fp8, else the compute dtype (fp16)
     budget = SlotBudget(
         budget_bytes=int(settings.vram_budget_gb * GIB), resident_bytes=torch.cuda.memory_allocated(),
         workspace_bytes=int(settings.engine_workspace_gb * GIB),
-        kv_per_token=kv_bytes_per_token(*kv_shape(loaded.model.config), dtype_bytes=2), window=window)
+        kv_per_token=kv_bytes_per_token(*kv_shape(loaded.model.config), dtype_bytes=element_bytes), window=window)
     return fit_slots(build, budget, wanted, settings.engine_prefill_tokens)
 
 
