@@ -29,7 +29,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Models": ("base_model", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
     "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens",
-               "engine_batch_prefill_tokens", "engine_cuda_graphs", "engine_kv_dtype",
+               "engine_prefill_chunk_tokens", "engine_batch_prefill_tokens", "engine_cuda_graphs", "engine_kv_dtype",
                "engine_workspace_gb", "engine_prefill_share", "engine_switch_interval_ms"),
     "Reliability": ("lease_seconds", "max_attempts", "worker_recycle_after_tasks", "model_load_timeout_s",
                     "job_time_limit_s", "drain_seconds", "sweep_interval_s", "heartbeat_ttl_s", "publish_retries"),
@@ -173,6 +173,11 @@ class Settings(BaseSettings):
         default=2048, ge=1, description="prompt tokens prefilled between two decode steps at most, counted padded "
         "(jobs × longest prompt; one job always goes), so a burst of new jobs does not freeze the rows already "
         "decoding; the worker measures a prefill of this size at start when it sizes the slots")
+    engine_prefill_chunk_tokens: int = Field(
+        default=512, ge=16, description="the padded prompt tokens (jobs × columns) one forward pass of a prefill "
+        "takes at most: a longer prompt block runs in chunks of columns, each attending to what the chunks before "
+        "it cached, so a prefill's activation memory is bounded by the chunk rather than by the prompts (on a 6 GB "
+        "card that memory is key/value slots); answers are the same, to rounding")
     engine_batch_prefill_tokens: int = Field(
         default=128, ge=1, description="while interactive jobs come (one claimed in the last 10 s), the padded prompt "
         "tokens one prefill of file-batch lines takes at most (one line always goes); such a prefill never holds "

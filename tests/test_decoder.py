@@ -97,6 +97,30 @@ def test_run_prefills_within_the_prefill_budget_as_the_serving_loop_does(runtime
     assert len(blocks) > 1 and max(blocks) <= 120, blocks
 
 
+@pytest.mark.parametrize("static_steps", [False, True], ids=["eager-steps", "static-steps"])
+def test_a_prefill_in_chunks_answers_as_one_pass_and_no_pass_exceeds_the_chunk(runtime: ReferenceRuntime, decoder,
+                                                                              static_steps: bool) -> None:
+    """KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS: a prompt block wider than the chunk runs as several forward passes, each
+    attending to what the earlier ones cached; the answers are those of `generate`, and the largest pass (what a
+    prefill's activation memory scales with) is the chunk, also for the throwaway prefill measured at start."""
+    requests = mixed_requests()
+    expected = [runtime.run_batch([r]).results[0] for r in requests]
+    chunked = decoder(slots=4, window=256, prefill_chunk_tokens=16, static_steps=static_steps)
+    passes: list[tuple[int, int]] = []
+    hook = runtime.model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: passes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        assert_same_answers(expected, chunked.run(requests))
+        prefills = [shape for shape in passes if shape[1] > 1]  # decode steps pass one column
+        assert prefills and max(rows * columns for rows, columns in prefills) <= 16, prefills
+        assert len(prefills) > len(requests) / 4  # prompts of 20-odd tokens: more than one pass per prefill
+        passes.clear()
+        chunked.throwaway_prefill(rows=2, width=200)
+        assert len(passes) >= 200 // 8 and max(r * c for r, c in passes) <= 16
+    finally:
+        hook.remove()
+
+
 def test_the_throwaway_prefill_measured_at_start_leaves_no_trace(runtime: ReferenceRuntime, decoder) -> None:
     """The worker runs its largest prefill into an empty decoder to measure memory; the jobs after it get the
     same answers as without it, and every slot is free."""

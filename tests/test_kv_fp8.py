@@ -23,7 +23,7 @@ from worker.memory import kv_bytes_per_token
 
 FP8 = torch.float8_e4m3fn
 SCENARIOS = Path(__file__).resolve().parents[1] / "models" / "demo" / "test_scenarios.jsonl"
-HELD_OUT = 64  # scenarios, each asked of Kev and of Laya
+HELD_OUT = 48  # scenarios, each asked of Kev and of Laya
 NEW_TOKENS = 160  # more than any of these answers takes, so every decision closes
 
 

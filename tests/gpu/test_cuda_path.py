@@ -224,6 +224,37 @@ def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime
     assert all(g.error_code is None for g in got)
 
 
+def test_an_fp8_cache_on_nf4_with_captured_steps_agrees_with_the_fp16_cache(demo: ReferenceRuntime) -> None:
+    """`KEVLAYA_ENGINE_KV_DTYPE=fp8` on CUDA: the block holds float8 at half the bytes, captured steps write and
+    read it, prefills in chunks of 64 tokens write it, and greedy answers agree with those of the fp16 cache and
+    whole prefills on at least 99 % of their tokens."""
+    from worker.decoder.slot_decoder import SlotDecoder
+
+    requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 16)
+
+    def answers(kv_dtype: torch.dtype | None, chunk: int | None = None) -> tuple[list, int]:
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
+                              eos_ids=demo.eos_ids, graphs=True, kv_dtype=kv_dtype, prefill_chunk_tokens=chunk)
+        try:
+            block = sum(layer.keys.nbytes + layer.values.nbytes for layer in decoder.kv.layers)
+            return decoder.run(requests), block
+        finally:
+            decoder.close()
+            del decoder
+            _free()
+
+    (fp16, fp16_bytes), (fp8, fp8_bytes) = answers(None), answers(torch.float8_e4m3fn, chunk=64)
+    assert fp8_bytes * 2 == fp16_bytes
+    assert all(g.error_code is None for g in fp8)
+    total = sum(len(e.token_ids) for e in fp16)
+    agreeing = sum(next((i for i, (a, b) in enumerate(zip(e.token_ids, g.token_ids)) if a != b),
+                        min(len(e.token_ids), len(g.token_ids))) for e, g in zip(fp16, fp8))
+    print(f"fp8 cache and 64-token prefill chunks against fp16 and whole prefills on NF4, captured steps: {agreeing}/{total} tokens agree "
+          f"({agreeing / total:.2%}), {sum(e.token_ids == g.token_ids for e, g in zip(fp16, fp8))}/{len(fp16)} "
+          "answers identical")
+    assert agreeing >= 0.99 * total
+
+
 def test_the_slot_decoder_is_sized_by_its_measured_peak(demo: ReferenceRuntime) -> None:
     """A workspace estimate of 0 and a budget 16 slots short of what 64 slots were measured to need: the worker
     measures its graphs and its largest prefill, takes slots away, and real jobs then stay within the budget."""

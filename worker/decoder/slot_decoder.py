@@ -58,10 +58,13 @@ class SlotDecoder:
     def __init__(self, model: PeftModel, tokenizer: PreTrainedTokenizerBase, adapters: list[str], *, slots: int,
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
-                 lora_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None):
+                 prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
+                 kv_dtype: torch.dtype | None = None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
+        # KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS: the padded tokens one forward pass of a prefill takes at most
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         # texts=False: results carry token ids and log-probabilities only, and the caller makes their text on its
         # own thread (decode_with_spans costs milliseconds a row, which every row in flight would wait for).
         self.texts = texts
@@ -163,15 +166,21 @@ class SlotDecoder:
                        adapters: list[int]) -> torch.Tensor:
         """Run a prompt block (rows × width, left-padded where `present` is 0) into slots first, first + 1, ...,
         ending at column `t - 1`; returns each row's last logits."""
-        width = ids.shape[1]
+        rows, width = ids.shape
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         allowed = causal[None] & present.bool()[:, None, :]
         allowed |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding attends to itself, not NaN
         positions = (present.cumsum(1) - 1).clamp(min=0)
-        t = self.kv.t
-        self.kv.view.rows, self.kv.view.read_lo = slice(first, first + len(ids)), t - width
-        self.kv.view.write_lo, self.kv.view.write_hi = t - width, t
-        return self._forward(ids, allowed, positions, adapters)
+        lo = self.kv.t - width
+        self.kv.view.rows, self.kv.view.read_lo = slice(first, first + rows), lo
+        # In chunks of columns, each attending to the cache the chunks before it wrote: a forward pass's
+        # activations are bounded by the chunk, not by the prompt block (worker/memory.py measures the largest).
+        columns = max(1, self.prefill_chunk_tokens // rows) if self.prefill_chunk_tokens else width
+        for a in range(0, width, columns):
+            b = min(a + columns, width)
+            self.kv.view.write_lo, self.kv.view.write_hi = lo + a, lo + b
+            logits = self._forward(ids[:, a:b], allowed[:, a:b, :b], positions[:, a:b], adapters)
+        return logits
 
     def throwaway_prefill(self, rows: int, width: int) -> None:
         """Prefill `rows` × `width` placeholder tokens (both adapters) into an empty decoder and forget them: the
