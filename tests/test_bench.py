@@ -91,3 +91,14 @@ def test_jobs_in_flight_are_counted_from_their_start_and_finish_times() -> None:
     assert most_in_flight([job(0, 3), job(1, 4), job(2, 5), job(3, 6), job(6, 7)]) == 3
     assert most_in_flight([job(0, 1), job(1, 2)]) == 1
     assert most_in_flight([job(0, None)]) == 0 and most_in_flight([]) == 0
+
+
+def test_slot_fit_refuses_a_machine_without_cuda_before_building_anything(tmp_path: Path) -> None:
+    """`python -m modellab.bench.slot_fit` measures CUDA memory: without a GPU it says so, exits 2 and writes
+    nothing."""
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "modellab.bench.slot_fit", "--out", str(tmp_path / "fit.json")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2 and "no CUDA device" in run.stderr, run.stderr
+    assert not (tmp_path / "fit.json").exists()
