@@ -362,6 +362,53 @@ def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_st
     assert [stored[j.id] for j in jobs] == ["succeeded", "succeeded", "running", "succeeded"]
 
 
+def test_a_claim_group_is_closed_in_the_commit_that_finishes_its_last_job(service_env, tiny_model):
+    """The result writer closes a claim group's row in the transaction that stores its last job: after every
+    commit, a group whose jobs are all stored as finished is closed (a test once read a group still open right
+    after the last of its jobs had finished)."""
+    from sqlalchemy import event
+    from sqlalchemy.orm import Session
+
+    from shared.settings import Settings
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        ignore_eos=True)
+    with session_scope() as session:
+        session.add_all([Job(id=uuid.uuid4(), adapter=a, requested_adapter=a, input=f"Question {i}?",
+                             params={**TEXT, "max_new_tokens": 2 + i}) for i, a in enumerate(["kev", "laya"] * 3)])
+    open_but_done: list[uuid.UUID] = []  # groups seen with every job finished and no finished_at
+    closed: set[uuid.UUID] = set()
+    reading = False
+
+    def read_after_commit(_session: Session) -> None:
+        nonlocal reading
+        if reading:  # this read's own commit
+            return
+        reading = True
+        try:
+            with session_scope() as session:
+                rows = session.execute(select(ClaimGroup.id, ClaimGroup.finished_at, Job.finished_at).join(
+                    Job, Job.batch_id == ClaimGroup.id)).all()
+            unfinished = {group for group, _, job_finished in rows if job_finished is None}
+            open_but_done.extend({group for group, group_finished, _ in rows
+                                  if group_finished is None and group not in unfinished})
+            closed.update(group for group, group_finished, _ in rows if group_finished is not None)
+        finally:
+            reading = False
+
+    engine = Engine(load_model(settings), settings)
+    event.listen(Session, "after_commit", read_after_commit)
+    try:
+        engine.drain(30)
+    finally:
+        event.remove(Session, "after_commit", read_after_commit)
+        engine.decoder.close()
+    assert closed and open_but_done == []
+
+
 def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_env, tiny_model, monkeypatch):
     """Making a row's text and token spans costs milliseconds a row (a decode per prefix), which every row in flight
     would wait for: the writer thread makes it, with its own tokenizer, and the stored text is that text. The

@@ -1,6 +1,6 @@
 """The result writer: a thread that stores what the decode loop finished, so the loop never waits on the database
 (docs/architecture.md §14). It also makes each result's text (a decode per token prefix, milliseconds a row) and
-closes a claim group's `batches` row once its last job is stored."""
+closes a claim group's `batches` row in the commit that stores (or gives back) its last job."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ log = logging.getLogger("kevlaya.worker")
 Result = GenerationResult | JobOutcome
 
 
-@dataclass
+@dataclass(eq=False)  # one per group: compared and hashed as itself
 class GroupProgress:
     """A claim group in flight: its jobs, and how many are stored or were given back to the queue."""
 
@@ -91,13 +91,20 @@ class ResultWriter:
         for job_id in job_ids:
             by_group.setdefault(self.group_of.pop(job_id).group.id, []).append(job_id)
         for group_id, ids in by_group.items():
+            progress, figures = self.groups[group_id], None
             with session_scope() as session:
                 released = lifecycle.release(session, ids, group_id)
+                with self._lock:  # the last of its jobs: the group closes in the same commit, as in `_write`
+                    if progress.stored + progress.released + len(released) == len(progress.jobs):
+                        figures = self._figures(progress.results)
+                if figures is not None:
+                    close_group(session, group_id, figures)
             self.stream.requeued(released)
-            progress = self.groups[group_id]
             with self._lock:
                 progress.released += len(released)
-                if progress.done:
+                if progress.done and figures is not None:
+                    self._close(progress, figures)  # its row is closed: no write left for this thread
+                elif progress.done:
                     self._submit(self._close_locked, progress)
 
     def wait(self) -> None:
@@ -127,6 +134,11 @@ class ResultWriter:
             with session_scope() as session:
                 settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings)
                            for progress, job_id, result in items]
+                # A group whose last jobs these are closes in the same commit: whoever sees a job finished also
+                # sees its group closed.
+                closing = self._completed_by(items)
+                for progress, figures in closing.items():
+                    close_group(session, progress.group.id, figures)
         except Exception:
             if len(items) == 1:
                 raise
@@ -149,19 +161,36 @@ class ResultWriter:
                 if isinstance(result, GenerationResult):
                     progress.results.append(result)
                 if progress.done:
-                    self._close(progress)
+                    self._close(progress, closing.get(progress))
         METRICS.engine_phase.labels("store").observe(time.perf_counter() - started)
 
-    def _close(self, progress: GroupProgress) -> None:
-        """Store the group row's figures once its last job is stored."""
+    def _completed_by(self, items: list[tuple[GroupProgress, uuid.UUID, Result]]) -> dict[GroupProgress, GroupFigures]:
+        """The groups whose every job is stored or given back once `items` are, with their row's figures."""
+        arriving: dict[GroupProgress, int] = {}
+        results: dict[GroupProgress, list[GenerationResult]] = {}
+        for progress, _job_id, result in items:
+            arriving[progress] = arriving.get(progress, 0) + 1
+            if isinstance(result, GenerationResult):
+                results.setdefault(progress, []).append(result)
+        with self._lock:
+            return {progress: self._figures(progress.results + results.get(progress, []))
+                    for progress, count in arriving.items()
+                    if progress.stored + progress.released + count == len(progress.jobs)}
+
+    def _figures(self, results: list[GenerationResult]) -> GroupFigures:
+        return GroupFigures(prefill_ms=max((r.prefill_ms for r in results), default=0.0),
+                            decode_ms=max((r.decode_ms for r in results), default=0.0),
+                            tokens=sum(r.completion_tokens for r in results), peak_vram_bytes=self.peak_vram())
+
+    def _close(self, progress: GroupProgress, stored: GroupFigures | None = None) -> None:
+        """Close the group's row once its last job is stored or given back (`stored`: the figures already
+        written in the transaction that stored its last jobs)."""
         self.groups.pop(progress.group.id, None)
-        results = progress.results
-        figures = GroupFigures(
-            prefill_ms=max((r.prefill_ms for r in results), default=0.0),
-            decode_ms=max((r.decode_ms for r in results), default=0.0),
-            tokens=sum(r.completion_tokens for r in results), peak_vram_bytes=self.peak_vram())
-        with session_scope() as session:
-            close_group(session, progress.group.id, figures)
+        figures = stored
+        if figures is None:
+            figures = self._figures(progress.results)
+            with session_scope() as session:
+                close_group(session, progress.group.id, figures)
         METRICS.group_closed(progress.group, len(progress.jobs), figures, escalated=progress.escalated,
                              lost=progress.lost)
 
