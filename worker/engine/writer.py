@@ -48,7 +48,11 @@ class GroupProgress:
 
     @property
     def done(self) -> bool:
-        return self.stored + self.released == len(self.jobs)
+        return self.completed_by(0)
+
+    def completed_by(self, arriving: int) -> bool:
+        """Whether every job is stored or given back once `arriving` more are."""
+        return self.stored + self.released + arriving == len(self.jobs)
 
 
 class ResultWriter:
@@ -95,7 +99,7 @@ class ResultWriter:
             with session_scope() as session:
                 released = lifecycle.release(session, ids, group_id)
                 with self._lock:  # the last of its jobs: the group closes in the same commit, as in `_write`
-                    if progress.stored + progress.released + len(released) == len(progress.jobs):
+                    if progress.completed_by(len(released)):
                         figures = self._figures(progress.results)
                 if figures is not None:
                     close_group(session, group_id, figures)
@@ -134,8 +138,8 @@ class ResultWriter:
             with session_scope() as session:
                 settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings)
                            for progress, job_id, result in items]
-                # A group whose last jobs these are closes in the same commit: whoever sees a job finished also
-                # sees its group closed.
+                # A group whose last jobs these are closes in the same commit: whoever sees all of a group's jobs
+                # finished also sees the group closed.
                 closing = self._completed_by(items)
                 for progress, figures in closing.items():
                     close_group(session, progress.group.id, figures)
@@ -175,7 +179,7 @@ class ResultWriter:
         with self._lock:
             return {progress: self._figures(progress.results + results.get(progress, []))
                     for progress, count in arriving.items()
-                    if progress.stored + progress.released + count == len(progress.jobs)}
+                    if progress.completed_by(count)}
 
     def _figures(self, results: list[GenerationResult]) -> GroupFigures:
         return GroupFigures(prefill_ms=max((r.prefill_ms for r in results), default=0.0),
