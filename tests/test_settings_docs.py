@@ -52,7 +52,7 @@ def test_the_readme_block_is_what_the_generator_makes():
 
 
 def test_the_readme_table_names_every_setting_and_only_settings():
-    documented = set(re.findall(r"`(KEVLAYA_[A-Z_]+)`", configuration_table()))
+    documented = set(re.findall(r"`(KEVLAYA_[A-Z0-9_]+)`", configuration_table()))
     assert documented - variables() == set(), "the README names variables no setting reads"
     assert variables() - documented == set(), "settings missing from the README's Configuration table"
 

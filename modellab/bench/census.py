@@ -76,10 +76,13 @@ class _Regions:
 
 @contextlib.contextmanager
 def _ranges() -> Iterator[None]:
-    """Name the LoRA products and bitsandbytes' 4-bit matmuls as profiler ranges while the census runs."""
+    """Name the LoRA products and the 4-bit matmuls (bitsandbytes' and the NF4 kernel's) as profiler ranges while
+    the census runs."""
+    from worker.decoder.nf4_matmul import Nf4Kernels
     from worker.decoder.row_lora import RowLoRA
 
     RowLoRA.profile_label = LORA_RANGE
+    Nf4Kernels.profile_label = NF4_RANGE
     try:
         import bitsandbytes
     except ImportError:
@@ -93,7 +96,7 @@ def _ranges() -> Iterator[None]:
     try:
         yield
     finally:
-        RowLoRA.profile_label = None
+        RowLoRA.profile_label = Nf4Kernels.profile_label = None
         if matmul is not None:
             bitsandbytes.matmul_4bit = matmul
 

@@ -47,9 +47,10 @@ def table(result: dict[str, Any]) -> str:
         row("speedup vs the peer (transformers CB; its jobs/s)", _fmt((result.get("peer") or {}).get("jobs_per_s"),
                                                                         ".3f"),
             lambda e: _fmt(e.get("speedup_vs_peer"), ".2f") + "×"),
-        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32)", "",
+        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32; other NF4 kernel)", "",
             lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms'))} "
-                      f"({_fmt(((e.get('lora_fp32') or {}).get('profile') or {}).get('step_ms'))})"),
+                      f"({_fmt(((e.get('lora_fp32') or {}).get('profile') or {}).get('step_ms'))}; "
+                      f"{_fmt(((e.get('nf4_other') or {}).get('profile') or {}).get('step_ms'))})"),
         row("Laya p50 / p95 ms, idle worker", "",
             lambda e: f"{_fmt(e.get('laya_p50_ms_idle'), '.0f')} / {_fmt(e.get('laya_p95_ms_idle'), '.0f')}"),
         row("Laya p50 / p95 ms, under Kev load", "",
@@ -84,21 +85,29 @@ def _rows(result: dict[str, Any]) -> str:
     return str((result["service"].get("census") or result["service"].get("profile") or {}).get("rows", "—"))
 
 
+def _censuses(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The censuses of the served decode step and of each A/B comparison, by label; a comparison that failed left
+    only its error and is left out."""
+    other = (service.get("nf4_other") or {}).get("nf4_kernel", "other")
+    found = {"as served": service.get("census"),
+             "LoRA in fp32": (service.get("lora_fp32") or {}).get("census"),
+             f"NF4 by {other}": (service.get("nf4_other") or {}).get("census")}
+    return {label: census for label, census in found.items() if census and "classes" in census}
+
+
 def census_table(service: dict[str, Any]) -> list[str]:
-    """Per decode step, by kernel class: kernels and milliseconds (and the same with the LoRA products in fp32)."""
-    census, fp32 = (c if c and "classes" in c else None  # a comparison that failed left only its error
-                    for c in (service.get("census"), (service.get("lora_fp32") or {}).get("census")))
-    if not census:
+    """Per decode step, by kernel class: kernels and milliseconds, as served and in each A/B comparison."""
+    censuses = _censuses(service)
+    if "as served" not in censuses:
         return []
-    lines = ["", f"census of one {census['rows']}-row decode step ({census['what']}, eager): kernels, ms"
-             + ("; with the LoRA products in fp32" if fp32 else "")]
+    census = censuses["as served"]
+    lines = ["", f"census of one {census['rows']}-row decode step ({census['what']}, eager): kernels, ms",
+             f"  {'':<26}" + "".join(f"{label:>19}" for label in censuses)]
     for kind in [*census["classes"], "total"]:
-        def cell(c: dict[str, Any] | None) -> str:
-            if c is None:
-                return ""
+        def cell(c: dict[str, Any]) -> str:
             figures = c if kind == "total" else c["classes"][kind]
-            return f"{figures['kernels_per_step']:>7.0f} {figures['ms_per_step']:>8.2f}"
-        lines.append(f"  {kind:<26}{cell(census)}   {cell(fp32)}")
+            return f"{figures['kernels_per_step']:>9.0f} {figures['ms_per_step']:>8.2f}"
+        lines.append(f"  {kind:<26}" + " ".join(cell(c) for c in censuses.values()))
     return lines
 
 
@@ -141,10 +150,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def _plot_census(axes: Any, service: dict[str, Any]) -> None:
-    """Stacked milliseconds per decode step by kernel class, the LoRA products in the compute dtype and in fp32."""
-    bars = {"LoRA in compute dtype": service.get("census"),
-            "LoRA in fp32": (service.get("lora_fp32") or {}).get("census")}
-    bars = {label: census for label, census in bars.items() if census and "classes" in census}
+    """Stacked milliseconds per decode step by kernel class, as served and in each A/B comparison."""
+    bars = _censuses(service)
     axes.set_title("kernel census of one decode step")
     if not bars:
         return

@@ -1,0 +1,112 @@
+"""The NF4 kernel against bitsandbytes' path, one projection at a time: each linear layer shape of a model, random
+NF4 weights (double quantization, as the worker loads them), 1 to 64 rows, median time of many runs with CUDA
+events, and the error against bitsandbytes' own product. Prints a table last; `--out` keeps the JSON.
+
+    python -m modellab.bench.nf4_kernel --shape qwen2.5-3b --out modellab/bench/results/nf4-kernel.json
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from modellab.bench.cli import SHAPES
+
+
+def projections(shape: str) -> dict[str, tuple[int, int]]:
+    """(out, in) of each distinct linear layer of one decoder layer of `shape`."""
+    from modellab.model_factory import SHAPES as CONFIGS
+
+    config = CONFIGS[shape][1]
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    kv = head_dim * config.get("num_key_value_heads", config["num_attention_heads"])
+    return {"q_proj, o_proj": (hidden, hidden), "k_proj, v_proj": (kv, hidden),
+            "gate_proj, up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
+
+
+def _median_ms(run, repeats: int) -> float:  # noqa: ANN001
+    import torch
+
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(
+    shape: Annotated[str, typer.Option(help=f"model shape: {', '.join(SHAPES)}")] = "qwen2.5-3b",
+    rows: Annotated[str, typer.Option(help="comma-separated row counts")] = "1,8,16,32,64",
+    repeats: Annotated[int, typer.Option(min=1, help="timed runs per case (the median is kept)")] = 50,
+    out: Annotated[Optional[Path], typer.Option(help="write the results here as JSON")] = None,
+) -> None:
+    """Time the NF4 kernel and bitsandbytes' 4-bit matmul on every projection shape of one decoder layer."""
+    import torch
+
+    if shape not in SHAPES or shape == "tiny":
+        raise typer.BadParameter(f"must be one of {', '.join(s for s in SHAPES if s != 'tiny')}",
+                                 param_hint="--shape")
+    if not torch.cuda.is_available():
+        raise typer.BadParameter("the kernel runs on CUDA: no CUDA device here", param_hint="--shape")
+    try:
+        counts = [int(r) for r in rows.split(",") if r.strip()]
+    except ValueError:
+        raise typer.BadParameter("a comma-separated list of row counts, e.g. 1,8,32", param_hint="--rows") from None
+    import bitsandbytes as bnb
+
+    from worker.decoder.nf4_matmul import MAX_ROWS, Nf4Weight, nf4_matmul
+
+    if not counts or min(counts) < 1 or max(counts) > MAX_ROWS:
+        raise typer.BadParameter(f"row counts from 1 to {MAX_ROWS}", param_hint="--rows")
+    results = []
+    for name, (out_features, in_features) in projections(shape).items():
+        layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=torch.float16,
+                                  compress_statistics=True, quant_type="nf4")
+        layer.weight = bnb.nn.Params4bit(torch.randn(out_features, in_features, dtype=torch.float16) * 0.02,
+                                         requires_grad=False, compress_statistics=True, quant_type="nf4")
+        layer = layer.cuda()
+        weight, packed = Nf4Weight.of(layer), layer.weight
+        state = packed.quant_state
+        for count in counts:
+            x = torch.randn(count, in_features, device="cuda", dtype=torch.float16)
+            with torch.inference_mode():
+                theirs = bnb.matmul_4bit(x, packed, quant_state=state)
+                ours = nf4_matmul(x, weight)
+                error = ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
+                bnb_ms = _median_ms(lambda: bnb.matmul_4bit(x, packed, quant_state=state), repeats)
+                kernel_ms = _median_ms(lambda: nf4_matmul(x, weight), repeats)
+            results.append({"projection": name, "out": out_features, "in": in_features, "rows": count,
+                             "bitsandbytes_ms": bnb_ms, "kernel_ms": kernel_ms, "speedup": bnb_ms / kernel_ms,
+                             "kernel_gb_per_s": weight.packed.numel() / kernel_ms / 1e6,
+                             "relative_error": error})
+        torch.cuda.empty_cache()
+    command = shlex.join(["python", "-m", "modellab.bench.nf4_kernel", *sys.argv[1:]])
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"command": command, "shape": shape, "gpu": torch.cuda.get_device_name(0),
+                                   "versions": {"torch": torch.__version__, "bitsandbytes": bnb.__version__},
+                                   "results": results}, indent=2) + "\n")
+    typer.echo(f"{command}\n{shape} on {torch.cuda.get_device_name(0)}: ms per product, median of {repeats}")
+    typer.echo("| projection (out × in) | rows | bitsandbytes | kernel | speedup | kernel GB/s (packed) | error |")
+    typer.echo("|---|---|---|---|---|---|---|")
+    for r in results:
+        typer.echo(f"| {r['projection']} ({r['out']} × {r['in']}) | {r['rows']} | {r['bitsandbytes_ms']:.4f} | "
+                   f"{r['kernel_ms']:.4f} | {r['speedup']:.2f}× | {r['kernel_gb_per_s']:.0f} | "
+                   f"{r['relative_error']:.1e} |")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,107 @@
+"""The NF4 kernel's arithmetic on the CPU: the reference dequantization against bitsandbytes' own, and the Triton
+kernel itself, run by Triton's interpreter, against the reference (the GPU suite runs the compiled kernel)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from worker.decoder.nf4_matmul import Nf4Weight, dequantize_reference
+
+
+def nf4_linear(out_features: int, in_features: int, nested: bool, seed: int = 0, bias: bool = True):  # noqa: ANN201
+    """A bitsandbytes Linear4bit holding an NF4 weight quantized on the CPU, as a checkpoint's would be."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    packed, state = F.quantize_4bit(weight.half(), blocksize=64, compress_statistics=nested, quant_type="nf4")
+    layer = bnb.nn.Linear4bit(in_features, out_features, bias=bias, compute_dtype=torch.float16,
+                              compress_statistics=nested, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, bnb_quantized=True,
+                                     quant_type="nf4")
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(out_features, generator=generator).half(), requires_grad=False)
+    return layer
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "fp32-absmax"])
+def test_the_reference_dequantizes_as_bitsandbytes_does(nested: bool) -> None:
+    import bitsandbytes.functional as F
+
+    layer = nf4_linear(96, 320, nested)
+    weight = Nf4Weight.of(layer)
+    assert weight is not None and weight.nested is nested
+    theirs = F.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
+    ours = dequantize_reference(weight)
+    # bitsandbytes returns fp16: ours, in fp32, agrees to fp16's rounding
+    assert torch.allclose(ours, theirs, rtol=1e-3, atol=1e-4), (ours - theirs).abs().max()
+    assert ours.abs().max() > 0
+
+
+def test_a_layer_that_is_not_nf4_is_left_alone() -> None:
+    import bitsandbytes as bnb
+
+    assert Nf4Weight.of(torch.nn.Linear(64, 8)) is None
+    fp4 = bnb.nn.Linear4bit(64, 8, quant_type="fp4")
+    import bitsandbytes.functional as F
+
+    packed, state = F.quantize_4bit(torch.randn(8, 64).half(), blocksize=64, quant_type="fp4")
+    fp4.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, bnb_quantized=True,
+                                   quant_type="fp4")
+    assert Nf4Weight.of(fp4) is None
+
+
+# Run in a process of its own: Triton reads TRITON_INTERPRET when the kernel is defined, at import.
+INTERPRETED = textwrap.dedent("""
+    import torch
+    from tests.test_nf4_matmul import nf4_linear
+    from worker.decoder.nf4_matmul import MAX_ROWS, Nf4Kernels, Nf4Weight, dequantize_reference, nf4_matmul
+
+    worst = 0.0
+    for nested in (True, False):
+        # columns that fill no tile exactly, and inputs of one and of several 128-column tiles
+        for out_features, in_features, bias in ((40, 64, True), (96, 320, False), (33, 256, True)):
+            layer = nf4_linear(out_features, in_features, nested, seed=out_features, bias=bias)
+            weight = Nf4Weight.of(layer)
+            reference = dequantize_reference(weight)
+            for rows in (1, 17, 40):
+                x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).half()
+                expected = x.float() @ reference.T + (layer.bias.float() if bias else 0)
+                got = nf4_matmul(x, weight, layer.bias if bias else None)
+                assert got.dtype == torch.float16 and got.shape == expected.shape
+                worst = max(worst, ((got.float() - expected).abs().max() / expected.abs().max()).item())
+
+    # installed on a layer: up to MAX_ROWS rows go through the kernel, more through bitsandbytes' own path
+    layer = nf4_linear(48, 128, True)
+    calls = []
+    kernel = Nf4Kernels([(layer, Nf4Weight.of(layer))])
+    import worker.decoder.nf4_matmul as module
+    real = module.nf4_matmul
+    module.nf4_matmul = lambda *args: calls.append(args[0].shape) or real(*args)
+    with torch.inference_mode():
+        small = layer(torch.randn(2, 3, 128).half())
+        assert small.shape == (2, 3, 48) and calls == [(2, 3, 128)]
+        layer(torch.randn(MAX_ROWS + 1, 128).half())
+        assert len(calls) == 1
+    kernel.remove()
+    layer(torch.randn(2, 128).half())
+    assert len(calls) == 1 and "forward" not in vars(layer)
+    print(f"worst relative error {worst:.2e}")
+""")
+
+
+def test_the_kernel_run_by_tritons_interpreter_multiplies_as_the_reference_does() -> None:
+    pytest.importorskip("triton", reason="Triton is a development dependency on Linux x86-64 (pyproject.toml)")
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    worst = float(done.stdout.split("worst relative error")[1])
+    # fp16 products summed in fp32: the error of fp16 inputs, far below a wrong nibble or scale (~10 %)
+    assert worst < 2e-3, done.stdout
