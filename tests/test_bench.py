@@ -7,6 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 
 def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
     kevlaya = str(Path(os.sys.executable).parent / "kevlaya")
@@ -102,3 +104,18 @@ def test_slot_fit_refuses_a_machine_without_cuda_before_building_anything(tmp_pa
                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 2 and "no CUDA device" in run.stderr, run.stderr
     assert not (tmp_path / "fit.json").exists()
+
+
+@pytest.mark.parametrize("args, hint", [([], "no CUDA device"), (["--rows", "1,65"], "--rows"),
+                                        (["--shape", "tiny"], "--shape")])
+def test_the_nf4_kernel_bench_refuses_what_it_cannot_time_and_writes_nothing(tmp_path: Path, args: list[str],
+                                                                             hint: str) -> None:
+    """`python -m modellab.bench.nf4_kernel` times CUDA kernels for 1 to 64 rows on a real shape: anything else is
+    refused with exit 2, naming the option, before a weight is built."""
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "modellab.bench.nf4_kernel", "--out", str(tmp_path / "k.json"),
+                          *args], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2 and hint in run.stderr, run.stderr
+    assert not (tmp_path / "k.json").exists()

@@ -59,18 +59,17 @@ def main(
     if shape not in SHAPES or shape == "tiny":
         raise typer.BadParameter(f"must be one of {', '.join(s for s in SHAPES if s != 'tiny')}",
                                  param_hint="--shape")
-    if not torch.cuda.is_available():
-        raise typer.BadParameter("the kernel runs on CUDA: no CUDA device here", param_hint="--shape")
+    from worker.decoder.nf4_matmul import MAX_ROWS, Nf4Weight, nf4_matmul
+
     try:
         counts = [int(r) for r in rows.split(",") if r.strip()]
     except ValueError:
         raise typer.BadParameter("a comma-separated list of row counts, e.g. 1,8,32", param_hint="--rows") from None
-    import bitsandbytes as bnb
-
-    from worker.decoder.nf4_matmul import MAX_ROWS, Nf4Weight, nf4_matmul
-
     if not counts or min(counts) < 1 or max(counts) > MAX_ROWS:
         raise typer.BadParameter(f"row counts from 1 to {MAX_ROWS}", param_hint="--rows")
+    if not torch.cuda.is_available():
+        raise typer.BadParameter("the kernel runs on CUDA: no CUDA device here", param_hint="--shape")
+    import bitsandbytes as bnb
     results = []
     for name, (out_features, in_features) in projections(shape).items():
         layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=torch.float16,
