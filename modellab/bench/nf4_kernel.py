@@ -59,7 +59,7 @@ def main(
     if shape not in SHAPES or shape == "tiny":
         raise typer.BadParameter(f"must be one of {', '.join(s for s in SHAPES if s != 'tiny')}",
                                  param_hint="--shape")
-    from worker.decoder.nf4_matmul import MAX_ROWS, Nf4Weight, nf4_matmul
+    from worker.decoder.nf4_matmul import MAX_ROWS, Nf4Weight, nf4_matmul, plan
 
     try:
         counts = [int(r) for r in rows.split(",") if r.strip()]
@@ -87,8 +87,11 @@ def main(
                 error = ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
                 bnb_ms = _median_ms(lambda: bnb.matmul_4bit(x, packed, quant_state=state), repeats)
                 kernel_ms = _median_ms(lambda: nf4_matmul(x, weight), repeats)
+                one_range_ms = _median_ms(lambda: nf4_matmul(x, weight, split=1), repeats)
             results.append({"projection": name, "out": out_features, "in": in_features, "rows": count,
                              "bitsandbytes_ms": bnb_ms, "kernel_ms": kernel_ms, "speedup": bnb_ms / kernel_ms,
+                             "split": plan(count, weight, x.device).split,
+                             "kernel_one_k_range_ms": one_range_ms,
                              "kernel_gb_per_s": weight.packed.numel() / kernel_ms / 1e6,
                              "relative_error": error})
         torch.cuda.empty_cache()
@@ -99,12 +102,13 @@ def main(
                                    "versions": {"torch": torch.__version__, "bitsandbytes": bnb.__version__},
                                    "results": results}, indent=2) + "\n")
     typer.echo(f"{command}\n{shape} on {torch.cuda.get_device_name(0)}: ms per product, median of {repeats}")
-    typer.echo("| projection (out × in) | rows | bitsandbytes | kernel | speedup | kernel GB/s (packed) | error |")
-    typer.echo("|---|---|---|---|---|---|---|")
+    typer.echo("| projection (out × in) | rows | bitsandbytes | kernel (k ranges) | speedup | kernel, one k range | "
+               "kernel GB/s (packed) | error |")
+    typer.echo("|---|---|---|---|---|---|---|---|")
     for r in results:
         typer.echo(f"| {r['projection']} ({r['out']} × {r['in']}) | {r['rows']} | {r['bitsandbytes_ms']:.4f} | "
-                   f"{r['kernel_ms']:.4f} | {r['speedup']:.2f}× | {r['kernel_gb_per_s']:.0f} | "
-                   f"{r['relative_error']:.1e} |")
+                   f"{r['kernel_ms']:.4f} ({r['split']}) | {r['speedup']:.2f}× | {r['kernel_one_k_range_ms']:.4f} | "
+                   f"{r['kernel_gb_per_s']:.0f} | {r['relative_error']:.1e} |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ dequantization on the CPU, and the kernel (Triton's interpreter on the CPU, the 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import types
@@ -86,19 +87,22 @@ if triton_available():
 
     @triton.jit
     def _nf4_matmul_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, bias_ptr, out_ptr,
-                           offset, M, N, K, stride_xm, stride_om,
+                           offset, M, N, K, k_per_split, stride_xm, stride_om,
                            BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[m, n] = sum_k x[m, k] * w[n, k]; w's even columns are the high nibbles of its bytes, its odd columns
-        # the low ones, so x is read as its even and odd columns and the tile is never interleaved.
+        # the low ones, so x is read as its even and odd columns and the tile is never interleaved. With SPLIT,
+        # each program sums one range of k and adds it into a float32 output.
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(2)
         half = tl.arange(0, BLOCK_K // 2)
         row_in = rm < M
         col_in = rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = split * k_per_split
+        for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
             element = rn[None, :] * K + k0 + 2 * half[:, None]  # (BLOCK_K/2, BLOCK_N): each byte's even weight
             byte = tl.load(packed_ptr + element // 2, mask=col_in[None, :], other=0).to(tl.int32)
             block = element // BLOCKSIZE
@@ -117,35 +121,65 @@ if triton_available():
             acc += tl.dot(x_even, high)
             acc += tl.dot(x_odd, low)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=col_in, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_in[:, None] & col_in[None, :])
+            acc += tl.where(split == 0, tl.load(bias_ptr + rn, mask=col_in, other=0.0).to(tl.float32), 0.0)[None, :]
+        where = out_ptr + rm[:, None] * stride_om + rn[None, :]
+        if SPLIT:
+            tl.atomic_add(where, acc, mask=row_in[:, None] & col_in[None, :])
+        else:
+            tl.store(where, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
-def _tiles(rows: int, weight: Nf4Weight) -> tuple[int, int, int]:
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@dataclass(frozen=True)
+class Launch:
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int  # ranges of k summed apart, each by its own programs
+
+
+def plan(rows: int, weight: Nf4Weight, device: torch.device) -> Launch:
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     # Narrow column tiles: a decode step's GEMM is a few rows by thousands of columns, and a memory-bound kernel
-    # needs a program on every multiprocessor.
+    # needs programs on every multiprocessor.
     block_n = 16 if weight.out_features <= 4096 else 32
     block_k = 128 if weight.in_features % 128 == 0 and weight.blocksize <= 128 else 64
-    return block_m, block_n, block_k
+    # Then k in ranges (a power of two, each at least four tiles long) until about two programs run per
+    # multiprocessor: a weight with few column tiles and a long k (down_proj) would otherwise leave most idle.
+    programs = -(-weight.out_features // block_n) * -(-rows // block_m)
+    k_tiles, split = weight.in_features // block_k, 1
+    while programs * split * 2 <= 2 * _multiprocessors(device) and split * 2 <= k_tiles // 4:
+        split *= 2
+    return Launch(block_m, block_n, block_k, split)
 
 
-def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (… × in, fp16) times the NF4 weight transposed, plus bias: (… × out) in x's dtype."""
+def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = None,
+               split: int | None = None) -> torch.Tensor:
+    """x (… × in, fp16) times the NF4 weight transposed, plus bias: (… × out) in x's dtype. `split`: ranges of k
+    summed apart (default: `plan`'s)."""
     flat = x.reshape(-1, weight.in_features).contiguous()
     rows = flat.shape[0]
-    out = torch.empty(rows, weight.out_features, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = _tiles(rows, weight)
-    grid = (triton.cdiv(weight.out_features, block_n), triton.cdiv(rows, block_m))
+    launch = plan(rows, weight, x.device)
+    block_m, block_n, block_k, split = launch.block_m, launch.block_n, launch.block_k, split or launch.split
+    k_tiles = weight.in_features // block_k
+    if split > 1:
+        out = torch.zeros(rows, weight.out_features, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(rows, weight.out_features, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(weight.out_features, block_n), triton.cdiv(rows, block_m), split)
     nested = weight.nested
     _nf4_matmul_kernel[grid](
         flat, weight.packed, weight.absmax, weight.code,
         weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.code,
         bias if bias is not None else out, out, weight.offset, rows, weight.out_features, weight.in_features,
-        flat.stride(0), out.stride(0), BLOCKSIZE=weight.blocksize, BLOCKSIZE2=weight.blocksize2, NESTED=nested,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
-    return out.view(*x.shape[:-1], weight.out_features)
+        triton.cdiv(k_tiles, split) * block_k, flat.stride(0), out.stride(0), BLOCKSIZE=weight.blocksize,
+        BLOCKSIZE2=weight.blocksize2, NESTED=nested, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 
 
 class Nf4Kernels:
