@@ -91,35 +91,39 @@ if triton_available():
                            BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
                            HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # out[m, n] = sum_k x[m, k] * w[n, k]; w's even columns are the high nibbles of its bytes, its odd columns
-        # the low ones, so x is read as its even and odd columns and the tile is never interleaved. With SPLIT,
-        # each program sums one range of k and adds it into a float32 output.
+        # out[m, n] = sum_k x[m, k] * w[n, k]. Each weight row's bytes are read contiguously (the tile is n × bytes);
+        # a byte's high nibble is an even column and its low nibble the next one, so x is read as its even and odd
+        # columns and the weight tile is never interleaved. With SPLIT, each program sums one range of k and adds
+        # it into a float32 output.
+        BYTES: tl.constexpr = BLOCK_K // 2
+        SCALES: tl.constexpr = BLOCK_K // BLOCKSIZE
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)
-        half = tl.arange(0, BLOCK_K // 2)
+        byte_in_tile = tl.arange(0, BYTES)
         row_in = rm < M
         col_in = rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k_start = split * k_per_split
         for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-            element = rn[None, :] * K + k0 + 2 * half[:, None]  # (BLOCK_K/2, BLOCK_N): each byte's even weight
-            byte = tl.load(packed_ptr + element // 2, mask=col_in[None, :], other=0).to(tl.int32)
-            block = element // BLOCKSIZE
+            byte = tl.load(packed_ptr + (rn[:, None] * K + k0) // 2 + byte_in_tile[None, :], mask=col_in[:, None],
+                           other=0).to(tl.int32)
+            block = (rn[:, None] * K + k0) // BLOCKSIZE + tl.arange(0, SCALES)[None, :]  # (BLOCK_N, SCALES)
             if NESTED:
-                scale_code = tl.load(absmax_ptr + block, mask=col_in[None, :], other=0).to(tl.int32)
+                scale_code = tl.load(absmax_ptr + block, mask=col_in[:, None], other=0).to(tl.int32)
                 scale = (tl.load(code2_ptr + scale_code) * tl.load(absmax2_ptr + block // BLOCKSIZE2,
-                                                                   mask=col_in[None, :], other=0.0) + offset)
+                                                                   mask=col_in[:, None], other=0.0) + offset)
             else:
-                scale = tl.load(absmax_ptr + block, mask=col_in[None, :], other=0.0)
+                scale = tl.load(absmax_ptr + block, mask=col_in[:, None], other=0.0)
+            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, SCALES, BLOCKSIZE // 2)),
+                               (BLOCK_N, BYTES))
             high = (tl.load(code_ptr + (byte >> 4)) * scale).to(tl.float16)
             low = (tl.load(code_ptr + (byte & 15)) * scale).to(tl.float16)
-            x_even = tl.load(x_ptr + rm[:, None] * stride_xm + k0 + 2 * half[None, :], mask=row_in[:, None],
-                             other=0.0).to(tl.float16)
-            x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + k0 + 2 * half[None, :] + 1, mask=row_in[:, None],
-                            other=0.0).to(tl.float16)
-            acc += tl.dot(x_even, high)
-            acc += tl.dot(x_odd, low)
+            columns = rm[:, None] * stride_xm + k0 + 2 * byte_in_tile[None, :]
+            x_even = tl.load(x_ptr + columns, mask=row_in[:, None], other=0.0).to(tl.float16)
+            x_odd = tl.load(x_ptr + columns + 1, mask=row_in[:, None], other=0.0).to(tl.float16)
+            acc += tl.dot(x_even, tl.trans(high))
+            acc += tl.dot(x_odd, tl.trans(low))
         if HAS_BIAS:
             acc += tl.where(split == 0, tl.load(bias_ptr + rn, mask=col_in, other=0.0).to(tl.float32), 0.0)[None, :]
         where = out_ptr + rm[:, None] * stride_om + rn[None, :]
@@ -145,9 +149,10 @@ class Launch:
 def plan(rows: int, weight: Nf4Weight, device: torch.device) -> Launch:
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     # Narrow column tiles: a decode step's GEMM is a few rows by thousands of columns, and a memory-bound kernel
-    # needs programs on every multiprocessor.
+    # needs programs on every multiprocessor. A tile's k is whole absmax blocks and divides the input.
     block_n = 16 if weight.out_features <= 4096 else 32
-    block_k = 128 if weight.in_features % 128 == 0 and weight.blocksize <= 128 else 64
+    block_k = next(k for k in (256, 128, 64, weight.blocksize)
+                   if k % weight.blocksize == 0 and weight.in_features % k == 0)
     # Then k in ranges (a power of two, each at least four tiles long) until about two programs run per
     # multiprocessor: a weight with few column tiles and a long k (down_proj) would otherwise leave most idle.
     programs = -(-weight.out_features // block_n) * -(-rows // block_m)
