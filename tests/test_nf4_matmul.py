@@ -74,9 +74,10 @@ INTERPRETED = textwrap.dedent("""
             for rows in (1, 17, 40):
                 x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).half()
                 expected = x.float() @ reference.T + (layer.bias.float() if bias else 0)
-                # k in one range, and in ranges summed apart (more ranges than 128-column tiles: some are empty)
-                for split in (1, 2, 4):
-                    got = nf4_matmul(x, weight, layer.bias if bias else None, split=split)
+                # k in one range, and in ranges summed apart (more ranges than 128-column tiles: some are empty);
+                # a byte's two values from one pair-table load, or from two loads of the 16 values
+                for split, pairs in ((1, True), (2, True), (4, True), (1, False), (2, False)):
+                    got = nf4_matmul(x, weight, layer.bias if bias else None, split=split, pairs=pairs)
                     assert got.dtype == torch.float16 and got.shape == expected.shape
                     worst = max(worst, ((got.float() - expected).abs().max() / expected.abs().max()).item())
 

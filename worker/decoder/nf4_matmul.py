@@ -42,6 +42,7 @@ class Nf4Weight:
     packed: torch.Tensor  # uint8, (out × in) / 2 bytes
     absmax: torch.Tensor  # float32 per block, or uint8 codes when nested
     code: torch.Tensor  # float32[16]: the 4-bit values
+    pairs: torch.Tensor  # int64[256]: per byte, the float32 bits of its high nibble's value, then its low one's
     out_features: int
     in_features: int
     blocksize: int
@@ -61,12 +62,19 @@ class Nf4Weight:
         out_features, in_features = state.shape
         if in_features % 64 or in_features % state.blocksize or state.blocksize % 2:
             return None  # the kernel's column tiles are 64 or 128 wide, and a block never straddles two rows
-        parts = dict(packed=weight.data.view(-1), code=state.code.float(), out_features=out_features,
+        parts = dict(packed=weight.data.view(-1), code=state.code.float(), pairs=_pairs(state.code),
+                     out_features=out_features,
                      in_features=in_features, blocksize=state.blocksize, nested=bool(state.nested))
         if state.nested:
             return cls(absmax=state.absmax, absmax2=state.state2.absmax.float(), code2=state.state2.code.float(),
                        blocksize2=state.state2.blocksize, offset=float(state.offset), **parts)
         return cls(absmax=state.absmax.float(), **parts)
+
+
+def _pairs(code: torch.Tensor) -> torch.Tensor:
+    byte = torch.arange(256, device=code.device)
+    bits = [code.float()[nibble].view(torch.int32).long() & 0xFFFFFFFF for nibble in (byte >> 4, byte & 15)]
+    return bits[0] | (bits[1] << 32)
 
 
 def dequantize_reference(weight: Nf4Weight) -> torch.Tensor:
@@ -86,10 +94,11 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _nf4_matmul_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, bias_ptr, out_ptr,
+    def _nf4_matmul_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, pairs_ptr, absmax2_ptr, code2_ptr, bias_ptr,
+                           out_ptr,
                            offset, M, N, K, k_per_split, stride_xm, stride_om,
                            BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[m, n] = sum_k x[m, k] * w[n, k]. Each weight row's bytes are read contiguously (the tile is n × bytes);
         # a byte's high nibble is an even column and its low nibble the next one, so x is read as its even and odd
@@ -117,8 +126,13 @@ if triton_available():
                 scale = tl.load(absmax_ptr + block, mask=col_in[:, None], other=0.0)
             scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, SCALES, BLOCKSIZE // 2)),
                                (BLOCK_N, BYTES))
-            high = (tl.load(code_ptr + (byte >> 4)) * scale).to(tl.float16)
-            low = (tl.load(code_ptr + (byte & 15)) * scale).to(tl.float16)
+            if PAIRS:  # one load a byte for both of its values
+                pair = tl.load(pairs_ptr + byte)
+                high = ((pair & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True) * scale).to(tl.float16)
+                low = ((pair >> 32).to(tl.int32).to(tl.float32, bitcast=True) * scale).to(tl.float16)
+            else:
+                high = (tl.load(code_ptr + (byte >> 4)) * scale).to(tl.float16)
+                low = (tl.load(code_ptr + (byte & 15)) * scale).to(tl.float16)
             columns = rm[:, None] * stride_xm + k0 + 2 * byte_in_tile[None, :]
             x_even = tl.load(x_ptr + columns, mask=row_in[:, None], other=0.0).to(tl.float16)
             x_odd = tl.load(x_ptr + columns + 1, mask=row_in[:, None], other=0.0).to(tl.float16)
@@ -163,9 +177,9 @@ def plan(rows: int, weight: Nf4Weight, device: torch.device) -> Launch:
 
 
 def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = None,
-               split: int | None = None) -> torch.Tensor:
+               split: int | None = None, pairs: bool = True) -> torch.Tensor:
     """x (… × in, fp16) times the NF4 weight transposed, plus bias: (… × out) in x's dtype. `split`: ranges of k
-    summed apart (default: `plan`'s)."""
+    summed apart (default: `plan`'s); `pairs`: decode a byte's two values with one table load (else one each)."""
     flat = x.reshape(-1, weight.in_features).contiguous()
     rows = flat.shape[0]
     launch = plan(rows, weight, x.device)
@@ -178,11 +192,11 @@ def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = N
     grid = (triton.cdiv(weight.out_features, block_n), triton.cdiv(rows, block_m), split)
     nested = weight.nested
     _nf4_matmul_kernel[grid](
-        flat, weight.packed, weight.absmax, weight.code,
+        flat, weight.packed, weight.absmax, weight.code, weight.pairs,
         weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.code,
         bias if bias is not None else out, out, weight.offset, rows, weight.out_features, weight.in_features,
         triton.cdiv(k_tiles, split) * block_k, flat.stride(0), out.stride(0), BLOCKSIZE=weight.blocksize,
-        BLOCKSIZE2=weight.blocksize2, NESTED=nested, HAS_BIAS=bias is not None, SPLIT=split > 1, BLOCK_M=block_m,
+        BLOCKSIZE2=weight.blocksize2, NESTED=nested, HAS_BIAS=bias is not None, SPLIT=split > 1, PAIRS=pairs, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
     return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 
