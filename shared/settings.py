@@ -194,12 +194,13 @@ class Settings(BaseSettings):
         "as with fp16 fit in what the VRAM budget leaves for the cache. Attention still runs in the compute dtype: "
         "each layer's cached keys and values are cast back up when read, at a small cost in accuracy (and, on the "
         "CPU, in speed)")
-    engine_nf4_kernel: Literal["triton", "bitsandbytes"] = Field(
-        default="triton", description="on CUDA with an NF4 base: what multiplies the decode step's rows (64 at most) "
-        "by each 4-bit weight. `triton`: one kernel that reads the packed weight and decodes it in registers "
-        "(bitsandbytes' format, nothing converted; where Triton is not installed, bitsandbytes, said in the log); "
-        "`bitsandbytes`: its own path, which dequantizes the whole weight to fp16 in memory and then multiplies. "
-        "Prefills (more rows) always take bitsandbytes' path")
+    engine_nf4_kernel: Literal["bitsandbytes", "triton"] = Field(
+        default="bitsandbytes", description="on CUDA with an NF4 base: what multiplies the decode step's rows (64 at "
+        "most) by each 4-bit weight. `bitsandbytes`: its own path, which dequantizes the whole weight to fp16 in "
+        "memory and then multiplies; `triton`: one kernel that reads the packed weight and decodes it in registers "
+        "(bitsandbytes' format, nothing converted; where Triton is not installed, bitsandbytes' path, said in the "
+        "log), not yet faster on the H200 (results README, nf4-kernel). Prefills (more rows) always take "
+        "bitsandbytes' path")
     engine_workspace_gb: float = Field(
         default=0.5, ge=0, description="on CUDA: the first estimate of the memory kept free for activations beside "
         "the weights and the key/value cache, when the slots are sized: (budget − resident − workspace) / "

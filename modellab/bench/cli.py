@@ -42,7 +42,7 @@ def bench(
     nf4_kernel: Annotated[str, typer.Option(
         help="KEVLAYA_ENGINE_NF4_KERNEL: what multiplies the decode step's rows by the NF4 weights, triton or "
              "bitsandbytes, in the service's worker and the decoder phase; on CUDA the decoder phase also times "
-             "the other one (an A/B pair)")] = "triton",
+             "the other one (an A/B pair)")] = "bitsandbytes",
     window_tokens: Annotated[Optional[int], typer.Option(
         help="KEVLAYA_ENGINE_WINDOW_TOKENS: the tokens one slot holds (default: the "
              "service's default)", min=16)] = None,

@@ -57,7 +57,7 @@ class BenchConfig:
     redis_url: str | None = None
     cuda_graphs: bool = True  # capture the decode step on CUDA
     kv_dtype: str = "auto"  # KEVLAYA_ENGINE_KV_DTYPE: the key/value cache's storage, the compute dtype or fp8
-    nf4_kernel: str = "triton"  # KEVLAYA_ENGINE_NF4_KERNEL: what multiplies the decode step's rows by NF4 weights
+    nf4_kernel: str = "bitsandbytes"  # KEVLAYA_ENGINE_NF4_KERNEL: what multiplies the decode step's rows by NF4 weights
     window_tokens: int | None = None  # KEVLAYA_ENGINE_WINDOW_TOKENS; None: the service's default
     prefill_tokens: int | None = None  # KEVLAYA_ENGINE_PREFILL_TOKENS; None: the service's default
     lora_targets: tuple[str, ...] = ALL_LINEAR  # the layers the random adapters cover (the demo model: every one)
