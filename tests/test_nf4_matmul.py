@@ -60,9 +60,10 @@ def test_a_layer_that_is_not_nf4_is_left_alone() -> None:
 
 # Run in a process of its own: Triton reads TRITON_INTERPRET when the kernel is defined, at import.
 INTERPRETED = textwrap.dedent("""
+    import dataclasses
     import torch
     from tests.test_nf4_matmul import nf4_linear
-    from worker.decoder.nf4_matmul import MAX_ROWS, Nf4Kernels, Nf4Weight, dequantize_reference, nf4_matmul
+    from worker.decoder.nf4_matmul import MAX_ROWS, Nf4Kernels, Nf4Weight, dequantize_reference, nf4_matmul, plan
 
     worst = 0.0
     for nested in (True, False):
@@ -77,7 +78,8 @@ INTERPRETED = textwrap.dedent("""
                 # k in one range, and in ranges summed apart (more ranges than 128-column tiles: some are empty);
                 # a byte's two values from one pair-table load, or from two loads of the 16 values
                 for split, pairs in ((1, True), (2, True), (4, True), (1, False), (2, False)):
-                    got = nf4_matmul(x, weight, layer.bias if bias else None, split=split, pairs=pairs)
+                    launch = dataclasses.replace(plan(rows, weight, x.device), split=split)
+                    got = nf4_matmul(x, weight, layer.bias if bias else None, launch=launch, pairs=pairs)
                     assert got.dtype == torch.float16 and got.shape == expected.shape
                     worst = max(worst, ((got.float() - expected).abs().max() / expected.abs().max()).item())
 

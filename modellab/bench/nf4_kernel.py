@@ -7,6 +7,8 @@ events, and the error against bitsandbytes' own product. Prints a table last; `-
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import shlex
 import statistics
@@ -31,29 +33,52 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
             "gate_proj, up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
 
 
-def _median_ms(run, repeats: int) -> float:  # noqa: ANN001
+@functools.cache
+def _side_stream():  # noqa: ANN202 (one stream for every capture: cuBLAS keeps a workspace per stream it ran on)
     import torch
 
-    for _ in range(3):
-        run()
+    return torch.cuda.Stream()
+
+
+def _graph_ms(run, repeats: int) -> float:  # noqa: ANN001
+    """GPU milliseconds of one `run`, captured `repeats` times in one CUDA graph as the decode step runs (no launch
+    cost from Python); the median of ten replays."""
+    import torch
+
+    side = _side_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            run()
     times = []
-    for _ in range(repeats):
+    for _ in range(10):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / repeats)
     return statistics.median(times)
+
+
+# Tiles and warps tried by --sweep (each with the ranges of k `plan` would give its tiles).
+SWEEP = [(block_n, 256, warps, stages) for block_n in (16, 32, 64) for warps, stages in ((2, 3), (4, 3), (8, 4))]
 
 
 def main(
     shape: Annotated[str, typer.Option(help=f"model shape: {', '.join(SHAPES)}")] = "qwen2.5-3b",
     rows: Annotated[str, typer.Option(help="comma-separated row counts")] = "1,8,16,32,64",
-    repeats: Annotated[int, typer.Option(min=1, help="timed runs per case (the median is kept)")] = 50,
+    repeats: Annotated[int, typer.Option(min=1, help="products per captured graph")] = 20,
+    sweep: Annotated[bool, typer.Option(help="also time other tiles and warps for 32 rows")] = False,
     out: Annotated[Optional[Path], typer.Option(help="write the results here as JSON")] = None,
 ) -> None:
-    """Time the NF4 kernel and bitsandbytes' 4-bit matmul on every projection shape of one decoder layer."""
+    """Time the NF4 kernel and bitsandbytes' 4-bit matmul on every projection shape of one decoder layer, each
+    captured as a CUDA graph."""
     import torch
 
     if shape not in SHAPES or shape == "tiny":
@@ -70,7 +95,7 @@ def main(
     if not torch.cuda.is_available():
         raise typer.BadParameter("the kernel runs on CUDA: no CUDA device here", param_hint="--shape")
     import bitsandbytes as bnb
-    results = []
+    results, swept = [], []
     for name, (out_features, in_features) in projections(shape).items():
         layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=torch.float16,
                                   compress_statistics=True, quant_type="nf4")
@@ -85,31 +110,50 @@ def main(
                 theirs = bnb.matmul_4bit(x, packed, quant_state=state)
                 ours = nf4_matmul(x, weight)
                 error = ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
-                bnb_ms = _median_ms(lambda: bnb.matmul_4bit(x, packed, quant_state=state), repeats)
-                kernel_ms = _median_ms(lambda: nf4_matmul(x, weight), repeats)
-                one_range_ms = _median_ms(lambda: nf4_matmul(x, weight, split=1), repeats)
-                no_pairs_ms = _median_ms(lambda: nf4_matmul(x, weight, pairs=False), repeats)
+                bnb_ms = _graph_ms(lambda: bnb.matmul_4bit(x, packed, quant_state=state), repeats)
+                kernel_ms = _graph_ms(lambda: nf4_matmul(x, weight), repeats)
+                launch = plan(count, weight, x.device)
+                one_range = dataclasses.replace(launch, split=1)
+                one_range_ms = _graph_ms(lambda: nf4_matmul(x, weight, launch=one_range), repeats)
+                no_pairs_ms = _graph_ms(lambda: nf4_matmul(x, weight, pairs=False), repeats)
             results.append({"projection": name, "out": out_features, "in": in_features, "rows": count,
-                             "bitsandbytes_ms": bnb_ms, "kernel_ms": kernel_ms, "speedup": bnb_ms / kernel_ms,
-                             "split": plan(count, weight, x.device).split,
-                             "kernel_one_k_range_ms": one_range_ms, "kernel_two_table_loads_ms": no_pairs_ms,
-                             "kernel_gb_per_s": weight.packed.numel() / kernel_ms / 1e6,
-                             "relative_error": error})
+                            "bitsandbytes_ms": bnb_ms, "kernel_ms": kernel_ms, "speedup": bnb_ms / kernel_ms,
+                            "launch": dataclasses.asdict(launch), "kernel_one_k_range_ms": one_range_ms,
+                            "kernel_two_table_loads_ms": no_pairs_ms,
+                            "kernel_gb_per_s": weight.packed.numel() / kernel_ms / 1e6, "relative_error": error})
+        if sweep:
+            x = torch.randn(32, in_features, device="cuda", dtype=torch.float16)
+            for block_n, block_k, warps, stages in SWEEP:
+                if in_features % block_k:
+                    continue
+                launch = dataclasses.replace(plan(32, weight, x.device, block_n, block_k), num_warps=warps,
+                                             num_stages=stages)
+                with torch.inference_mode():
+                    ms = _graph_ms(lambda: nf4_matmul(x, weight, launch=launch), repeats)
+                swept.append({"projection": name, "rows": 32, "launch": dataclasses.asdict(launch), "kernel_ms": ms})
         torch.cuda.empty_cache()
     command = shlex.join(["python", "-m", "modellab.bench.nf4_kernel", *sys.argv[1:]])
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"command": command, "shape": shape, "gpu": torch.cuda.get_device_name(0),
                                    "versions": {"torch": torch.__version__, "bitsandbytes": bnb.__version__},
-                                   "results": results}, indent=2) + "\n")
-    typer.echo(f"{command}\n{shape} on {torch.cuda.get_device_name(0)}: ms per product, median of {repeats}")
+                                   "results": results, "sweep": swept}, indent=2) + "\n")
+    typer.echo(f"{command}\n{shape} on {torch.cuda.get_device_name(0)}: GPU ms per product, captured as a graph")
     typer.echo("| projection (out × in) | rows | bitsandbytes | kernel (k ranges) | speedup | kernel, one k range | "
                "kernel, two table loads a byte | kernel GB/s (packed) | error |")
     typer.echo("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         typer.echo(f"| {r['projection']} ({r['out']} × {r['in']}) | {r['rows']} | {r['bitsandbytes_ms']:.4f} | "
-                   f"{r['kernel_ms']:.4f} ({r['split']}) | {r['speedup']:.2f}× | {r['kernel_one_k_range_ms']:.4f} | "
+                   f"{r['kernel_ms']:.4f} ({r['launch']['split']}) | {r['speedup']:.2f}× | {r['kernel_one_k_range_ms']:.4f} | "
                    f"{r['kernel_two_table_loads_ms']:.4f} | {r['kernel_gb_per_s']:.0f} | {r['relative_error']:.1e} |")
+
+    if swept:
+        typer.echo("\nsweep, 32 rows: the fastest tiles per projection (ms; bitsandbytes for comparison)")
+        for name in projections(shape):
+            best = min((r for r in swept if r["projection"] == name), key=lambda r: r["kernel_ms"])
+            theirs = next(r["bitsandbytes_ms"] for r in results if r["projection"] == name and r["rows"] == 32) \
+                if 32 in counts else float("nan")
+            typer.echo(f"  {name}: {best['kernel_ms']:.4f} with {best['launch']}; bitsandbytes {theirs:.4f}")
 
 
 if __name__ == "__main__":

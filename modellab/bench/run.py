@@ -149,8 +149,8 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
                               eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
                               kv_dtype=STORAGE_DTYPES[settings.engine_kv_dtype],
-                              nf4_kernel=settings.engine_nf4_kernel,
                               **{"prefill_tokens": settings.engine_prefill_tokens,
+                                 "nf4_kernel": settings.engine_nf4_kernel,
                                  "prefill_chunk_tokens": settings.engine_prefill_chunk_tokens, **options})
         try:
             figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))

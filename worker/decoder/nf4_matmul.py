@@ -158,15 +158,19 @@ class Launch:
     block_n: int
     block_k: int
     split: int  # ranges of k summed apart, each by its own programs
+    num_warps: int = 4
+    num_stages: int = 3
 
 
-def plan(rows: int, weight: Nf4Weight, device: torch.device) -> Launch:
+def plan(rows: int, weight: Nf4Weight, device: torch.device, block_n: int | None = None,
+         block_k: int | None = None) -> Launch:
+    """Tiles for `rows` rows (`block_n` and `block_k` given: those) and the ranges of k that fill the GPU."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     # Narrow column tiles: a decode step's GEMM is a few rows by thousands of columns, and a memory-bound kernel
     # needs programs on every multiprocessor. A tile's k is whole absmax blocks and divides the input.
-    block_n = 16 if weight.out_features <= 4096 else 32
-    block_k = next(k for k in (256, 128, 64, weight.blocksize)
-                   if k % weight.blocksize == 0 and weight.in_features % k == 0)
+    block_n = block_n or (16 if weight.out_features <= 4096 else 32)
+    block_k = block_k or next(k for k in (256, 128, 64, weight.blocksize)
+                              if k % weight.blocksize == 0 and weight.in_features % k == 0)
     # Then k in ranges (a power of two, each at least four tiles long) until about two programs run per
     # multiprocessor: a weight with few column tiles and a long k (down_proj) would otherwise leave most idle.
     programs = -(-weight.out_features // block_n) * -(-rows // block_m)
@@ -177,13 +181,13 @@ def plan(rows: int, weight: Nf4Weight, device: torch.device) -> Launch:
 
 
 def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = None,
-               split: int | None = None, pairs: bool = True) -> torch.Tensor:
-    """x (… × in, fp16) times the NF4 weight transposed, plus bias: (… × out) in x's dtype. `split`: ranges of k
-    summed apart (default: `plan`'s); `pairs`: decode a byte's two values with one table load (else one each)."""
+               launch: Launch | None = None, pairs: bool = True) -> torch.Tensor:
+    """x (… × in, fp16) times the NF4 weight transposed, plus bias: (… × out) in x's dtype. `launch`: tiles and
+    ranges of k (default: `plan`'s); `pairs`: decode a byte's two values with one table load (else one each)."""
     flat = x.reshape(-1, weight.in_features).contiguous()
     rows = flat.shape[0]
-    launch = plan(rows, weight, x.device)
-    block_m, block_n, block_k, split = launch.block_m, launch.block_n, launch.block_k, split or launch.split
+    launch = launch or plan(rows, weight, x.device)
+    block_m, block_n, block_k, split = launch.block_m, launch.block_n, launch.block_k, launch.split
     k_tiles = weight.in_features // block_k
     if split > 1:
         out = torch.zeros(rows, weight.out_features, dtype=torch.float32, device=x.device)
@@ -196,8 +200,9 @@ def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = N
         weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.code,
         bias if bias is not None else out, out, weight.offset, rows, weight.out_features, weight.in_features,
         triton.cdiv(k_tiles, split) * block_k, flat.stride(0), out.stride(0), BLOCKSIZE=weight.blocksize,
-        BLOCKSIZE2=weight.blocksize2, NESTED=nested, HAS_BIAS=bias is not None, SPLIT=split > 1, PAIRS=pairs, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        BLOCKSIZE2=weight.blocksize2, NESTED=nested, HAS_BIAS=bias is not None, SPLIT=split > 1, PAIRS=pairs,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 
 
