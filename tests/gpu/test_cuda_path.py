@@ -224,6 +224,17 @@ def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime
     assert all(g.error_code is None for g in got)
 
 
+def assert_agree(expected: list, got: list, what: str) -> None:
+    """Greedy answers agree on at least 99 % of their tokens, counting each answer up to its first difference."""
+    total = sum(len(e.token_ids) for e in expected)
+    agreeing = sum(next((i for i, (a, b) in enumerate(zip(e.token_ids, g.token_ids)) if a != b),
+                        min(len(e.token_ids), len(g.token_ids))) for e, g in zip(expected, got))
+    identical = sum(e.token_ids == g.token_ids for e, g in zip(expected, got))
+    print(f"{what}: {agreeing}/{total} tokens agree ({agreeing / total:.2%}), {identical}/{len(got)} answers "
+          "identical")
+    assert agreeing >= 0.99 * total
+
+
 def test_an_fp8_cache_on_nf4_with_captured_steps_agrees_with_the_fp16_cache(demo: ReferenceRuntime) -> None:
     """`KEVLAYA_ENGINE_KV_DTYPE=fp8` on CUDA: the block holds float8 at half the bytes, captured steps write and
     read it, prefills in chunks of 64 tokens write it, and greedy answers agree with those of the fp16 cache and
@@ -246,13 +257,8 @@ def test_an_fp8_cache_on_nf4_with_captured_steps_agrees_with_the_fp16_cache(demo
     (fp16, fp16_bytes), (fp8, fp8_bytes) = answers(None), answers(torch.float8_e4m3fn, chunk=64)
     assert fp8_bytes * 2 == fp16_bytes
     assert all(g.error_code is None for g in fp8)
-    total = sum(len(e.token_ids) for e in fp16)
-    agreeing = sum(next((i for i, (a, b) in enumerate(zip(e.token_ids, g.token_ids)) if a != b),
-                        min(len(e.token_ids), len(g.token_ids))) for e, g in zip(fp16, fp8))
-    print(f"fp8 cache and 64-token prefill chunks against fp16 and whole prefills on NF4, captured steps: {agreeing}/{total} tokens agree "
-          f"({agreeing / total:.2%}), {sum(e.token_ids == g.token_ids for e, g in zip(fp16, fp8))}/{len(fp16)} "
-          "answers identical")
-    assert agreeing >= 0.99 * total
+    assert_agree(fp16, fp8, "fp8 cache and 64-token prefill chunks against fp16 and whole prefills on NF4, "
+                 "captured steps")
 
 
 def test_the_slot_decoder_is_sized_by_its_measured_peak(demo: ReferenceRuntime) -> None:
@@ -438,10 +444,4 @@ def test_the_nf4_kernel_multiplies_every_layer_as_bitsandbytes_and_answers_agree
     theirs, ours = answers("bitsandbytes"), answers("triton")
     assert not any("forward" in vars(m) for m in demo.model.modules())  # closed: bitsandbytes' own forward again
     assert all(g.error_code is None for g in ours)
-    total = sum(len(e.token_ids) for e in theirs)
-    agreeing = sum(next((i for i, (a, b) in enumerate(zip(e.token_ids, g.token_ids)) if a != b),
-                        min(len(e.token_ids), len(g.token_ids))) for e, g in zip(theirs, ours))
-    print(f"NF4 kernel against bitsandbytes on the demo model, captured steps: {agreeing}/{total} tokens agree "
-          f"({agreeing / total:.2%}), {sum(e.token_ids == g.token_ids for e, g in zip(theirs, ours))}/{len(ours)} "
-          "answers identical")
-    assert agreeing >= 0.99 * total
+    assert_agree(theirs, ours, "NF4 kernel against bitsandbytes on the demo model, captured steps")
