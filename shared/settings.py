@@ -30,7 +30,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Roles": ("kev", "laya", "cascade_threshold"),
     "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens",
                "engine_prefill_chunk_tokens", "engine_batch_prefill_tokens", "engine_cuda_graphs", "engine_kv_dtype",
-               "engine_nf4_kernel", "engine_workspace_gb", "engine_prefill_share", "engine_switch_interval_ms"),
+               "engine_workspace_gb", "engine_prefill_share", "engine_switch_interval_ms"),
     "Reliability": ("lease_seconds", "max_attempts", "worker_recycle_after_tasks", "model_load_timeout_s",
                     "job_time_limit_s", "drain_seconds", "sweep_interval_s", "heartbeat_ttl_s", "publish_retries"),
     "Request limits": ("max_prompt_chars", "max_new_tokens_limit", "max_batch_submit", "max_body_bytes",
@@ -194,13 +194,6 @@ class Settings(BaseSettings):
         "as with fp16 fit in what the VRAM budget leaves for the cache. Attention still runs in the compute dtype: "
         "each layer's cached keys and values are cast back up when read, at a small cost in accuracy (and, on the "
         "CPU, in speed)")
-    engine_nf4_kernel: Literal["bitsandbytes", "triton"] = Field(
-        default="bitsandbytes", description="on CUDA with an NF4 base: what multiplies the decode step's rows (64 at "
-        "most) by each 4-bit weight. `bitsandbytes`: its own path, which dequantizes the whole weight to fp16 in "
-        "memory and then multiplies; `triton`: one kernel that reads the packed weight and decodes it in registers "
-        "(bitsandbytes' format, nothing converted; where Triton is not installed, bitsandbytes' path, said in the "
-        "log), not yet faster on the H200 (results README, nf4-kernel). Prefills (more rows) always take "
-        "bitsandbytes' path")
     engine_workspace_gb: float = Field(
         default=0.5, ge=0, description="on CUDA: the first estimate of the memory kept free for activations beside "
         "the weights and the key/value cache, when the slots are sized: (budget − resident − workspace) / "

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from worker.decoder.nf4_matmul import Nf4Weight, dequantize_reference
+from modellab.nf4_matmul import Nf4Weight, dequantize_reference
 
 
 def nf4_linear(out_features: int, in_features: int, nested: bool, seed: int = 0, bias: bool = True):  # noqa: ANN201
@@ -63,7 +63,7 @@ INTERPRETED = textwrap.dedent("""
     import dataclasses
     import torch
     from tests.test_nf4_matmul import nf4_linear
-    from worker.decoder.nf4_matmul import MAX_ROWS, Nf4Kernels, Nf4Weight, dequantize_reference, nf4_matmul, plan
+    from modellab.nf4_matmul import MAX_ROWS, Nf4Kernels, Nf4Weight, dequantize_reference, nf4_matmul, plan
 
     worst = 0.0
     for nested in (True, False):
@@ -87,7 +87,7 @@ INTERPRETED = textwrap.dedent("""
     layer = nf4_linear(48, 128, True)
     calls = []
     kernel = Nf4Kernels([(layer, Nf4Weight.of(layer))])
-    import worker.decoder.nf4_matmul as module
+    import modellab.nf4_matmul as module
     real = module.nf4_matmul
     module.nf4_matmul = lambda *args: calls.append(args[0].shape) or real(*args)
     with torch.inference_mode():

@@ -78,7 +78,7 @@ class _Regions:
 def _ranges() -> Iterator[None]:
     """Name the LoRA products and the 4-bit matmuls (bitsandbytes' and the NF4 kernel's) as profiler ranges while
     the census runs."""
-    from worker.decoder.nf4_matmul import Nf4Kernels
+    from modellab.nf4_matmul import Nf4Kernels
     from worker.decoder.row_lora import RowLoRA
 
     RowLoRA.profile_label = LORA_RANGE

@@ -39,10 +39,6 @@ def bench(
     kv_dtype: Annotated[str, typer.Option(
         help="KEVLAYA_ENGINE_KV_DTYPE: how the key/value cache stores keys and values, auto (the compute dtype) "
              "or fp8 (one byte an element), in the service's worker and the decoder phase")] = "auto",
-    nf4_kernel: Annotated[str, typer.Option(
-        help="KEVLAYA_ENGINE_NF4_KERNEL: what multiplies the decode step's rows by the NF4 weights, triton or "
-             "bitsandbytes, in the service's worker and the decoder phase; on CUDA the decoder phase also times "
-             "the other one (an A/B pair)")] = "bitsandbytes",
     window_tokens: Annotated[Optional[int], typer.Option(
         help="KEVLAYA_ENGINE_WINDOW_TOKENS: the tokens one slot holds (default: the "
              "service's default)", min=16)] = None,
@@ -79,8 +75,6 @@ def bench(
         raise typer.BadParameter("must be auto, cuda or cpu", param_hint="--device")
     if kv_dtype not in ("auto", "fp8"):
         raise typer.BadParameter("must be auto or fp8", param_hint="--kv-dtype")
-    if nf4_kernel not in ("triton", "bitsandbytes"):
-        raise typer.BadParameter("must be triton or bitsandbytes", param_hint="--nf4-kernel")
     if not 1 <= prompt_min <= prompt_max:
         raise typer.BadParameter("needs 1 <= --prompt-min <= --prompt-max", param_hint="--prompt-min")
     if jobs < 2 or recipe_jobs < 1 or latency_samples < 1 or max_batch < 1:
@@ -100,8 +94,7 @@ def bench(
                          jobs=jobs, prompt_tokens=(prompt_min, prompt_max),
                          new_tokens={"kev": kev_tokens, "laya": laya_tokens}, recipe_per_adapter=recipe_jobs,
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url,
-                         cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, nf4_kernel=nf4_kernel,
-                         window_tokens=window_tokens,
+                         cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, window_tokens=window_tokens,
                          prefill_tokens=prefill_tokens, lora_targets=targets, peer=peer, census=census,
                          pair_rounds=pair_rounds, stream_jobs=stream_jobs)
     command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]

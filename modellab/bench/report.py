@@ -47,10 +47,10 @@ def table(result: dict[str, Any]) -> str:
         row("speedup vs the peer (transformers CB; its jobs/s)", _fmt((result.get("peer") or {}).get("jobs_per_s"),
                                                                         ".3f"),
             lambda e: _fmt(e.get("speedup_vs_peer"), ".2f") + "×"),
-        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32; other NF4 kernel)", "",
+        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32; NF4 Triton kernel)", "",
             lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms'))} "
                       f"({_fmt(((e.get('lora_fp32') or {}).get('profile') or {}).get('step_ms'))}; "
-                      f"{_fmt(((e.get('nf4_other') or {}).get('profile') or {}).get('step_ms'))})"),
+                      f"{_fmt(((e.get('nf4_kernel') or {}).get('profile') or {}).get('step_ms'))})"),
         row("Laya p50 / p95 ms, idle worker", "",
             lambda e: f"{_fmt(e.get('laya_p50_ms_idle'), '.0f')} / {_fmt(e.get('laya_p95_ms_idle'), '.0f')}"),
         row("Laya p50 / p95 ms, under Kev load", "",
@@ -88,10 +88,9 @@ def _rows(result: dict[str, Any]) -> str:
 def _censuses(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The censuses of the served decode step and of each A/B comparison, by label; a comparison that failed left
     only its error and is left out."""
-    other = (service.get("nf4_other") or {}).get("nf4_kernel", "other")
     found = {"as served": service.get("census"),
              "LoRA in fp32": (service.get("lora_fp32") or {}).get("census"),
-             f"NF4 by {other}": (service.get("nf4_other") or {}).get("census")}
+             "NF4 by the Triton kernel": (service.get("nf4_kernel") or {}).get("census")}
     return {label: census for label, census in found.items() if census and "classes" in census}
 
 

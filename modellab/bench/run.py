@@ -57,7 +57,6 @@ class BenchConfig:
     redis_url: str | None = None
     cuda_graphs: bool = True  # capture the decode step on CUDA
     kv_dtype: str = "auto"  # KEVLAYA_ENGINE_KV_DTYPE: the key/value cache's storage, the compute dtype or fp8
-    nf4_kernel: str = "bitsandbytes"  # KEVLAYA_ENGINE_NF4_KERNEL: what multiplies the decode step's rows by NF4 weights
     window_tokens: int | None = None  # KEVLAYA_ENGINE_WINDOW_TOKENS; None: the service's default
     prefill_tokens: int | None = None  # KEVLAYA_ENGINE_PREFILL_TOKENS; None: the service's default
     lora_targets: tuple[str, ...] = ALL_LINEAR  # the layers the random adapters cover (the demo model: every one)
@@ -106,8 +105,9 @@ def _requests(jobs: list[BenchJob]) -> list[GenerationRequest]:
 def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchConfig,
                    kev: list[GenerationRequest]) -> dict[str, Any]:
     """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share and step time
-    (captured steps, as served), the same under the decision grammar, the LoRA products in fp32 as an A/B pair
-    (CUDA), and a kernel census of eager steps with either LoRA dtype."""
+    (captured steps, as served), the same under the decision grammar, the LoRA products in fp32 and the NF4
+    matmuls through the Triton kernel as A/B pairs (CUDA), and a kernel census of eager steps of each."""
+    from modellab.nf4_matmul import install_nf4_kernels
     from worker.decoder.kv_block import STORAGE_DTYPES
     from worker.decoder.slot_decoder import SlotDecoder
     from worker.engine.loop import build_decoder
@@ -131,31 +131,33 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     # Captured steps first, A B A (the compute dtype, fp32, the compute dtype again), then the censuses: the
     # profiler's Python tracing is the dearest thing here and nothing timed runs after it.
     variants: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {}
-    other_nf4 = "bitsandbytes" if settings.engine_nf4_kernel == "triton" else "triton"
     if runtime.device == "cuda":
         # one prompt per prefill: the fp32 products of a full prefill group do not fit beside the rows under the
         # cap, and the pair compares decode steps
         variants["lora_fp32"] = ({"graphs": config.cuda_graphs, "lora_dtype": torch.float32,
                                   "prefill_tokens": window}, decode_busy_fraction)
-        # the other NF4 kernel, same slots and prefill as the served decoder
-        variants["nf4_other"] = ({"graphs": config.cuda_graphs, "nf4_kernel": other_nf4}, decode_busy_fraction)
+        # the NF4 matmuls through the Triton kernel (modellab/nf4_matmul.py) instead of bitsandbytes
+        variants["nf4_kernel"] = ({"graphs": config.cuda_graphs, "nf4_kernel": True}, decode_busy_fraction)
         variants["profile_again"] = ({"graphs": config.cuda_graphs}, decode_busy_fraction)
     variants["census"] = ({"graphs": False}, kernel_census)
     if runtime.device == "cuda":
         variants["census_lora_fp32"] = ({"graphs": False, "lora_dtype": torch.float32}, kernel_census)
-        variants["census_nf4_other"] = ({"graphs": False, "nf4_kernel": other_nf4}, kernel_census)
+        variants["census_nf4_kernel"] = ({"graphs": False, "nf4_kernel": True}, kernel_census)
     for name, (options, measure) in variants.items():
+        # installed before the decoder captures its steps, so the graphs hold the kernel
+        kernel = install_nf4_kernels(loaded.model) if options.pop("nf4_kernel", False) else None
         # as many slots as rows: the fp32 products need more memory than the sizing left spare under the cap
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
                               eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
                               kv_dtype=STORAGE_DTYPES[settings.engine_kv_dtype],
                               **{"prefill_tokens": settings.engine_prefill_tokens,
-                                 "nf4_kernel": settings.engine_nf4_kernel,
                                  "prefill_chunk_tokens": settings.engine_prefill_chunk_tokens, **options})
         try:
             figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))
         finally:
             decoder.close()
+            if kernel is not None:
+                kernel.remove()
             del decoder
         _free_cache()
     return figures
@@ -349,7 +351,6 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
            "KEVLAYA_LAYA__PATH": str(paths["laya"]), "KEVLAYA_DEVICE": device,
            "KEVLAYA_VRAM_BUDGET_GB": str(config.vram_budget_gb), "KEVLAYA_IGNORE_EOS": "true",
            "KEVLAYA_MAX_BATCH": str(config.max_batch), "KEVLAYA_ENGINE_KV_DTYPE": config.kv_dtype,
-           "KEVLAYA_ENGINE_NF4_KERNEL": config.nf4_kernel,
            # random weights from this run: hashing gigabytes again would only slow the start
            "KEVLAYA_VERIFY_MANIFESTS": "false"}
     window = {} if config.window_tokens is None else {"engine_window_tokens": config.window_tokens}
@@ -360,8 +361,7 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     settings = Settings(_env_file=None, base_model=env["KEVLAYA_BASE_MODEL"], kev={"path": env["KEVLAYA_KEV__PATH"]},
                         laya={"path": env["KEVLAYA_LAYA__PATH"]}, device=device,
                         vram_budget_gb=config.vram_budget_gb, ignore_eos=True, verify_manifests=False,
-                        max_batch=config.max_batch, engine_kv_dtype=config.kv_dtype,
-                        engine_nf4_kernel=config.nf4_kernel, **window)
+                        max_batch=config.max_batch, engine_kv_dtype=config.kv_dtype, **window)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(paths["base"])
@@ -394,7 +394,6 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                            "generate (modellab/reference.py)",
         "cuda_graphs": config.cuda_graphs,
         "kv_dtype": config.kv_dtype,
-        "nf4_kernel": config.nf4_kernel,
         # service settings from the environment, which the service's processes inherit, and the engine's settings
         # as the service reads them (defaults included)
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KEVLAYA_")},
@@ -408,9 +407,8 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     if "lora_fp32" in measured:  # the A/B pair: the same decode step with the LoRA products in fp32
         service["lora_fp32"] = {"profile": measured["lora_fp32"], "census": measured["census_lora_fp32"]}
         service["profile_again"] = measured["profile_again"]  # the compute dtype again, after the fp32 run
-    if "nf4_other" in measured:  # the A/B pair: the same decode step with the other NF4 kernel
-        service["nf4_other"] = {"nf4_kernel": "bitsandbytes" if config.nf4_kernel == "triton" else "triton",
-                                "profile": measured["nf4_other"], "census": measured["census_nf4_other"]}
+    if "nf4_kernel" in measured:  # the A/B pair: the same decode step with the NF4 matmuls through the kernel
+        service["nf4_kernel"] = {"profile": measured["nf4_kernel"], "census": measured["census_nf4_kernel"]}
 
     def checkpoint() -> None:
         if "jobs_per_s" in service:

@@ -400,13 +400,14 @@ def test_memory_taken_by_another_process_after_sizing_fails_no_job(env, api, sta
 
 def test_the_nf4_kernel_multiplies_every_layer_as_bitsandbytes_and_answers_agree(demo: ReferenceRuntime,
                                                                                   qwen: ReferenceRuntime) -> None:
-    """`KEVLAYA_ENGINE_NF4_KERNEL=triton`: on every NF4 layer of the demo model and of a real shape, the kernel's
-    product for 1 to 64 rows is bitsandbytes' (fp16 rounding); the decoder with it, graphs captured, answers as the
-    decoder through bitsandbytes on at least 99 % of the tokens, and gives bitsandbytes' path back when closed."""
+    """The Triton NF4 kernel (modellab/nf4_matmul.py): on every NF4 layer of the demo model and of a real shape,
+    its product for 1 to 64 rows is bitsandbytes' (fp16 rounding); installed under the decoder, graphs captured,
+    the answers are those through bitsandbytes on at least 99 % of the tokens, and removing it gives bitsandbytes'
+    path back."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
-    from worker.decoder.nf4_matmul import Nf4Weight, nf4_matmul
+    from modellab.nf4_matmul import Nf4Weight, install_nf4_kernels, nf4_matmul
     from worker.decoder.slot_decoder import SlotDecoder
 
     worst, layers = 0.0, 0
@@ -430,18 +431,21 @@ def test_the_nf4_kernel_multiplies_every_layer_as_bitsandbytes_and_answers_agree
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 16)
 
-    def answers(kernel: str) -> list:
+    def answers(with_kernel: bool) -> list:
+        kernel = install_nf4_kernels(demo.model) if with_kernel else None
+        assert (kernel is not None) == with_kernel
         decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
-                              eos_ids=demo.eos_ids, graphs=True, nf4_kernel=kernel)
+                              eos_ids=demo.eos_ids, graphs=True)
         try:
-            assert (decoder.nf4 is not None) == (kernel == "triton")
             return decoder.run(requests)
         finally:
             decoder.close()
+            if kernel is not None:
+                kernel.remove()
             del decoder
             _free()
 
-    theirs, ours = answers("bitsandbytes"), answers("triton")
-    assert not any("forward" in vars(m) for m in demo.model.modules())  # closed: bitsandbytes' own forward again
+    theirs, ours = answers(False), answers(True)
+    assert not any("forward" in vars(m) for m in demo.model.modules())  # removed: bitsandbytes' own forward again
     assert all(g.error_code is None for g in ours)
     assert_agree(theirs, ours, "NF4 kernel against bitsandbytes on the demo model, captured steps")

@@ -19,7 +19,6 @@ from transformers import PreTrainedTokenizerBase
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_step import CapturedStep
 from worker.decoder.kv_block import KVBlock
-from worker.decoder.nf4_matmul import install_nf4_kernels
 from worker.decoder.prefill_budget import prefill_group
 from worker.decoder.row_lora import RowLoRA
 from worker.decoder.sampling import RowSampling, choose
@@ -60,7 +59,7 @@ class SlotDecoder:
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
-                 kv_dtype: torch.dtype | None = None, nf4_kernel: str = "bitsandbytes"):
+                 kv_dtype: torch.dtype | None = None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -81,8 +80,6 @@ class SlotDecoder:
         self.kv = KVBlock(model.config, slots, window, kv_dtype or dtype, self.device)
         # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare).
         self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype)
-        # KEVLAYA_ENGINE_NF4_KERNEL: installed before any step is captured, so the graphs hold its kernels
-        self.nf4 = install_nf4_kernels(model) if nf4_kernel == "triton" and self.device.type == "cuda" else None
         self.grammars = RowGrammars(tokenizer, model.config.vocab_size, self.eos_ids, slots, self.device)
         self.rows: list[Row] = []  # row i lives in slot i
         self.limit = slots  # rows admitted at most; the engine lowers it after an out-of-memory (worker/memory.py)
@@ -107,11 +104,8 @@ class SlotDecoder:
         return max(0, self.limit - len(self.rows))
 
     def close(self) -> None:
-        """Give the model back its PEFT adapters and bitsandbytes' own NF4 path (the decoder's cache is freed with
-        it)."""
+        """Give the model back its PEFT adapters (the decoder's cache is freed with it)."""
         self.lora.remove()
-        if self.nf4 is not None:
-            self.nf4.remove()
 
     # -- prefill -----------------------------------------------------------------------------------------------
 

@@ -80,8 +80,7 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
         return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
                            eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs, texts=False,
                            prefill_tokens=settings.engine_prefill_tokens,
-                           prefill_chunk_tokens=settings.engine_prefill_chunk_tokens, kv_dtype=kv_dtype,
-                           nf4_kernel=settings.engine_nf4_kernel)
+                           prefill_chunk_tokens=settings.engine_prefill_chunk_tokens, kv_dtype=kv_dtype)
 
     if loaded.device != "cuda":
         return build(wanted)

@@ -1,10 +1,11 @@
-"""NF4 weights multiplied in one kernel for the decode step's few rows.
+"""An experimental NF4 kernel for the decode step's few rows: not used in serving, because it is not yet faster.
 
 bitsandbytes multiplies a 4-bit weight by more than one row as two kernels: it dequantizes the whole weight to
-fp16 in memory, then runs an fp16 GEMM over it. A decode step has at most a few dozen rows, so each of those
-kernels is bound by memory traffic: 0.5 byte a weight read, 2 written, 2 read again. Here one Triton kernel
+fp16 in memory, then runs an fp16 GEMM over it, about 4.5 bytes of memory traffic a weight. Here one Triton kernel
 reads the packed 4-bit weight and its block scales, decodes each tile in registers and multiplies it at once:
-0.5 byte a weight (the kernel census in modellab/bench/results/README.md is why).
+0.5 byte a weight. It is correct (tests), but on the H200 it is still several times slower than bitsandbytes'
+path, which runs near the card's bandwidth (modellab/bench/results/README.md, nf4-kernel). The benchmark's
+decoder phase and `python -m modellab.bench.nf4_kernel` measure it; `install_nf4_kernels` puts it on a model.
 
 The packed format is bitsandbytes' own (the weight is not copied or converted): row-major, two weights a byte,
 the even one in the high nibble, one absmax per `blocksize` weights; with double quantization (the default) the
