@@ -146,6 +146,9 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     for name, (options, measure) in variants.items():
         # installed before the decoder captures its steps, so the graphs hold the kernel
         kernel = install_nf4_kernels(loaded.model) if options.pop("nf4_kernel", False) else None
+        if "nf4_kernel" in name and kernel is None:  # it would time bitsandbytes' path under the kernel's name
+            figures[name] = {"error": "the NF4 kernel did not install: no NF4 layer on CUDA, or no Triton"}
+            continue
         # as many slots as rows: the fp32 products need more memory than the sizing left spare under the cap
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
                               eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,

@@ -92,7 +92,7 @@ class SlotDecoder:
             try:
                 self._static = CapturedStep(self, capture=graphs)
             except BaseException:
-                self.close()  # a decoder that failed to build leaves the model as it found it
+                self.lora.remove()  # a decoder that failed to build leaves the model as it found it
                 raise
 
     @property
