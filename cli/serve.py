@@ -15,9 +15,12 @@ from cli.common import fail, require_own_schema
 from shared.settings import get_settings
 
 
-def _exec_celery(args: list[str]) -> None:
-    """Replace this process with Celery's, so signals (docker stop, Ctrl-C) reach it directly."""
-    os.execv(sys.executable, [sys.executable, "-m", "celery", *args])
+def _run_celery(args: list[str]) -> None:
+    """Run Celery's command line in this process: the process is Celery's, so signals (docker stop, Ctrl-C)
+    reach it directly, as they would after an exec, without starting a second interpreter."""
+    from celery.bin.celery import celery
+
+    celery.main(args=args, prog_name="celery", auto_envvar_prefix="CELERY")
 
 
 def api_log_config(log_format: str) -> dict[str, Any]:
@@ -53,7 +56,7 @@ def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "IN
     require_own_schema()
     # Without mingle and gossip: they sync revoked tasks and clocks with the other workers, and a job's state is its
     # row, never a Celery revoke; mingle also waited a second at every start for neighbours' replies.
-    _exec_celery(["-A", "worker.tasks", "worker", "--pool", "prefork", "--concurrency", "1",
+    _run_celery(["-A", "worker.tasks", "worker", "--pool", "prefork", "--concurrency", "1",
                   "--prefetch-multiplier", "1", "-E", "--without-mingle", "--without-gossip",
                   "-n", f"kevlaya-{os.getpid()}@{socket.gethostname()}", "--loglevel", loglevel])
 
@@ -82,7 +85,7 @@ def flower() -> None:
         os.environ["FLOWER_BASIC_AUTH"] = settings.flower_basic_auth.get_secret_value()
     elif settings.flower_host not in ("127.0.0.1", "localhost", "::1"):
         fail("Flower listens beyond localhost: set KEVLAYA_FLOWER_BASIC_AUTH=user:password")
-    _exec_celery(args)
+    _run_celery(args)
 
 
 def run(

@@ -29,6 +29,7 @@ from shared.notify import FINISHED_CHANNEL
 from shared.redis_server import redis_server_binary, start_redis_server
 from shared.settings import get_settings
 from tests.postgres_server import PostgresServer
+from tests.prewarmed import Prewarmed
 
 # One OpenMP thread per process, set before torch is first imported (none of the imports above does): the test
 # processes and the API, worker and CLI processes they start share this machine's cores, and idle OpenMP threads
@@ -227,14 +228,31 @@ def reset_process_state() -> None:
     queue.redis_client.cache_clear()
 
 
-class ServiceProcess:
-    """A real `kevlaya` process (API or worker) with its output kept for the failure message."""
+@pytest.fixture(scope="session")
+def prewarmed() -> Iterator[Prewarmed | None]:
+    """The server that forks API and worker processes with their libraries imported (tests/prewarmed.py);
+    KEVLAYA_TEST_PREWARMED=0 starts each as a fresh `kevlaya` process instead."""
+    if os.environ.get("KEVLAYA_TEST_PREWARMED", "1") == "0":
+        yield None
+        return
+    server = Prewarmed()
+    yield server
+    server.close()
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path, stop_signal: int = signal.SIGTERM):
+
+class ServiceProcess:
+    """A real `kevlaya` process (API or worker) with its output kept for the failure message: forked by the
+    prewarmed server when there is one, else started as a command."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path, stop_signal: int = signal.SIGTERM,
+                 prewarmed: Prewarmed | None = None):
         self.log_path, self.stop_signal = log_path, stop_signal
         self.log = open(log_path, "wb")
-        self.process = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        if prewarmed is not None:
+            self.process = prewarmed.start(["kevlaya", *args[-1:]], {**os.environ, **env}, Path.cwd(), log_path)
+        else:
+            self.process = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:
         self.log.flush()
@@ -251,17 +269,19 @@ class ServiceProcess:
 
 
 @pytest.fixture
-def start_process(tmp_path: Path) -> Iterator[callable]:
+def start_process(tmp_path: Path, prewarmed: Prewarmed | None) -> Iterator[callable]:
     started: list[ServiceProcess] = []
 
-    def start(kind: str, env: dict[str, str]) -> ServiceProcess:
+    def start(kind: str, env: dict[str, str], fork: bool = True) -> ServiceProcess:
+        """`kevlaya <kind>`; `fork=False` runs the installed command itself, for tests of its command line."""
         kevlaya = Path(os.sys.executable).parent / "kevlaya"
         # the installed command; from a source checkout without it (a GPU machine with wheels carried), the module
         command = [str(kevlaya)] if kevlaya.exists() else [os.sys.executable, "-m", "cli"]
         # At a test's end an API stops cleanly (a fifth of a second: its writer has little left to store); a worker
         # is killed, as a crash would (the fault tests' case), rather than waiting a second for its warm shutdown.
         proc = ServiceProcess([*command, kind], env, tmp_path / f"{kind}-{len(started)}.log",
-                              stop_signal=signal.SIGKILL if kind == "worker" else signal.SIGTERM)
+                              stop_signal=signal.SIGKILL if kind == "worker" else signal.SIGTERM,
+                              prewarmed=prewarmed if fork else None)
         started.append(proc)
         return proc
 

@@ -97,7 +97,7 @@ def test_flower_gets_its_password_and_broker_through_the_environment(redis_serve
 
     port = free_port()
     process = start_process("flower", {"KEVLAYA_REDIS_URL": redis_server.url, "KEVLAYA_FLOWER_PORT": str(port),
-                                       "KEVLAYA_FLOWER_BASIC_AUTH": "admin:s3cret-pw"})
+                                       "KEVLAYA_FLOWER_BASIC_AUTH": "admin:s3cret-pw"}, fork=False)
     base = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
