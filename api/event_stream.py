@@ -38,6 +38,10 @@ def _stored(job: JobOut) -> dict[str, Any]:
     return job.model_dump(mode="json")
 
 
+def _text(job: JobOut) -> str:
+    return (job.result.text if job.result else None) or ""
+
+
 def _reader(key: ApiKey, job: JobOut) -> Callable[[], Any]:
     return partial(run_in_threadpool, read_visible, key, job.id)
 
@@ -54,14 +58,29 @@ def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settin
             return
         if last_event_id is None:
             yield sse("status", {"status": job.status, "attempt": job.attempts})
+        # The text the client has built from this connection, as it builds it (README: deltas appended, `running`
+        # restarting it, `resync` setting it); None where it resumed and its text so far is not known here.
+        built: str | None = "" if last_event_id is None else None
         async for item in follow_job(job, _reader(key, job), position, settings.stream_heartbeat_s):
             if item is None:
                 yield HEARTBEAT
             elif isinstance(item, Gap):
-                yield sse("resync", {"reason": str(item), "job": _stored(await _reader(key, job)())})
+                stored = await _reader(key, job)()
+                built = _text(stored)
+                yield sse("resync", {"reason": str(item), "job": _stored(stored)})
             elif isinstance(item, list):  # the entries one wake-up found: one write for all of them
+                for event in item:
+                    if event.event == "status" and event.data.get("status") == RUNNING:
+                        built = ""
+                    elif event.event == "delta" and built is not None:
+                        built += event.data["text"]
                 yield "".join(event.sse for event in item)
             else:
+                # The stream holds an answer's last text before the job is announced, unless its worker gave up
+                # waiting on Redis: then the stored text is the text, and the client is told so before `done`.
+                if item.status == JobStatus.SUCCEEDED and built != _text(item):
+                    yield sse("resync", {"reason": f"the stream of job {item.id} ended short of its stored text",
+                                         "job": _stored(item)})
                 yield sse("done", _stored(item))
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)

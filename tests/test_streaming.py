@@ -492,3 +492,50 @@ def test_a_streamed_chat_that_outlasts_its_timeout_ends_with_an_error_event_in_t
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert events[-2]["error"]["code"] == "timeout" and events[-1] == "[DONE]"
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("case", ["short", "whole", "resumed"])
+def test_a_stream_that_ends_short_of_the_stored_text_tells_the_client_before_done(monkeypatch, case):
+    """The worker waits a second at most for its last text to reach Redis before it stores the job; a client whose
+    stream ended short of the stored text (or resumed, so that its text is not known) gets `resync` before
+    `done`, and its text is the stored one. Seen under load: the last delta arrived after `done`."""
+    import asyncio
+    import json
+    import uuid
+    from types import SimpleNamespace
+
+    import api.event_stream as event_stream
+    from api.job_events import StreamEvent
+    from modellab.bench.sse import SseParser
+    from shared.models import JobStatus
+
+    job_id, stored = uuid.uuid4(), "Option A: cheaper, feasible"
+    streamed = stored if case == "whole" else stored[:-len(" feasible")]
+
+    class Job(SimpleNamespace):
+        def model_dump(self, mode: str) -> dict:  # noqa: ARG002
+            return {"id": str(self.id), "status": self.status, "result": {"text": self.result.text}}
+
+    def event(n: int, name: str, **data) -> StreamEvent:  # noqa: ANN003
+        return StreamEvent(f"1-{n}", name, data, json.dumps(data))
+
+    async def follow(job, read_job, position, heartbeat_s):  # noqa: ANN001, ANN202, ARG001
+        if case == "resumed":  # after the client's last event: the text it built before is not known here
+            yield [event(3, "delta", text=" feasible", tokens=6)]
+        else:
+            yield [event(1, "status", status="running", attempt=1), event(2, "delta", text=streamed, tokens=5)]
+        yield Job(id=job_id, status=JobStatus.SUCCEEDED, result=SimpleNamespace(text=stored))
+
+    monkeypatch.setattr(event_stream, "follow_job", follow)
+    running = Job(id=job_id, status=JobStatus.RUNNING, result=None, attempts=1)
+    response = event_stream.job_event_stream(None, running, "1-0" if case == "resumed" else None,
+                                             SimpleNamespace(stream_heartbeat_s=1.0))
+
+    async def body() -> str:
+        return "".join([chunk async for chunk in response.body_iterator])
+
+    parser = SseParser()
+    events = [e for line in asyncio.run(body()).splitlines() if (e := parser.feed(line))]
+    names = [e["event"] for e in events]
+    assert names[-1] == "done" and streamed_text(events) == stored
+    assert ("resync" in names) == (case != "whole"), names
