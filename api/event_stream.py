@@ -59,7 +59,8 @@ def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settin
         if last_event_id is None:
             yield sse("status", {"status": job.status, "attempt": job.attempts})
         # The text the client has built from this connection, as it builds it (README: deltas appended, `running`
-        # restarting it, `resync` setting it); None where it resumed and its text so far is not known here.
+        # restarting it, `resync` setting it); None where it resumed and its text so far is not known here (its
+        # client checks it against `done`).
         built: str | None = "" if last_event_id is None else None
         async for item in follow_job(job, _reader(key, job), position, settings.stream_heartbeat_s):
             if item is None:
@@ -78,7 +79,7 @@ def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settin
             else:
                 # The stream holds an answer's last text before the job is announced, unless its worker gave up
                 # waiting on Redis: then the stored text is the text, and the client is told so before `done`.
-                if item.status == JobStatus.SUCCEEDED and built != _text(item):
+                if item.status == JobStatus.SUCCEEDED and built is not None and built != _text(item):
                     yield sse("resync", {"reason": f"the stream of job {item.id} ended short of its stored text",
                                          "job": _stored(item)})
                 yield sse("done", _stored(item))

@@ -95,30 +95,6 @@ def test_jobs_in_flight_are_counted_from_their_start_and_finish_times() -> None:
     assert most_in_flight([job(0, None)]) == 0 and most_in_flight([]) == 0
 
 
-def test_the_census_counts_kernels_that_no_operator_launched() -> None:
-    """Triton launches its kernels outside PyTorch's operators: the profiler links them to none, and a census of
-    operators' kernels alone missed the NF4 kernel's time (results README, h200-2026-12-03)."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from modellab.bench.census import kernel_class, unlinked_kernels
-
-    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-
-    def event(id_: int, name: str, device, linked: int = 0, start: float = 0, end: float = 0):  # noqa: ANN001
-        return SimpleNamespace(id=id_, name=name, device_type=device, linked_correlation_id=linked,
-                               time_range=SimpleNamespace(start=start, end=end))
-
-    events = [event(1, "aten::mm", cpu), event(7, "cudaLaunchKernel", cpu, linked=1),
-              event(2, "gemm_kernel", cuda, linked=1, start=10, end=15),  # launched by aten::mm: counted there
-              event(3, "_nf4_matmul_kernel", cuda, linked=0, start=20, end=62),  # launched by no operator
-              event(4, "_nf4_matmul_kernel", cuda, linked=99, start=70, end=110)]  # linked to an event not kept
-    unlinked = unlinked_kernels(events)
-    assert unlinked == [("_nf4_matmul_kernel", 42), ("_nf4_matmul_kernel", 40)]
-    assert {kernel_class(name, []) for name, _ in unlinked} == {"nf4_matmul"}
-
-
 def test_slot_fit_refuses_a_machine_without_cuda_before_building_anything(tmp_path: Path) -> None:
     """`python -m modellab.bench.slot_fit` measures CUDA memory: without a GPU it says so, exits 2 and writes
     nothing."""

@@ -101,15 +101,6 @@ def _ranges() -> Iterator[None]:
             bitsandbytes.matmul_4bit = matmul
 
 
-def unlinked_kernels(events: list) -> list[tuple[str, float]]:  # noqa: ANN001 (profiler FunctionEvents)
-    """(name, microseconds) of the device's kernels that no PyTorch operator launched: Triton launches its kernels
-    through the driver, outside any operator, so the profiler links them to none and `event.kernels` misses them."""
-    cpu = torch.autograd.DeviceType.CPU
-    launchers = {e.id for e in events if e.device_type == cpu and e.linked_correlation_id == 0}
-    return [(e.name, e.time_range.end - e.time_range.start) for e in events
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.linked_correlation_id not in launchers]
-
-
 def _frames(event, regions: _Regions) -> list[str]:  # noqa: ANN001 (a profiler FunctionEvent)
     """The ranges an operator ran within: its recorded parents, and the named ranges its start falls in."""
     frames = []
@@ -134,18 +125,14 @@ def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> tuple[d
     counts: Counter[str] = Counter()
     micros: Counter[str] = Counter()
     unclassed: Counter[str] = Counter()
-    # (launcher, kernels): a CPU operator and what it launched, then what no operator launched, by name alone
-    launches = [(event, None) for event in events] + ([(None, unlinked_kernels(prof.events()))] if cuda else [])
-    for event, kernels in launches:
-        if kernels is not None:
-            launched = kernels
-        elif cuda:
+    for event in events:
+        if cuda:
             launched = [(kernel.name, kernel.duration) for kernel in event.kernels]
         elif event.name.startswith("aten::") and event.self_cpu_time_total > 0:
             launched = [(event.name, event.self_cpu_time_total)]
         else:
             continue
-        frames = _frames(event, regions) if launched and event is not None else []
+        frames = _frames(event, regions) if launched else []
         for name, duration in launched:
             kind = kernel_class(name, frames)
             counts[kind] += 1
