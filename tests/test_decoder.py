@@ -130,10 +130,25 @@ def test_the_throwaway_prefill_measured_at_start_leaves_no_trace(runtime: Refere
     measured.throwaway_prefill(rows=9, width=999)  # clamped to the slots and the window
     assert measured.free == 4 and not measured.rows
     assert_same_answers(expected, measured.run(requests))
+    measured.close()  # one decoder on a model at a time
     busy = decoder(slots=2)
     busy.prefill(requests[:1])
     with pytest.raises(ValueError, match="no rows in flight"):
         busy.throwaway_prefill(rows=1, width=16)
+
+
+def test_a_model_serves_one_decoder_at_a_time(runtime: ReferenceRuntime, decoder) -> None:
+    """Each decoder's LoRA hooks add its rows' deltas: a second one on the same model would add its deltas to the
+    first one's rows. It is refused; and closing the first again must not undo the next one's."""
+    job = request("kev", PROMPTS[1], 12)
+    expected = runtime.run_batch([job]).results
+    first = decoder(slots=2)
+    with pytest.raises(RuntimeError, match="close that decoder first"):
+        decoder(slots=2)
+    first.close()
+    second = decoder(slots=2)
+    first.close()
+    assert_same_answers(expected, second.run([job]))
 
 
 def test_a_freed_slot_is_taken_while_a_long_row_decodes(runtime: ReferenceRuntime, decoder) -> None:

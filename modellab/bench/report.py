@@ -47,9 +47,10 @@ def table(result: dict[str, Any]) -> str:
         row("speedup vs the peer (transformers CB; its jobs/s)", _fmt((result.get("peer") or {}).get("jobs_per_s"),
                                                                         ".3f"),
             lambda e: _fmt(e.get("speedup_vs_peer"), ".2f") + "×"),
-        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32; NF4 Triton kernel)", "",
+        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32; unfused; NF4 Triton kernel)", "",
             lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms'))} "
                       f"({_fmt(((e.get('lora_fp32') or {}).get('profile') or {}).get('step_ms'))}; "
+                      f"{_fmt(((e.get('unfused') or {}).get('profile') or {}).get('step_ms'))}; "
                       f"{_fmt(((e.get('nf4_kernel') or {}).get('profile') or {}).get('step_ms'))})"),
         row("Laya p50 / p95 ms, idle worker", "",
             lambda e: f"{_fmt(e.get('laya_p50_ms_idle'), '.0f')} / {_fmt(e.get('laya_p95_ms_idle'), '.0f')}"),
@@ -90,6 +91,7 @@ def _censuses(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
     only its error and is left out."""
     found = {"as served": service.get("census"),
              "LoRA in fp32": (service.get("lora_fp32") or {}).get("census"),
+             "one per projection": (service.get("unfused") or {}).get("census"),
              "NF4 by the Triton kernel": (service.get("nf4_kernel") or {}).get("census")}
     return {label: census for label, census in found.items() if census and "classes" in census}
 

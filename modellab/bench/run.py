@@ -105,8 +105,9 @@ def _requests(jobs: list[BenchJob]) -> list[GenerationRequest]:
 def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchConfig,
                    kev: list[GenerationRequest]) -> dict[str, Any]:
     """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share and step time
-    (captured steps, as served), the same under the decision grammar, the LoRA products in fp32 and the NF4
-    matmuls through the Triton kernel as A/B pairs (CUDA), and a kernel census of eager steps of each."""
+    (captured steps, as served), the same under the decision grammar, the LoRA products in fp32, one matmul per
+    projection (q/k/v and gate/up not joined) and the NF4 matmuls through the Triton kernel as A/B pairs (CUDA),
+    and a kernel census of eager steps of each."""
     from modellab.nf4_matmul import install_nf4_kernels
     from worker.decoder.kv_block import STORAGE_DTYPES
     from worker.decoder.slot_decoder import SlotDecoder
@@ -124,6 +125,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     finally:
         decoder.close()
         del decoder
+        _free_cache()  # its key/value block and graphs, before the pairs' decoders are built
     figures: dict[str, Any] = {"profile": profile}
     if not config.census:
         return figures
@@ -136,13 +138,19 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
         # cap, and the pair compares decode steps
         variants["lora_fp32"] = ({"graphs": config.cuda_graphs, "lora_dtype": torch.float32,
                                   "prefill_tokens": window}, decode_busy_fraction)
-        # the NF4 matmuls through the Triton kernel (modellab/nf4_matmul.py) instead of bitsandbytes
-        variants["nf4_kernel"] = ({"graphs": config.cuda_graphs, "nf4_kernel": True}, decode_busy_fraction)
+        # one matmul and one LoRA product per projection, instead of q/k/v and gate/up joined by their input
+        variants["unfused"] = ({"graphs": config.cuda_graphs, "fused_projections": False}, decode_busy_fraction)
+        # the NF4 matmuls through the Triton kernel (modellab/nf4_matmul.py) instead of bitsandbytes; the kernel
+        # replaces each NF4 layer's forward, which joined projections do not call
+        variants["nf4_kernel"] = ({"graphs": config.cuda_graphs, "nf4_kernel": True, "fused_projections": False},
+                                  decode_busy_fraction)
         variants["profile_again"] = ({"graphs": config.cuda_graphs}, decode_busy_fraction)
     variants["census"] = ({"graphs": False}, kernel_census)
     if runtime.device == "cuda":
         variants["census_lora_fp32"] = ({"graphs": False, "lora_dtype": torch.float32}, kernel_census)
-        variants["census_nf4_kernel"] = ({"graphs": False, "nf4_kernel": True}, kernel_census)
+        variants["census_unfused"] = ({"graphs": False, "fused_projections": False}, kernel_census)
+        variants["census_nf4_kernel"] = ({"graphs": False, "nf4_kernel": True, "fused_projections": False},
+                                         kernel_census)
     for name, (options, measure) in variants.items():
         # installed before the decoder captures its steps, so the graphs hold the kernel
         kernel = install_nf4_kernels(loaded.model) if options.pop("nf4_kernel", False) else None
@@ -410,6 +418,8 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     if "lora_fp32" in measured:  # the A/B pair: the same decode step with the LoRA products in fp32
         service["lora_fp32"] = {"profile": measured["lora_fp32"], "census": measured["census_lora_fp32"]}
         service["profile_again"] = measured["profile_again"]  # the compute dtype again, after the fp32 run
+    if "unfused" in measured:  # the A/B pair: the same decode step with one matmul per projection
+        service["unfused"] = {"profile": measured["unfused"], "census": measured["census_unfused"]}
     if "nf4_kernel" in measured:  # the A/B pair: the same decode step with the NF4 matmuls through the kernel
         service["nf4_kernel"] = {"profile": measured["nf4_kernel"], "census": measured["census_nf4_kernel"]}
 

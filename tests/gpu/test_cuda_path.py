@@ -261,6 +261,33 @@ def test_an_fp8_cache_on_nf4_with_captured_steps_agrees_with_the_fp16_cache(demo
                  "captured steps")
 
 
+def test_joined_projections_on_nf4_with_captured_steps_agree_with_one_matmul_each(demo: ReferenceRuntime) -> None:
+    """q/k/v and gate/up joined (decoded NF4 scales, one LoRA product per group) under captured steps with Kev and
+    Laya rows mixed: greedy answers agree with one matmul per projection on at least 99 % of their tokens (fp16
+    GEMMs of another width may round differently), and the model's own layers compute as before afterwards."""
+    from worker.decoder.slot_decoder import SlotDecoder
+
+    requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 16)
+    before = demo.run_batch(requests[:2]).results
+
+    def answers(fused: bool) -> list:
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
+                              eos_ids=demo.eos_ids, graphs=True, fused_projections=fused)
+        try:
+            if fused:
+                assert decoder.fused.groups == 2 * demo.model.config.num_hidden_layers
+            return decoder.run(requests)
+        finally:
+            decoder.close()
+            del decoder
+            _free()
+
+    unfused, fused = answers(False), answers(True)
+    assert all(g.error_code is None for g in fused)
+    assert_agree(unfused, fused, "joined q/k/v and gate/up against one matmul per projection on NF4, captured steps")
+    assert [r.token_ids for r in demo.run_batch(requests[:2]).results] == [r.token_ids for r in before]
+
+
 def test_the_slot_decoder_is_sized_by_its_measured_peak(demo: ReferenceRuntime) -> None:
     """A workspace estimate of 0 and a budget 16 slots short of what 64 slots were measured to need: the worker
     measures its graphs and its largest prefill, takes slots away, and real jobs then stay within the budget."""

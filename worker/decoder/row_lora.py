@@ -39,7 +39,9 @@ class RowLoRA:
     def __init__(self, model: PeftModel, adapters: list[str], dtype: torch.dtype | None = None):
         """`dtype`: the LoRA products' dtype, by default the dtype the base layers compute in. PEFT keeps adapter
         weights in fp32 beside a 4-bit base, which costs a cast each way and fp32 (SIMT) matmuls per layer."""
-        self.adapters = list(adapters)
+        if getattr(model, "_row_lora", None) is not None:  # its hooks and the other's would both add a delta
+            raise RuntimeError("this model already serves a decoder: close that decoder first")
+        self.model, self.adapters = model, list(adapters)
         self.dtype = dtype
         self.layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
         if not self.layers:
@@ -52,16 +54,18 @@ class RowLoRA:
         self.ranks = [max((layer.r.get(n, 0) for layer in self.layers), default=0) for n in adapters]
         self.offsets = [sum(self.ranks[:i]) for i in range(len(adapters))]
         self.width = sum(self.ranks)
-        self._stacked = {layer: self._stack(layer) for layer in self.layers}
+        # Per LoRA layer: (A_all, B_all), rank blocks side by side (worker/decoder/fused_projections.py joins them).
+        self.stacked = {layer: self._stack(layer) for layer in self.layers}
         # One mask row per adapter, its rank block set; the last row (NO_ADAPTER) selects nothing.
         self._table = torch.zeros(len(adapters) + 1, self.width)
         for index, (offset, rank) in enumerate(zip(self.offsets, self.ranks)):
             self._table[index, offset:offset + rank] = 1
-        first = next(iter(self._stacked.values()))[0]
+        first = next(iter(self.stacked.values()))[0]
         self.mask = torch.zeros(1, 1, self.width, dtype=first.dtype, device=first.device)
         self._hooks = [layer.register_forward_hook(self._add_delta) for layer in self.layers]
         for layer in self.layers:
             layer.enable_adapters(False)  # the layer now computes base(x) only; the hook adds the rows' LoRA
+        model._row_lora = self
 
     def _stack(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
         base = layer.get_base_layer()
@@ -99,15 +103,23 @@ class RowLoRA:
         return torch.zeros(rows, 1, self.width, dtype=self.mask.dtype, device=self.mask.device)
 
     def _add_delta(self, layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return self.add(args[0], output, *self.stacked[layer])
+
+    def add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """`output` plus each row's LoRA product ((x @ a.T) * row mask) @ b.T. `a` may stack several layers'
+        rank blocks (projections joined by input, worker/decoder/fused_projections.py): each takes the row mask."""
         if RowLoRA.profile_label is not None:
             with torch.profiler.record_function(RowLoRA.profile_label):
-                return self._delta(layer, args, output)
-        return self._delta(layer, args, output)
+                return self._add(x, output, a, b)
+        return self._add(x, output, a, b)
 
-    def _delta(self, layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        a, b = self._stacked[layer]
-        x = args[0].to(a.dtype)
-        shrunk = (x @ a.T) * self.mask
+    def _add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        shrunk = x.to(a.dtype) @ a.T
+        layers = a.shape[0] // self.width
+        if layers == 1:
+            shrunk = shrunk * self.mask
+        else:
+            shrunk = (shrunk.unflatten(-1, (layers, self.width)) * self.mask.unsqueeze(-2)).flatten(-2)
         if output.dtype != a.dtype:
             return output + (shrunk @ b.T).to(output.dtype)
         # expand and add as one GEMM (C = output + shrunk @ B)
@@ -115,8 +127,11 @@ class RowLoRA:
         return flat.view(output.shape)
 
     def remove(self) -> None:
+        if getattr(self.model, "_row_lora", None) is not self:
+            return  # removed already (a decoder may be closed twice)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         for layer in self.layers:
             layer.enable_adapters(True)
+        self.model._row_lora = None

@@ -16,6 +16,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
+from worker.decoder.fused_projections import FusedProjections
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_step import CapturedStep
 from worker.decoder.kv_block import KVBlock
@@ -59,7 +60,7 @@ class SlotDecoder:
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, fused_projections: bool = True):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -78,22 +79,26 @@ class SlotDecoder:
             dtype = torch.float32
         # KEVLAYA_ENGINE_KV_DTYPE: the cache may store in another dtype (fp8); attention still reads it in `dtype`.
         self.kv = KVBlock(model.config, slots, window, kv_dtype or dtype, self.device)
-        # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare).
-        self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype)
+        self.attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {self.attention!r}: the decoder builds sdpa/eager masks")
         self.grammars = RowGrammars(tokenizer, model.config.vocab_size, self.eos_ids, slots, self.device)
         self.rows: list[Row] = []  # row i lives in slot i
         self.limit = slots  # rows admitted at most; the engine lowers it after an out-of-memory (worker/memory.py)
         self._order = itertools.count()
-        self.attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-        if self.attention not in ("sdpa", "eager"):
-            raise ValueError(f"attention implementation {self.attention!r}: the decoder builds sdpa/eager masks")
         self.static = static_steps or graphs
-        if self.static:
-            try:
+        # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare).
+        self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype)
+        self.fused: FusedProjections | None = None
+        try:
+            # q/k/v and gate/up each as one matmul and one LoRA product (False: one per projection, to compare)
+            if fused_projections:
+                self.fused = FusedProjections(model, self.lora)
+            if self.static:
                 self._static = CapturedStep(self, capture=graphs)
-            except BaseException:
-                self.lora.remove()  # a decoder that failed to build leaves the model as it found it
-                raise
+        except BaseException:
+            self.close()  # a decoder that failed to build leaves the model as it found it
+            raise
 
     @property
     def window(self) -> int:
@@ -104,7 +109,9 @@ class SlotDecoder:
         return max(0, self.limit - len(self.rows))
 
     def close(self) -> None:
-        """Give the model back its PEFT adapters (the decoder's cache is freed with it)."""
+        """Give the model back its own projections and PEFT adapters (the decoder's cache is freed with it)."""
+        if self.fused is not None:
+            self.fused.remove()
         self.lora.remove()
 
     # -- prefill -----------------------------------------------------------------------------------------------

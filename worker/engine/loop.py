@@ -67,6 +67,7 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     worker/memory.py sizes it by arithmetic, then by its measured peak)."""
     import torch
 
+    from worker.decoder.fused_projections import join_weights
     from worker.decoder.kv_block import STORAGE_DTYPES, kv_shape
     from worker.decoder.slot_decoder import SlotDecoder
 
@@ -82,6 +83,8 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
                            prefill_tokens=settings.engine_prefill_tokens,
                            prefill_chunk_tokens=settings.engine_prefill_chunk_tokens, kv_dtype=kv_dtype)
 
+    # q/k/v and gate/up weights joined once, before the memory the model holds is measured
+    join_weights(loaded.model)
     if loaded.device != "cuda":
         return build(wanted)
     torch.cuda.empty_cache()  # what loading left cached is not the decoder's to count

@@ -1,0 +1,152 @@
+"""Projections that share an input joined into one matmul (worker/decoder/fused_projections.py): the same numbers
+as each projection alone, on NF4 and dense weights, with LoRA on some members only, and the model given back."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from modellab.model_factory import build_random_model
+from modellab.reference import ReferenceRuntime
+from shared.settings import Settings
+from worker.decoder.fused_projections import FusedProjections, _dense_matmul, _nf4_matmul
+from worker.decoder.row_lora import RowLoRA
+from worker.decoder.slot_decoder import SlotDecoder
+from worker.generation import GenerationRequest
+
+PROMPTS = ["Pick a laptop under 900 EUR.", "Train or plane to Lyon?", "Hire Ana or Ben?", "Rent or buy?", "Go?"]
+
+
+def nf4_layers(sizes: list[int], features: int) -> list[torch.nn.Module]:
+    import bitsandbytes as bnb
+
+    layers = []
+    for out in sizes:
+        layer = bnb.nn.Linear4bit(features, out, bias=True, compute_dtype=torch.float32, compress_statistics=True,
+                                  quant_type="nf4")
+        layer.weight = bnb.nn.Params4bit(torch.randn(out, features), requires_grad=False, compress_statistics=True,
+                                         quant_type="nf4")._quantize("cpu")
+        layer.bias = torch.nn.Parameter(torch.randn(out), requires_grad=False)
+        layers.append(layer)
+    return layers
+
+
+def nf4_product(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's product through bitsandbytes' own dequantization (its double-quantized scales decoded anew)."""
+    import bitsandbytes.functional as bnbf
+
+    weight = bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
+    return torch.nn.functional.linear(x, weight, layer.bias)
+
+
+def dense_layers(sizes: list[int], features: int) -> list[torch.nn.Module]:
+    return [torch.nn.Linear(features, out, bias=True) for out in sizes]
+
+
+@pytest.mark.parametrize("kind", ["nf4", "dense"])
+def test_joined_weights_multiply_exactly_as_each_projection_alone(kind: str) -> None:
+    """Double-quantized NF4 scales from three tensors cannot share one 8-bit offset: the join keeps them decoded,
+    which must give bit for bit the weights bitsandbytes decodes per call. Biases are joined too."""
+    torch.manual_seed(0)
+    sizes, features = [256, 128, 64], 256
+    layers = nf4_layers(sizes, features) if kind == "nf4" else dense_layers(sizes, features)
+    product = nf4_product if kind == "nf4" else (lambda layer, x: layer(x))
+    x = torch.randn(3, 5, features)
+    with torch.no_grad():
+        alone = [product(layer, x) for layer in layers]
+        joined = (_nf4_matmul if kind == "nf4" else _dense_matmul)(layers)(x)
+        for expected, got in zip(alone, joined.split(sizes, dim=-1), strict=True):
+            assert torch.equal(expected, got)
+        # each member's weight is now a view into the joined one, and computes as before on its own
+        assert layers[1].weight.data_ptr() > layers[0].weight.data_ptr()
+        assert all(torch.equal(product(layer, x), expected) for layer, expected in zip(layers, alone))
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRuntime:
+    """Adapters on q_proj and v_proj only: the q/k/v group joins members with LoRA and one without."""
+    dirs = build_random_model(tmp_path_factory.mktemp("fused"), "tiny", seed=3, target_modules=("q_proj", "v_proj"))
+
+    def profile(name: str) -> dict[str, object]:
+        return dict(path=str(dirs[name]), max_new_tokens=24)
+
+    return ReferenceRuntime.load(Settings(_env_file=None, base_model=str(dirs["base"]), kev=profile("kev"),
+                                          laya=profile("laya"), device="cpu"))
+
+
+def requests() -> list[GenerationRequest]:
+    return [GenerationRequest(job_id=uuid.uuid4(), adapter=("kev", "laya")[i % 2],
+                              messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                              max_new_tokens=n, temperature=0.0, top_p=1.0, seed=None)
+            for i, n in enumerate([24, 9, 17, 24, 5, 12])]
+
+
+@pytest.mark.parametrize("static_steps", [False, True], ids=["eager-steps", "static-steps"])
+def test_a_decoder_with_joined_projections_answers_as_one_without(runtime: ReferenceRuntime,
+                                                                  static_steps: bool) -> None:
+    answers = {}
+    for fused in (False, True):
+        decoder = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=3, window=128,
+                              eos_ids=runtime.eos_ids, static_steps=static_steps, fused_projections=fused)
+        try:
+            if fused:  # q/k/v and gate/up in each of the two layers
+                assert decoder.fused.groups == 2 * runtime.model.config.num_hidden_layers
+            answers[fused] = decoder.run(requests())
+        finally:
+            decoder.close()
+    assert {len(r.token_ids) for r in answers[False]} != {24}  # rows ended at different steps
+    for alone, joined in zip(answers[False], answers[True], strict=True):
+        assert joined.token_ids == alone.token_ids
+        assert joined.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-5)
+
+
+def test_closing_the_decoder_gives_the_model_back_its_own_projections(runtime: ReferenceRuntime) -> None:
+    attention = runtime.model.base_model.model.model.layers[0].self_attn
+    own = [attention.q_proj, attention.k_proj, attention.v_proj]
+    before = runtime.run_batch(requests()[:2]).results
+    decoder = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=2, window=128,
+                          eos_ids=runtime.eos_ids)
+    assert attention.q_proj is not own[0]
+    decoder.close()
+    assert [attention.q_proj, attention.k_proj, attention.v_proj] == own
+    after = runtime.run_batch(requests()[:2]).results
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+
+
+def test_a_member_called_on_another_input_computes_its_own(runtime: ReferenceRuntime) -> None:
+    """Only the input the group's first member just saw is shared; any other goes through the member's own layer."""
+    attention = runtime.model.base_model.model.model.layers[0].self_attn
+    features = runtime.model.config.hidden_size
+    x, other = torch.randn(1, 3, features), torch.randn(1, 3, features)
+    lora = RowLoRA(runtime.model, ["kev", "laya"])
+    try:
+        lora.select([0])
+        with torch.no_grad():
+            expected = {"x": attention.v_proj(x), "other": attention.v_proj(other)}
+            fused = FusedProjections(runtime.model, lora)
+            try:
+                attention.q_proj(x)
+                assert torch.allclose(attention.v_proj(other), expected["other"], atol=1e-6)
+                assert torch.allclose(attention.v_proj(x), expected["x"], atol=1e-6)
+            finally:
+                fused.remove()
+    finally:
+        lora.remove()
+
+
+def test_the_weights_are_joined_once_per_model(runtime: ReferenceRuntime) -> None:
+    """The worker builds several decoders while it sizes its slots: each must reuse the join, not copy the weights
+    again (the copy before would stay with whoever still held the old decoder)."""
+    attention = runtime.model.base_model.model.model.layers[0].self_attn
+
+    def addresses() -> list[int]:
+        decoder = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=2, window=64,
+                              eos_ids=runtime.eos_ids)
+        decoder.close()
+        return [p.weight.data_ptr() for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
+
+    first = addresses()
+    assert first[1] - first[0] == attention.q_proj.weight.nbytes  # joined: k right after q
+    assert addresses() == first

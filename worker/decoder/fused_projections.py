@@ -1,0 +1,214 @@
+"""Projections that read one input run as one matmul: q/k/v in attention, gate/up in the MLP.
+
+A decoder layer calls `q_proj`, `k_proj` and `v_proj` on the same hidden state (and `gate_proj`, `up_proj` on
+the same one), each a small matmul plus its rows' LoRA. While installed, the group's first projection computes
+every member's output at once: one base matmul over the members' weights concatenated by output, and one LoRA
+shrink, mask and expand for all members and both adapters. The others return their slice of that output; called
+on any other input they compute their own, as before.
+
+The weights are joined once per model (`join_weights`, which the worker calls before it measures its memory):
+the members' own weights become views into the joined ones, so memory does not grow, except on NF4: the
+members' double-quantized block scales are kept decoded (float32, exactly the values bitsandbytes decodes on
+every call), since two tensors' 8-bit scales share no single offset. That is 3 bytes more per 64 weights (about
+85 MB on a 3B model) and two kernels fewer per matmul (docs/architecture.md §14).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from weakref import WeakKeyDictionary
+
+import torch
+from peft.tuners.lora import LoraLayer
+
+from worker.decoder.row_lora import RowLoRA
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+# Per group's first base layer: the members' weight addresses once joined, and the joined matmul. A decoder
+# rebuilt on the same model (the worker sizes its slots by building several) reuses the join instead of copying
+# the weights again, which would leave the previous copy to whoever still held the old decoder.
+_JOINED: WeakKeyDictionary[torch.nn.Module, tuple[list[int], Matmul]] = WeakKeyDictionary()
+
+
+def _base(module: torch.nn.Module) -> torch.nn.Module:
+    return module.get_base_layer() if isinstance(module, LoraLayer) else module
+
+
+def _share_storage(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated along their first dimension; each becomes a view into the result."""
+    joined = torch.cat([t.data for t in tensors])
+    offset = 0
+    for tensor in tensors:
+        rows = tensor.shape[0]
+        tensor.data = joined[offset:offset + rows]
+        offset += rows
+    return joined
+
+
+def _joined_bias(bases: list[torch.nn.Module], dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    if all(b.bias is None for b in bases):
+        return None
+    parts = [b.bias.data if b.bias is not None else b.weight.new_zeros(b.out_features, dtype=dtype)
+             for b in bases]
+    return torch.cat([p.to(dtype) if dtype else p for p in parts])
+
+
+def _dense_matmul(bases: list[torch.nn.Module]) -> Matmul | None:
+    if not all(type(b) is torch.nn.Linear for b in bases):
+        return None
+    weight, bias = _share_storage([b.weight for b in bases]), _joined_bias(bases)
+    return lambda x: torch.nn.functional.linear(x, weight, bias)
+
+
+def _decoded_scales(state) -> torch.Tensor:  # noqa: ANN001 (bitsandbytes' QuantState)
+    """A 4-bit weight's block scales in float32, as bitsandbytes decodes them before each dequantization."""
+    import bitsandbytes.functional as bnbf
+
+    if not state.nested:
+        return state.absmax.float()
+    return bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
+
+
+def _nf4_matmul(bases: list[torch.nn.Module]) -> Matmul | None:
+    states = [getattr(b.weight, "quant_state", None) for b in bases]
+    if any(s is None for s in states):
+        return None
+    import bitsandbytes
+    import bitsandbytes.functional as bnbf
+
+    first = states[0]
+    same = all(s.quant_type == first.quant_type and s.blocksize == first.blocksize and s.dtype == first.dtype
+               and s.shape[1] == first.shape[1] and (s.shape[0] * s.shape[1]) % s.blocksize == 0
+               and not getattr(s, "packing_format_for_cpu", False) for s in states)
+    compute = {b.compute_dtype for b in bases}
+    if not same or len(compute) != 1:
+        return None
+    (compute_dtype,) = compute
+    scales = torch.cat([_decoded_scales(s) for s in states])
+    packed = _share_storage([b.weight for b in bases])
+    state = bnbf.QuantState(absmax=scales, shape=torch.Size([sum(s.shape[0] for s in states), first.shape[1]]),
+                            code=first.code, blocksize=first.blocksize, quant_type=first.quant_type,
+                            dtype=first.dtype)
+    bias = _joined_bias(bases, compute_dtype)
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(compute_dtype) if compute_dtype is not None else x
+        # looked up on the module at each call, so a profiler's wrapper (the bench's census) sees it
+        return bitsandbytes.matmul_4bit(x, packed, quant_state=state, bias=bias).to(dtype)
+
+    return matmul
+
+
+class _Group:
+    """One set of projections sharing an input: the joined matmul, the joined LoRA, and the last outputs."""
+
+    def __init__(self, matmul: Matmul, members: list[torch.nn.Module], lora: RowLoRA):
+        self.matmul, self.lora = matmul, lora
+        self.sizes = [_base(m).out_features for m in members]
+        with_lora = [(i, m) for i, m in enumerate(members) if m in lora.stacked]
+        self.lora_a = self.lora_b = None
+        if with_lora:
+            stacks = [lora.stacked[m] for _, m in with_lora]
+            a = torch.cat([a for a, _ in stacks])
+            # block diagonal: member i's output rows read only member i's rank columns
+            b = a.new_zeros(sum(self.sizes), a.shape[0])
+            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+            for block, ((i, _), (_, member_b)) in enumerate(zip(with_lora, stacks)):
+                width = member_b.shape[1]
+                b[starts[i]:starts[i] + self.sizes[i], block * width:(block + 1) * width] = member_b
+            self.lora_a, self.lora_b = a, b
+        self.input: torch.Tensor | None = None
+        self.outputs: list[torch.Tensor] = []
+
+    def lead(self, x: torch.Tensor) -> torch.Tensor:
+        output = self.matmul(x)
+        if self.lora_a is not None:
+            output = self.lora.add(x, output, self.lora_a, self.lora_b)
+        self.input, self.outputs = x, list(output.split(self.sizes, dim=-1))
+        return self.outputs[0]
+
+    def follow(self, index: int, x: torch.Tensor, own: torch.nn.Module) -> torch.Tensor:
+        if x is not self.input:
+            return own(x)
+        output = self.outputs[index]
+        if index == len(self.sizes) - 1:  # the last member: hold no activation past the layer
+            self.input, self.outputs = None, []
+        return output
+
+
+class _Member(torch.nn.Module):
+    """Stands in for one projection of a group while installed."""
+
+    def __init__(self, group: _Group, index: int, own: torch.nn.Module):
+        super().__init__()
+        self.group, self.index = group, index
+        object.__setattr__(self, "own", own)  # not a child: the model's modules stay the original ones
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.index == 0:
+            return self.group.lead(x)
+        return self.group.follow(self.index, x, self.own)
+
+
+def _groups(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, tuple[str, ...], list[torch.nn.Module]]]:
+    """(parent, member names, members) of each group of projections present in full."""
+    for parent in list(model.modules()):
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if all(isinstance(m, torch.nn.Module) and not isinstance(m, _Member) for m in members):
+                yield parent, names, members
+
+
+def _joined(members: list[torch.nn.Module]) -> Matmul | None:
+    """The members' joined matmul, joining their weights the first time; None where they cannot be joined."""
+    bases = [_base(m) for m in members]
+    known = _JOINED.get(bases[0])
+    if known is not None and known[0] == [b.weight.data_ptr() for b in bases]:
+        return known[1]
+    if len({(b.in_features, b.weight.device) for b in bases}) != 1:
+        return None
+    matmul = _nf4_matmul(bases) or _dense_matmul(bases)
+    if matmul is not None:
+        _JOINED[bases[0]] = ([b.weight.data_ptr() for b in bases], matmul)
+    return matmul
+
+
+def join_weights(model: torch.nn.Module) -> int:
+    """Join every group's weights now (once per model; later calls find them joined) and give the memory the
+    members' own copies held back to the device: the worker calls it before it measures what the model holds.
+    Returns the number of groups joined."""
+    joined = sum(_joined(members) is not None for _, _, members in _groups(model))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return joined
+
+
+class FusedProjections:
+    """Installed on a model by the decoder after its RowLoRA; `remove()` puts the original modules back (their
+    weights stay views into the joined ones, so the model computes exactly as before)."""
+
+    def __init__(self, model: torch.nn.Module, lora: RowLoRA):
+        self._swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+        self.groups = 0
+        try:
+            for parent, names, members in _groups(model):
+                matmul = _joined(members)
+                if matmul is None:
+                    continue
+                group = _Group(matmul, members, lora)
+                self.groups += 1
+                for index, (name, member) in enumerate(zip(names, members)):
+                    setattr(parent, name, _Member(group, index, member))
+                    self._swapped.append((parent, name, member))
+        except BaseException:
+            self.remove()  # nothing half-installed
+            raise
+
+    def remove(self) -> None:
+        for parent, name, member in self._swapped:
+            setattr(parent, name, member)
+        self._swapped.clear()
