@@ -30,6 +30,27 @@ def _kernels_and_wall(run: Run, requests: list[GenerationRequest]) -> tuple[floa
     return sum(e.time_range.elapsed_us() for e in kernels) / 1e6, wall
 
 
+def _unprofiled(run: Run, requests: list[GenerationRequest]) -> tuple[float, float]:
+    """Wall seconds of `run` without the profiler, and the seconds the host spent inside CUDA graph replays (the
+    launch of a captured step: its cost grows with the graph's kernels)."""
+    replay, in_replay = torch.cuda.CUDAGraph.replay, [0.0]
+
+    def timed(graph: torch.cuda.CUDAGraph) -> None:
+        started = time.perf_counter()
+        replay(graph)
+        in_replay[0] += time.perf_counter() - started
+
+    torch.cuda.synchronize()
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        started = time.perf_counter()
+        run(requests)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started, in_replay[0]
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+
+
 def decode_busy_fraction(run: Run, device: str, requests: list[GenerationRequest],
                          steps: int = 16) -> dict[str, float] | None:
     """GPU busy fraction of `steps` decode steps of `requests` run together by `run`; None off CUDA.
@@ -45,9 +66,13 @@ def decode_busy_fraction(run: Run, device: str, requests: list[GenerationRequest
     kernels_one, wall_one = _kernels_and_wall(run, prefill_only)
     kernels_all, wall_all = _kernels_and_wall(run, requests)
     decode_wall, decode_kernels = wall_all - wall_one, kernels_all - kernels_one
+    (plain_one, replay_one), (plain_all, replay_all) = _unprofiled(run, prefill_only), _unprofiled(run, requests)
     return {
         "rows": len(requests),
         "busy_fraction": decode_kernels / decode_wall,
         "step_ms": decode_wall / steps * 1000,
         "kernel_ms_per_step": decode_kernels / steps * 1000,
+        # the same steps with no profiler attached, and the host's time launching each captured step
+        "step_ms_unprofiled": (plain_all - plain_one) / steps * 1000,
+        "replay_launch_ms_per_step": (replay_all - replay_one) / steps * 1000,
     }

@@ -52,6 +52,9 @@ def table(result: dict[str, Any]) -> str:
                       f"({_fmt(((e.get('lora_fp32') or {}).get('profile') or {}).get('step_ms'))}; "
                       f"{_fmt(((e.get('unfused') or {}).get('profile') or {}).get('step_ms'))}; "
                       f"{_fmt(((e.get('nf4_kernel') or {}).get('profile') or {}).get('step_ms'))})"),
+        row("decode step ms without the profiler / of it launching the graph", "",
+            lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms_unprofiled'))} / "
+                      f"{_fmt((e.get('profile') or {}).get('replay_launch_ms_per_step'))}"),
         row("Laya p50 / p95 ms, idle worker", "",
             lambda e: f"{_fmt(e.get('laya_p50_ms_idle'), '.0f')} / {_fmt(e.get('laya_p95_ms_idle'), '.0f')}"),
         row("Laya p50 / p95 ms, under Kev load", "",
