@@ -11,7 +11,7 @@ import torch
 from modellab.model_factory import build_random_model
 from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
-from worker.decoder.fused_projections import FusedProjections, _dense_matmul, _nf4_matmul
+from worker.decoder.fused_projections import FusedProjections, _dense_matmul, _nf4_matmul, decoded_scales_bytes
 from worker.decoder.row_lora import RowLoRA
 from worker.decoder.slot_decoder import SlotDecoder
 from worker.generation import GenerationRequest
@@ -45,23 +45,34 @@ def dense_layers(sizes: list[int], features: int) -> list[torch.nn.Module]:
     return [torch.nn.Linear(features, out, bias=True) for out in sizes]
 
 
-@pytest.mark.parametrize("kind", ["nf4", "dense"])
+@pytest.mark.parametrize("kind", ["nf4-scales-kept-decoded", "nf4-scales-decoded-per-call", "dense"])
 def test_joined_weights_multiply_exactly_as_each_projection_alone(kind: str) -> None:
     """Double-quantized NF4 scales from three tensors cannot share one 8-bit offset: the join keeps them decoded,
-    which must give bit for bit the weights bitsandbytes decodes per call. Biases are joined too."""
+    or decodes each member's at every call; either must give bit for bit the weights bitsandbytes decodes itself.
+    Biases are joined too."""
     torch.manual_seed(0)
     sizes, features = [256, 128, 64], 256
-    layers = nf4_layers(sizes, features) if kind == "nf4" else dense_layers(sizes, features)
-    product = nf4_product if kind == "nf4" else (lambda layer, x: layer(x))
+    nf4 = kind.startswith("nf4")
+    layers = nf4_layers(sizes, features) if nf4 else dense_layers(sizes, features)
+    product = nf4_product if nf4 else (lambda layer, x: layer(x))
     x = torch.randn(3, 5, features)
     with torch.no_grad():
         alone = [product(layer, x) for layer in layers]
-        joined = (_nf4_matmul if kind == "nf4" else _dense_matmul)(layers)(x)
+        joined = (_nf4_matmul(layers, kind == "nf4-scales-kept-decoded") if nf4 else _dense_matmul(layers))(x)
         for expected, got in zip(alone, joined.split(sizes, dim=-1), strict=True):
             assert torch.equal(expected, got)
         # each member's weight is now a view into the joined one, and computes as before on its own
         assert layers[1].weight.data_ptr() > layers[0].weight.data_ptr()
         assert all(torch.equal(product(layer, x), expected) for layer, expected in zip(layers, alone))
+
+
+def test_what_kept_decoded_scales_cost_is_known_before_joining() -> None:
+    """The worker weighs it against a slot before it joins: 3 more bytes per 64 weights of each NF4 member."""
+    torch.manual_seed(0)
+    attention = torch.nn.Module()
+    attention.q_proj, attention.k_proj, attention.v_proj = nf4_layers([256, 128, 128], 256)
+    assert decoded_scales_bytes(attention) == 3 * (256 + 128 + 128) * 256 // 64
+    assert decoded_scales_bytes(torch.nn.Sequential(*dense_layers([8], 8))) == 0
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,19 @@ def test_slots_come_from_the_budget_arithmetic():
     assert SlotBudget(2**30, 2**30, 0, per_token, 1024).slots(16) == 0
 
 
+def test_nf4_scales_kept_decoded_only_where_they_cost_no_slot():
+    """Joined projections keep their NF4 scales decoded unless that memory would take a slot: on the 7B shape
+    under a 6 GB card (fp8 cache, 1,024-token slots) its 211 MiB would take the fourth; on 3B, room is left."""
+    mib = 2**20
+    seven = SlotBudget(budget_bytes=int(5.5 * 2**30), resident_bytes=int(3.90 * 2**30), workspace_bytes=2**29,
+                       kv_per_token=kv_bytes_per_token(32, 32, 128, 1), window=1024)
+    assert seven.slots(16) == 4
+    assert seven.costs_a_slot(211 * mib, 16) and not seven.costs_a_slot(0, 16)
+    three = SlotBudget(budget_bytes=int(5.5 * 2**30), resident_bytes=int(2.38 * 2**30), workspace_bytes=2**29,
+                       kv_per_token=kv_bytes_per_token(36, 2, 128, 2), window=1024)
+    assert three.slots(36) == 36 and not three.costs_a_slot(85 * mib, 36)
+
+
 def test_a_measured_peak_over_the_budget_takes_slots_away_until_sizing_ends():
     gib = 2**30
     budget = SlotBudget(  # Llama-2-7B, 384-token slots: 0.1875 GiB each

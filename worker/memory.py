@@ -117,6 +117,10 @@ class SlotBudget:
         spare = self.budget_bytes - self.resident_bytes - self.workspace_bytes
         return max(0, min(most, spare // self.per_slot))
 
+    def costs_a_slot(self, extra_bytes: int, most: int) -> bool:
+        """Whether `extra_bytes` more resident memory (e.g. NF4 scales kept decoded) would leave fewer slots."""
+        return replace(self, resident_bytes=self.resident_bytes + extra_bytes).slots(most) < self.slots(most)
+
     def after_measuring(self, slots: int, peak_bytes: int | None) -> int:
         """The slots to build after `slots` measured a peak of `peak_bytes` (None: they ran out of memory): the
         same when the peak fits the budget, else fewer — what the measured workspace leaves room for, and at

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ def _censuses(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
     found = {"as served": service.get("census"),
              "LoRA in fp32": (service.get("lora_fp32") or {}).get("census"),
              "one per projection": (service.get("unfused") or {}).get("census"),
-             "NF4 by the Triton kernel": (service.get("nf4_kernel") or {}).get("census")}
+             "NF4 Triton kernel": (service.get("nf4_kernel") or {}).get("census")}
     return {label: census for label, census in found.items() if census and "classes" in census}
 
 
@@ -162,7 +163,7 @@ def _plot_census(axes: Any, service: dict[str, Any]) -> None:
     bottom = [0.0] * len(bars)
     for kind in next(iter(bars.values()))["classes"]:
         heights = [census["classes"][kind]["ms_per_step"] for census in bars.values()]
-        axes.bar(list(bars), heights, bottom=bottom, label=kind)
+        axes.bar([textwrap.fill(label, 12) for label in bars], heights, bottom=bottom, label=kind)
         bottom = [b + h for b, h in zip(bottom, heights)]
     axes.set_ylabel("ms per step (kernel time)" if "CUDA" in next(iter(bars.values()))["what"] else "ms per step (CPU)")
     axes.legend(fontsize="small")

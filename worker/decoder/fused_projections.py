@@ -7,10 +7,13 @@ shrink, mask and expand for all members and both adapters. The others return the
 on any other input they compute their own, as before.
 
 The weights are joined once per model (`join_weights`, which the worker calls before it measures its memory):
-the members' own weights become views into the joined ones, so memory does not grow, except on NF4: the
-members' double-quantized block scales are kept decoded (float32, exactly the values bitsandbytes decodes on
-every call), since two tensors' 8-bit scales share no single offset. That is 3 bytes more per 64 weights (about
-85 MB on a 3B model) and two kernels fewer per matmul (docs/architecture.md §14).
+the members' own weights become views into the joined ones, so memory does not grow. On NF4 the members'
+double-quantized block scales cannot be joined as they are (each tensor's 8-bit scales have their own offset),
+so the joined weight either keeps them decoded in float32 (`decoded_scales=True`: 3 bytes more per 64 weights,
+about 85 MB on a 3B model, and no decoding per call), or keeps each member's 8-bit scales and decodes them into
+float32 at each call (two small kernels per member and a concatenation; no memory). Both give exactly the values
+bitsandbytes decodes itself. The worker takes the first unless its memory would cost a slot (docs/architecture.md
+§14).
 """
 
 from __future__ import annotations
@@ -72,35 +75,50 @@ def _decoded_scales(state) -> torch.Tensor:  # noqa: ANN001 (bitsandbytes' Quant
     return bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
 
 
-def _nf4_matmul(bases: list[torch.nn.Module]) -> Matmul | None:
+def _nf4_states(bases: list[torch.nn.Module]) -> list | None:
+    """The members' NF4 quantization states, if they can be joined."""
     states = [getattr(b.weight, "quant_state", None) for b in bases]
     if any(s is None for s in states):
         return None
-    import bitsandbytes
-    import bitsandbytes.functional as bnbf
-
     first = states[0]
     same = all(s.quant_type == first.quant_type and s.blocksize == first.blocksize and s.dtype == first.dtype
                and s.shape[1] == first.shape[1] and (s.shape[0] * s.shape[1]) % s.blocksize == 0
                and not getattr(s, "packing_format_for_cpu", False) for s in states)
-    compute = {b.compute_dtype for b in bases}
-    if not same or len(compute) != 1:
+    return states if same and len({b.compute_dtype for b in bases}) == 1 else None
+
+
+def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | None:
+    states = _nf4_states(bases)
+    if states is None:
         return None
-    (compute_dtype,) = compute
-    scales = torch.cat([_decoded_scales(s) for s in states])
+    import bitsandbytes
+    import bitsandbytes.functional as bnbf
+
+    first, compute_dtype = states[0], bases[0].compute_dtype
+    shape = torch.Size([sum(s.shape[0] for s in states), first.shape[1]])
+    kept = torch.cat([_decoded_scales(s) for s in states]) if decoded_scales else None
     packed = _share_storage([b.weight for b in bases])
-    state = bnbf.QuantState(absmax=scales, shape=torch.Size([sum(s.shape[0] for s in states), first.shape[1]]),
-                            code=first.code, blocksize=first.blocksize, quant_type=first.quant_type,
-                            dtype=first.dtype)
     bias = _joined_bias(bases, compute_dtype)
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.to(compute_dtype) if compute_dtype is not None else x
+        scales = kept if kept is not None else torch.cat([_decoded_scales(s) for s in states])
+        state = bnbf.QuantState(absmax=scales, shape=shape, code=first.code, blocksize=first.blocksize,
+                                quant_type=first.quant_type, dtype=first.dtype)
         # looked up on the module at each call, so a profiler's wrapper (the bench's census) sees it
         return bitsandbytes.matmul_4bit(x, packed, quant_state=state, bias=bias).to(dtype)
 
     return matmul
+
+
+def decoded_scales_bytes(model: torch.nn.Module) -> int:
+    """The memory joining with `decoded_scales=True` adds: float32 scales where the members keep 8-bit ones."""
+    total = 0
+    for _, _, members in _groups(model):
+        states = _nf4_states([_base(m) for m in members])
+        total += sum(3 * s.absmax.numel() for s in states or [] if s.nested)
+    return total
 
 
 class _Group:
@@ -163,25 +181,27 @@ def _groups(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, tuple[str
                 yield parent, names, members
 
 
-def _joined(members: list[torch.nn.Module]) -> Matmul | None:
-    """The members' joined matmul, joining their weights the first time; None where they cannot be joined."""
+def _joined(members: list[torch.nn.Module], decoded_scales: bool = True) -> Matmul | None:
+    """The members' joined matmul, joining their weights the first time (a later join keeps the first one's
+    scales); None where they cannot be joined."""
     bases = [_base(m) for m in members]
     known = _JOINED.get(bases[0])
     if known is not None and known[0] == [b.weight.data_ptr() for b in bases]:
         return known[1]
     if len({(b.in_features, b.weight.device) for b in bases}) != 1:
         return None
-    matmul = _nf4_matmul(bases) or _dense_matmul(bases)
+    matmul = _nf4_matmul(bases, decoded_scales) or _dense_matmul(bases)
     if matmul is not None:
         _JOINED[bases[0]] = ([b.weight.data_ptr() for b in bases], matmul)
     return matmul
 
 
-def join_weights(model: torch.nn.Module) -> int:
+def join_weights(model: torch.nn.Module, decoded_scales: bool = True) -> int:
     """Join every group's weights now (once per model; later calls find them joined) and give the memory the
     members' own copies held back to the device: the worker calls it before it measures what the model holds.
-    Returns the number of groups joined."""
-    joined = sum(_joined(members) is not None for _, _, members in _groups(model))
+    `decoded_scales`: NF4 scales kept decoded (faster) or decoded at each call (smaller). Returns the number of
+    groups joined."""
+    joined = sum(_joined(members, decoded_scales) is not None for _, _, members in _groups(model))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return joined

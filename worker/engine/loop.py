@@ -4,6 +4,7 @@ slot; jobs claimed together are one claim group (a `batches` row)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -67,7 +68,7 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     worker/memory.py sizes it by arithmetic, then by its measured peak)."""
     import torch
 
-    from worker.decoder.fused_projections import join_weights
+    from worker.decoder.fused_projections import decoded_scales_bytes, join_weights
     from worker.decoder.kv_block import STORAGE_DTYPES, kv_shape
     from worker.decoder.slot_decoder import SlotDecoder
 
@@ -83,18 +84,25 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
                            prefill_tokens=settings.engine_prefill_tokens,
                            prefill_chunk_tokens=settings.engine_prefill_chunk_tokens, kv_dtype=kv_dtype)
 
-    # q/k/v and gate/up weights joined once, before the memory the model holds is measured
-    join_weights(loaded.model)
     if loaded.device != "cuda":
+        join_weights(loaded.model)
         return build(wanted)
     torch.cuda.empty_cache()  # what loading left cached is not the decoder's to count
     element_bytes = kv_dtype.itemsize if kv_dtype else 2  # fp8, else the compute dtype (fp16)
+
     budget = SlotBudget(
         budget_bytes=int(settings.vram_budget_gb * GIB), resident_bytes=torch.cuda.memory_allocated(),
         workspace_bytes=int(settings.engine_workspace_gb * GIB),
         kv_per_token=kv_bytes_per_token(*kv_shape(loaded.model.config), dtype_bytes=element_bytes), window=window)
+    # q/k/v and gate/up weights joined once, before the memory the model holds is measured; their NF4 scales are
+    # kept decoded (faster steps) unless that memory would cost a slot (a 7B model on a 6 GB card)
+    extra = decoded_scales_bytes(loaded.model)
+    decoded = not budget.costs_a_slot(extra, wanted)
+    join_weights(loaded.model, decoded_scales=decoded)
+    log.info("q/k/v and gate/up joined; NF4 scales %s (%.0f MiB decoded)", "kept decoded" if decoded else
+             "decoded at each step, since keeping them would cost a slot", extra / 2**20)
+    budget = dataclasses.replace(budget, resident_bytes=torch.cuda.memory_allocated())
     return fit_slots(build, budget, wanted, settings.engine_prefill_tokens)
-
 
 class Engine:
     """The slots of one worker process and the loop that fills them."""
