@@ -11,7 +11,14 @@ import torch
 from modellab.model_factory import build_random_model
 from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
-from worker.decoder.fused_projections import FusedProjections, _dense_matmul, _nf4_matmul, decoded_scales_bytes
+from worker.decoder.fused_projections import (
+    FusedProjections,
+    _dense_matmul,
+    _joined,
+    _nf4_matmul,
+    decoded_scales_bytes,
+    join_weights,
+)
 from worker.decoder.row_lora import RowLoRA
 from worker.decoder.slot_decoder import SlotDecoder
 from worker.generation import GenerationRequest
@@ -73,6 +80,22 @@ def test_what_kept_decoded_scales_cost_is_known_before_joining() -> None:
     attention.q_proj, attention.k_proj, attention.v_proj = nf4_layers([256, 128, 128], 256)
     assert decoded_scales_bytes(attention) == 3 * (256 + 128 + 128) * 256 // 64
     assert decoded_scales_bytes(torch.nn.Sequential(*dense_layers([8], 8))) == 0
+
+
+def test_a_join_keeps_the_scales_the_worker_chose() -> None:
+    """The worker joins with the kind of scales its memory allows; a decoder built after must use that join, not
+    join again with scales kept decoded."""
+    torch.manual_seed(0)
+    attention = torch.nn.Module()
+    attention.q_proj, attention.k_proj, attention.v_proj = layers = nf4_layers([128, 64, 64], 128)
+    x = torch.randn(2, 3, 128)
+    with torch.no_grad():
+        expected = torch.cat([nf4_product(layer, x) for layer in layers], dim=-1)
+        assert join_weights(attention, decoded_scales=False) == 1
+        per_call = _joined(layers)
+        assert _joined(layers) is per_call and torch.equal(per_call(x), expected)
+        join_weights(attention, decoded_scales=True)  # asked for the other kind: joined again
+        assert _joined(layers) is not per_call and torch.equal(_joined(layers)(x), expected)
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +184,28 @@ def test_the_weights_are_joined_once_per_model(runtime: ReferenceRuntime) -> Non
     first = addresses()
     assert first[1] - first[0] == attention.q_proj.weight.nbytes  # joined: k right after q
     assert addresses() == first
+
+
+def test_a_joined_step_runs_fewer_matmuls_and_copies_no_base_output(runtime: ReferenceRuntime) -> None:
+    """What the GPU census counts, on the CPU: joined, a layer runs 4 base matmuls and 4 LoRA expands instead of 7
+    each; and each expand adds into the base output in place (out of place, `addmm` first copies it: one more
+    kernel per product)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = {}
+    for fused in (False, True):
+        decoder = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=2, window=128,
+                              eos_ids=runtime.eos_ids, fused_projections=fused)
+        try:
+            decoder.prefill(requests()[:2])
+            with profile(activities=[ProfilerActivity.CPU]) as recorded:
+                decoder.step()
+        finally:
+            decoder.close()
+        events = list(recorded.events())
+        assert not [e for e in events if e.name == "aten::copy_" and e.cpu_parent is not None
+                    and e.cpu_parent.name.startswith("aten::addmm")]
+        counts[fused] = sum(e.name in ("aten::linear", "aten::addmm_") for e in events)
+    layers = runtime.model.config.num_hidden_layers
+    # unfused: 7 base products and 2 LoRA expands (q, v) a layer; joined: 4 base products, 1 expand (q/k/v group)
+    assert counts[False] - counts[True] == layers * (7 - 4) + layers * (2 - 1)

@@ -261,14 +261,19 @@ def test_an_fp8_cache_on_nf4_with_captured_steps_agrees_with_the_fp16_cache(demo
                  "captured steps")
 
 
-def test_joined_projections_on_nf4_with_captured_steps_agree_with_one_matmul_each(demo: ReferenceRuntime) -> None:
-    """q/k/v and gate/up joined (decoded NF4 scales, one LoRA product per group) under captured steps with Kev and
-    Laya rows mixed: greedy answers agree with one matmul per projection on at least 99 % of their tokens (fp16
-    GEMMs of another width may round differently), and the model's own layers compute as before afterwards."""
+@pytest.mark.parametrize("decoded_scales", [True, False], ids=["scales-kept-decoded", "scales-decoded-per-call"])
+def test_joined_projections_on_nf4_with_captured_steps_agree_with_one_matmul_each(demo: ReferenceRuntime,
+                                                                                  decoded_scales: bool) -> None:
+    """q/k/v and gate/up joined (one LoRA product per group; NF4 scales kept decoded, or decoded inside the
+    captured step) under captured steps with Kev and Laya rows mixed: greedy answers agree with one matmul per
+    projection on at least 99 % of their tokens (fp16 GEMMs of another width may round differently), and the
+    model's own layers compute as before afterwards."""
+    from worker.decoder.fused_projections import join_weights
     from worker.decoder.slot_decoder import SlotDecoder
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 16)
     before = demo.run_batch(requests[:2]).results
+    join_weights(demo.model, decoded_scales=decoded_scales)
 
     def answers(fused: bool) -> list:
         decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,

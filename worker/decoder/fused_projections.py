@@ -30,10 +30,11 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
-# Per group's first base layer: the members' weight addresses once joined, and the joined matmul. A decoder
-# rebuilt on the same model (the worker sizes its slots by building several) reuses the join instead of copying
-# the weights again, which would leave the previous copy to whoever still held the old decoder.
-_JOINED: WeakKeyDictionary[torch.nn.Module, tuple[list[int], Matmul]] = WeakKeyDictionary()
+# Per group's first base layer: the members' weight addresses once joined, whether NF4 scales are kept decoded,
+# and the joined matmul. A decoder rebuilt on the same model (the worker sizes its slots by building several)
+# reuses the join instead of copying the weights again, which would leave the previous copy to whoever still held
+# the old decoder.
+_JOINED: WeakKeyDictionary[torch.nn.Module, tuple[list[int], bool, Matmul]] = WeakKeyDictionary()
 
 
 def _base(module: torch.nn.Module) -> torch.nn.Module:
@@ -181,18 +182,21 @@ def _groups(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, tuple[str
                 yield parent, names, members
 
 
-def _joined(members: list[torch.nn.Module], decoded_scales: bool = True) -> Matmul | None:
-    """The members' joined matmul, joining their weights the first time (a later join keeps the first one's
-    scales); None where they cannot be joined."""
+def _joined(members: list[torch.nn.Module], decoded_scales: bool | None = None) -> Matmul | None:
+    """The members' joined matmul, joining their weights the first time, or again where `decoded_scales` asks for
+    the other kind of scales (None: whichever the join has, kept decoded if new); None where they cannot be
+    joined."""
     bases = [_base(m) for m in members]
     known = _JOINED.get(bases[0])
-    if known is not None and known[0] == [b.weight.data_ptr() for b in bases]:
-        return known[1]
+    if (known is not None and known[0] == [b.weight.data_ptr() for b in bases]
+            and decoded_scales in (None, known[1])):
+        return known[2]
     if len({(b.in_features, b.weight.device) for b in bases}) != 1:
         return None
-    matmul = _nf4_matmul(bases, decoded_scales) or _dense_matmul(bases)
+    decoded = decoded_scales is not False
+    matmul = _nf4_matmul(bases, decoded) or _dense_matmul(bases)
     if matmul is not None:
-        _JOINED[bases[0]] = ([b.weight.data_ptr() for b in bases], matmul)
+        _JOINED[bases[0]] = ([b.weight.data_ptr() for b in bases], decoded, matmul)
     return matmul
 
 

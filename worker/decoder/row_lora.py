@@ -122,8 +122,10 @@ class RowLoRA:
             shrunk = (shrunk.unflatten(-1, (layers, self.width)) * self.mask.unsqueeze(-2)).flatten(-2)
         if output.dtype != a.dtype:
             return output + (shrunk @ b.T).to(output.dtype)
-        # expand and add as one GEMM (C = output + shrunk @ B)
-        flat = torch.addmm(output.reshape(-1, output.shape[-1]), shrunk.reshape(-1, shrunk.shape[-1]), b.T)
+        # expand and add as one GEMM into the base output (C += shrunk @ B): out of place, cuBLAS would first copy
+        # C, a kernel per LoRA product; the base output is this pass's own fresh tensor
+        flat = output.reshape(-1, output.shape[-1])
+        flat.addmm_(shrunk.reshape(-1, shrunk.shape[-1]), b.T)
         return flat.view(output.shape)
 
     def remove(self) -> None:
