@@ -137,6 +137,19 @@ def test_the_throwaway_prefill_measured_at_start_leaves_no_trace(runtime: Refere
         busy.throwaway_prefill(rows=1, width=16)
 
 
+def test_rms_norms_as_one_operator_answer_as_generate_does(runtime: ReferenceRuntime, decoder) -> None:
+    """The benchmark's `fused_norms` pair: PyTorch's `rms_norm` in place of transformers' formula differs only in
+    rounding, so on the CPU (float32) the answers are generate's; closing gives each norm its own forward back."""
+    requests = mixed_requests()[:6]
+    expected = [runtime.run_batch([r]).results[0] for r in requests]
+    fused = decoder(slots=3, window=256, static_steps=True, fused_norms=True)
+    norms = fused.norms._norms
+    assert len(norms) == 2 * runtime.model.config.num_hidden_layers + 1  # two per layer, and the final one
+    assert_same_answers(expected, fused.run(requests))
+    fused.close()
+    assert all("forward" not in vars(norm) for norm in norms)
+
+
 def test_a_model_serves_one_decoder_at_a_time(runtime: ReferenceRuntime, decoder) -> None:
     """Each decoder's LoRA hooks add its rows' deltas: a second one on the same model would add its deltas to the
     first one's rows. It is refused; and closing the first again must not undo the next one's."""

@@ -51,7 +51,8 @@ def bench(
     peer: Annotated[bool, typer.Option(help="time transformers' continuous batching on the same model and jobs")]
         = True,
     census: Annotated[bool, typer.Option(help="a kernel census of the decode step and, on CUDA, the A/B pairs: "
-                                              "LoRA in fp32, one matmul per projection, the NF4 kernel")] = True,
+                                              "LoRA in fp32, one matmul per projection, RMSNorm as one operator, "
+                                              "the NF4 kernel")] = True,
     stream_jobs: Annotated[int, typer.Option(
         min=0, help="Kev jobs run with no client and with an SSE client each, alternately (0: no streaming "
                     "phase)")] = 32,

@@ -48,11 +48,10 @@ def table(result: dict[str, Any]) -> str:
         row("speedup vs the peer (transformers CB; its jobs/s)", _fmt((result.get("peer") or {}).get("jobs_per_s"),
                                                                         ".3f"),
             lambda e: _fmt(e.get("speedup_vs_peer"), ".2f") + "×"),
-        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32; unfused; NF4 Triton kernel)", "",
-            lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms'))} "
-                      f"({_fmt(((e.get('lora_fp32') or {}).get('profile') or {}).get('step_ms'))}; "
-                      f"{_fmt(((e.get('unfused') or {}).get('profile') or {}).get('step_ms'))}; "
-                      f"{_fmt(((e.get('nf4_kernel') or {}).get('profile') or {}).get('step_ms'))})"),
+        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32; unfused; fused norms; NF4 Triton kernel)", "",
+            lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms'))} ("
+                      + "; ".join(_fmt(((e.get(pair) or {}).get('profile') or {}).get('step_ms'))
+                                  for pair in ("lora_fp32", "unfused", "fused_norms", "nf4_kernel")) + ")"),
         row("decode step ms without the profiler / of it launching the graph", "",
             lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms_unprofiled'))} / "
                       f"{_fmt((e.get('profile') or {}).get('replay_launch_ms_per_step'))}"),
@@ -96,6 +95,7 @@ def _censuses(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
     found = {"as served": service.get("census"),
              "LoRA in fp32": (service.get("lora_fp32") or {}).get("census"),
              "one per projection": (service.get("unfused") or {}).get("census"),
+             "RMSNorm fused": (service.get("fused_norms") or {}).get("census"),
              "NF4 Triton kernel": (service.get("nf4_kernel") or {}).get("census")}
     return {label: census for label, census in found.items() if census and "classes" in census}
 

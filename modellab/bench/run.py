@@ -106,7 +106,8 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
                    kev: list[GenerationRequest]) -> dict[str, Any]:
     """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share and step time
     (captured steps, as served), the same under the decision grammar, the LoRA products in fp32, one matmul per
-    projection (q/k/v and gate/up not joined) and the NF4 matmuls through the Triton kernel as A/B pairs (CUDA),
+    projection (q/k/v and gate/up not joined), RMSNorm as one operator and the NF4 matmuls through the Triton
+    kernel as A/B pairs (CUDA),
     and a kernel census of eager steps of each."""
     from modellab.nf4_matmul import install_nf4_kernels
     from worker.decoder.kv_block import STORAGE_DTYPES
@@ -140,6 +141,8 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
                                   "prefill_tokens": window}, decode_busy_fraction)
         # one matmul and one LoRA product per projection, instead of q/k/v and gate/up joined by their input
         variants["unfused"] = ({"graphs": config.cuda_graphs, "fused_projections": False}, decode_busy_fraction)
+        # RMSNorm as PyTorch's one operator instead of transformers' formula (worker/decoder/fused_norms.py)
+        variants["fused_norms"] = ({"graphs": config.cuda_graphs, "fused_norms": True}, decode_busy_fraction)
         # the NF4 matmuls through the Triton kernel (modellab/nf4_matmul.py) instead of bitsandbytes; the kernel
         # replaces each NF4 layer's forward, which joined projections do not call
         variants["nf4_kernel"] = ({"graphs": config.cuda_graphs, "nf4_kernel": True, "fused_projections": False},
@@ -149,6 +152,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     if runtime.device == "cuda":
         variants["census_lora_fp32"] = ({"graphs": False, "lora_dtype": torch.float32}, kernel_census)
         variants["census_unfused"] = ({"graphs": False, "fused_projections": False}, kernel_census)
+        variants["census_fused_norms"] = ({"graphs": False, "fused_norms": True}, kernel_census)
         variants["census_nf4_kernel"] = ({"graphs": False, "nf4_kernel": True, "fused_projections": False},
                                          kernel_census)
     for name, (options, measure) in variants.items():
@@ -420,6 +424,8 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
         service["profile_again"] = measured["profile_again"]  # the compute dtype again, after the fp32 run
     if "unfused" in measured:  # the A/B pair: the same decode step with one matmul per projection
         service["unfused"] = {"profile": measured["unfused"], "census": measured["census_unfused"]}
+    if "fused_norms" in measured:  # the A/B pair: the same decode step with RMSNorm as one operator
+        service["fused_norms"] = {"profile": measured["fused_norms"], "census": measured["census_fused_norms"]}
     if "nf4_kernel" in measured:  # the A/B pair: the same decode step with the NF4 matmuls through the kernel
         service["nf4_kernel"] = {"profile": measured["nf4_kernel"], "census": measured["census_nf4_kernel"]}
 

@@ -16,6 +16,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
+from worker.decoder.fused_norms import FusedNorms
 from worker.decoder.fused_projections import FusedProjections
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_step import CapturedStep
@@ -60,7 +61,7 @@ class SlotDecoder:
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
-                 kv_dtype: torch.dtype | None = None, fused_projections: bool = True):
+                 kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool = False):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -90,10 +91,14 @@ class SlotDecoder:
         # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare).
         self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype)
         self.fused: FusedProjections | None = None
+        # RMSNorm as PyTorch's one operator (the benchmark's A/B pair; not served until measured)
+        self.norms: FusedNorms | None = None
         try:
             # q/k/v and gate/up each as one matmul and one LoRA product (False: one per projection, to compare)
             if fused_projections:
                 self.fused = FusedProjections(model, self.lora)
+            if fused_norms:
+                self.norms = FusedNorms(model)
             if self.static:
                 self._static = CapturedStep(self, capture=graphs)
         except BaseException:
@@ -110,6 +115,8 @@ class SlotDecoder:
 
     def close(self) -> None:
         """Give the model back its own projections and PEFT adapters (the decoder's cache is freed with it)."""
+        if self.norms is not None:
+            self.norms.remove()
         if self.fused is not None:
             self.fused.remove()
         self.lora.remove()
