@@ -107,8 +107,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share and step time
     (captured steps, as served), the same under the decision grammar, the LoRA products in fp32, one matmul per
     projection (q/k/v and gate/up not joined), RMSNorm as one operator and the NF4 matmuls through the Triton
-    kernel as A/B pairs (CUDA),
-    and a kernel census of eager steps of each."""
+    kernel as A/B pairs (CUDA), and a kernel census of eager steps of each."""
     from modellab.nf4_matmul import install_nf4_kernels
     from worker.decoder.kv_block import STORAGE_DTYPES
     from worker.decoder.slot_decoder import SlotDecoder

@@ -85,8 +85,7 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
                            prefill_chunk_tokens=settings.engine_prefill_chunk_tokens, kv_dtype=kv_dtype)
 
     if loaded.device != "cuda":
-        join_weights(loaded.model)
-        return build(wanted)
+        return build(wanted)  # the decoder joins the projections itself
     torch.cuda.empty_cache()  # what loading left cached is not the decoder's to count
     element_bytes = kv_dtype.itemsize if kv_dtype else 2  # fp8, else the compute dtype (fp16)
 
