@@ -177,9 +177,10 @@ class Settings(BaseSettings):
         default=2048, ge=16, description="the padded prompt tokens (jobs × columns) one forward pass of a prefill "
         "takes at most: a longer prompt block runs in chunks of columns, each attending to what the chunks before "
         "it cached, so a prefill's activation memory is bounded by the chunk rather than by the prompts; answers are "
-        "the same, to rounding. Each pass costs a launch-bound forward pass, so the default (the prefill budget's) "
-        "leaves a usual prefill whole; lower it where memory is short: a 7B model on a 6 GB card gets a fourth "
-        "1,024-token slot with 512 and `KEVLAYA_ENGINE_KV_DTYPE=fp8`")
+        "the same, to rounding. Without CUDA graphs each pass is an eager forward pass, so the default (the prefill "
+        "budget's) leaves a usual prefill whole; with them, prefills run as captured passes of 128 columns and this "
+        "bounds their rows. Lower it where memory is short: a 7B model on a 6 GB card gets a fourth 1,024-token "
+        "slot with 512 and `KEVLAYA_ENGINE_KV_DTYPE=fp8`")
     engine_batch_prefill_tokens: int = Field(
         default=128, ge=1, description="while interactive jobs come (one claimed in the last 10 s), the padded prompt "
         "tokens one prefill of file-batch lines takes at most (one line always goes); such a prefill never holds "

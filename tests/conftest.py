@@ -416,7 +416,10 @@ def start_worker(start_process, env, api: httpx.Client):  # noqa: ANN001, ANN201
         assert process.process.poll() is None, process.output()
         return api.get("/readyz").status_code == 200
 
-    wait_until(ready, 120, interval=0.1, what="a worker with its model loaded")
+    try:
+        wait_until(ready, 120, interval=0.1, what="a worker with its model loaded")
+    except AssertionError as exc:  # a worker that hangs says where in its log
+        raise AssertionError(f"{exc}; its log ends:\n{process.output()}") from None
     return process
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from modellab.bench.pairs import DEFAULT_PAIRS, PAIRS
 from modellab.presets import ALL_LINEAR
 
 SHAPES = ("tiny", "qwen2.5-1.5b", "qwen2.5-3b", "llama-2-7b")
@@ -50,9 +51,11 @@ def bench(
         = ",".join(ALL_LINEAR),
     peer: Annotated[bool, typer.Option(help="time transformers' continuous batching on the same model and jobs")]
         = True,
-    census: Annotated[bool, typer.Option(help="a kernel census of the decode step and, on CUDA, the A/B pairs: "
-                                              "LoRA in fp32, one matmul per projection, RMSNorm as one operator, "
-                                              "the NF4 kernel")] = True,
+    census: Annotated[bool, typer.Option(help="a kernel census of the decode step and, on CUDA, the A/B pairs "
+                                              "(--pairs)")] = True,
+    pairs: Annotated[str, typer.Option(
+        help=f"comma-separated A/B pairs of the decoder phase (CUDA, with --census): the served decoder against "
+             f"one with a change, among {', '.join(PAIRS)}")] = ",".join(DEFAULT_PAIRS),
     stream_jobs: Annotated[int, typer.Option(
         min=0, help="Kev jobs run with no client and with an SSE client each, alternately (0: no streaming "
                     "phase)")] = 32,
@@ -80,6 +83,9 @@ def bench(
         raise typer.BadParameter("needs 1 <= --prompt-min <= --prompt-max", param_hint="--prompt-min")
     if jobs < 2 or recipe_jobs < 1 or latency_samples < 1 or max_batch < 1:
         raise typer.BadParameter("--jobs >= 2, --recipe-jobs, --latency-samples and --max-batch >= 1")
+    chosen_pairs = tuple(p.strip() for p in pairs.split(",") if p.strip())
+    if set(chosen_pairs) - set(PAIRS):
+        raise typer.BadParameter(f"a comma-separated subset of {', '.join(PAIRS)}", param_hint="--pairs")
     targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
     if not targets or set(targets) - set(ALL_LINEAR):
         raise typer.BadParameter(f"a comma-separated subset of {', '.join(ALL_LINEAR)}", param_hint="--lora-targets")
@@ -97,7 +103,7 @@ def bench(
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url,
                          cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, window_tokens=window_tokens,
                          prefill_tokens=prefill_tokens, lora_targets=targets, peer=peer, census=census,
-                         pair_rounds=pair_rounds, stream_jobs=stream_jobs)
+                         pairs=chosen_pairs, pair_rounds=pair_rounds, stream_jobs=stream_jobs)
     command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
                          else ["python", "-m", "modellab.bench", *sys.argv[1:]])
     stem = f"{shape}-{date.today().isoformat()}"

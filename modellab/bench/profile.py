@@ -75,4 +75,7 @@ def decode_busy_fraction(run: Run, device: str, requests: list[GenerationRequest
         # the same steps with no profiler attached, and the host's time launching each captured step
         "step_ms_unprofiled": (plain_all - plain_one) / steps * 1000,
         "replay_launch_ms_per_step": (replay_all - replay_one) / steps * 1000,
+        # the prefill of every row (and its first token), without the profiler, and its kernel time
+        "prefill_ms_unprofiled": plain_one * 1000,
+        "prefill_kernel_ms": kernels_one * 1000,
     }

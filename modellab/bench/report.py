@@ -52,6 +52,9 @@ def table(result: dict[str, Any]) -> str:
             lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms'))} ("
                       + "; ".join(_fmt(((e.get(pair) or {}).get('profile') or {}).get('step_ms'))
                                   for pair in ("lora_fp32", "unfused", "fused_norms", "nf4_kernel")) + ")"),
+        row(f"prefill of {_rows(result)} Kev prompts ms, captured / eager passes", "",
+            lambda e: f"{_fmt((e.get('profile') or {}).get('prefill_ms_unprofiled'), '.1f')} / "
+                      f"{_fmt(((e.get('eager_prefill') or {}).get('profile') or {}).get('prefill_ms_unprofiled'), '.1f')}"),
         row("decode step ms without the profiler / of it launching the graph", "",
             lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms_unprofiled'))} / "
                       f"{_fmt((e.get('profile') or {}).get('replay_launch_ms_per_step'))}"),

@@ -23,6 +23,7 @@ import torch
 
 from modellab.bench.census import kernel_census
 from modellab.bench.load import percentile
+from modellab.bench.pairs import DEFAULT_PAIRS, PAIRS, PREFILL_PAIRS
 from modellab.bench.peer import peer_phase
 from modellab.bench.profile import decode_busy_fraction
 from modellab.bench.recipe import time_recipe
@@ -38,6 +39,15 @@ from worker.generation import GenerationRequest
 from worker.model.loading import resolve_device
 
 log = logging.getLogger("kevlaya.bench")
+
+# Each A/B pair's decoder options (modellab/bench/pairs.py says what each changes).
+PAIR_OPTIONS: dict[str, dict[str, Any]] = {
+    "lora_fp32": {"lora_dtype": torch.float32},
+    "unfused": {"fused_projections": False},
+    "fused_norms": {"fused_norms": True},
+    "nf4_kernel": {"nf4_kernel": True, "fused_projections": False},  # joined projections do not call the kernel
+    "eager_prefill": {"static_prefill": False},
+}
 
 
 @dataclass
@@ -61,7 +71,8 @@ class BenchConfig:
     prefill_tokens: int | None = None  # KEVLAYA_ENGINE_PREFILL_TOKENS; None: the service's default
     lora_targets: tuple[str, ...] = ALL_LINEAR  # the layers the random adapters cover (the demo model: every one)
     peer: bool = True  # time transformers' continuous batching on the same model and jobs
-    census: bool = True  # GPU only: the kernel census and the fp32-LoRA A/B of the decode step
+    census: bool = True  # the kernel census of the decode step and, on CUDA, the A/B pairs
+    pairs: tuple[str, ...] = DEFAULT_PAIRS  # which A/B pairs (PAIRS)
     pair_rounds: int = 4  # runs of each side of the grammar and streaming comparisons, alternately
     stream_jobs: int = 32  # Kev jobs run with no client and with an SSE client each (0: no streaming phase)
 
@@ -104,10 +115,9 @@ def _requests(jobs: list[BenchJob]) -> list[GenerationRequest]:
 
 def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchConfig,
                    kev: list[GenerationRequest]) -> dict[str, Any]:
-    """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share and step time
-    (captured steps, as served), the same under the decision grammar, the LoRA products in fp32, one matmul per
-    projection (q/k/v and gate/up not joined), RMSNorm as one operator and the NF4 matmuls through the Triton
-    kernel as A/B pairs (CUDA), and a kernel census of eager steps of each."""
+    """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share, step and prefill
+    time (captured, as served), the same under the decision grammar, the A/B pairs of `config.pairs` (CUDA;
+    modellab/bench/pairs.py), and a kernel census of eager steps of each that changes the step."""
     from modellab.nf4_matmul import install_nf4_kernels
     from worker.decoder.kv_block import STORAGE_DTYPES
     from worker.decoder.slot_decoder import SlotDecoder
@@ -130,30 +140,21 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     if not config.census:
         return figures
     loaded = runtime.loaded
-    # Captured steps first, A B A (the compute dtype, fp32, the compute dtype again), then the censuses: the
-    # profiler's Python tracing is the dearest thing here and nothing timed runs after it.
+    # Captured steps first, each pair and the served step again after them, then the censuses: the profiler's
+    # Python tracing is the dearest thing here and nothing timed runs after it.
     variants: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {}
     if runtime.device == "cuda":
-        # one prompt per prefill: the fp32 products of a full prefill group do not fit beside the rows under the
-        # cap, and the pair compares decode steps
-        variants["lora_fp32"] = ({"graphs": config.cuda_graphs, "lora_dtype": torch.float32,
-                                  "prefill_tokens": window}, decode_busy_fraction)
-        # one matmul and one LoRA product per projection, instead of q/k/v and gate/up joined by their input
-        variants["unfused"] = ({"graphs": config.cuda_graphs, "fused_projections": False}, decode_busy_fraction)
-        # RMSNorm as PyTorch's one operator instead of transformers' formula (worker/decoder/fused_norms.py)
-        variants["fused_norms"] = ({"graphs": config.cuda_graphs, "fused_norms": True}, decode_busy_fraction)
-        # the NF4 matmuls through the Triton kernel (modellab/nf4_matmul.py) instead of bitsandbytes; the kernel
-        # replaces each NF4 layer's forward, which joined projections do not call
-        variants["nf4_kernel"] = ({"graphs": config.cuda_graphs, "nf4_kernel": True, "fused_projections": False},
-                                  decode_busy_fraction)
+        for pair in config.pairs:
+            options = {"graphs": config.cuda_graphs, **PAIR_OPTIONS[pair]}
+            if pair == "lora_fp32":  # one prompt per prefill: a full group's fp32 products do not fit under the cap
+                options["prefill_tokens"] = window
+            variants[pair] = (options, decode_busy_fraction)
         variants["profile_again"] = ({"graphs": config.cuda_graphs}, decode_busy_fraction)
     variants["census"] = ({"graphs": False}, kernel_census)
     if runtime.device == "cuda":
-        variants["census_lora_fp32"] = ({"graphs": False, "lora_dtype": torch.float32}, kernel_census)
-        variants["census_unfused"] = ({"graphs": False, "fused_projections": False}, kernel_census)
-        variants["census_fused_norms"] = ({"graphs": False, "fused_norms": True}, kernel_census)
-        variants["census_nf4_kernel"] = ({"graphs": False, "nf4_kernel": True, "fused_projections": False},
-                                         kernel_census)
+        for pair in config.pairs:
+            if pair not in PREFILL_PAIRS:  # a census times eager decode steps, which these leave as they are
+                variants[f"census_{pair}"] = ({"graphs": False, **PAIR_OPTIONS[pair]}, kernel_census)
     for name, (options, measure) in variants.items():
         # installed before the decoder captures its steps, so the graphs hold the kernel
         kernel = install_nf4_kernels(loaded.model) if options.pop("nf4_kernel", False) else None
@@ -418,15 +419,11 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     result["peer"] = measured["peer"]
     result["service"] = service = {"gpu_busy_fraction": (measured["profile"] or {}).get("busy_fraction"),
                                    "profile": measured["profile"], "census": measured.get("census")}
-    if "lora_fp32" in measured:  # the A/B pair: the same decode step with the LoRA products in fp32
-        service["lora_fp32"] = {"profile": measured["lora_fp32"], "census": measured["census_lora_fp32"]}
-        service["profile_again"] = measured["profile_again"]  # the compute dtype again, after the fp32 run
-    if "unfused" in measured:  # the A/B pair: the same decode step with one matmul per projection
-        service["unfused"] = {"profile": measured["unfused"], "census": measured["census_unfused"]}
-    if "fused_norms" in measured:  # the A/B pair: the same decode step with RMSNorm as one operator
-        service["fused_norms"] = {"profile": measured["fused_norms"], "census": measured["census_fused_norms"]}
-    if "nf4_kernel" in measured:  # the A/B pair: the same decode step with the NF4 matmuls through the kernel
-        service["nf4_kernel"] = {"profile": measured["nf4_kernel"], "census": measured["census_nf4_kernel"]}
+    for pair in PAIRS:  # the A/B pairs: the same decoder with one thing changed (PAIRS)
+        if pair in measured:
+            service[pair] = {"profile": measured[pair], "census": measured.get(f"census_{pair}")}
+    if "profile_again" in measured:
+        service["profile_again"] = measured["profile_again"]  # the served step again, after the pairs
 
     def checkpoint() -> None:
         if "jobs_per_s" in service:

@@ -33,6 +33,13 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
+@pytest.fixture(scope="session")
+def prewarmed() -> None:
+    """Workers here start as fresh processes, not forked from the prewarmed server (tests/prewarmed.py): forked
+    from a process with threads, a CUDA worker hung before its model loaded on the H200."""
+    return None
+
+
 @pytest.fixture(scope="module")
 def demo() -> ReferenceRuntime:
     runtime = ReferenceRuntime.load(Settings(_env_file=None, device="cuda", vram_budget_gb=CAP_GB))

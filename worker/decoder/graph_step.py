@@ -7,7 +7,9 @@ use it)."""
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +33,22 @@ def capture_stream() -> torch.cuda.Stream:
     return _capture_stream
 
 
+def captured(forward: Callable[[], torch.Tensor], pool: tuple | None) -> tuple[tuple[torch.cuda.CUDAGraph,
+                                                                                   torch.Tensor], tuple]:
+    """`forward` warmed up and captured as a graph in `pool` (None: a new one); returns (graph, its output) and
+    the pool. Graphs that share a pool run one at a time: each one's output is read before the next replays."""
+    side = capture_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=side):
+        output = forward()
+    return (graph, output), graph.pool()
+
+
 class CapturedStep:
     """One decoder's fixed-shape step, one graph per bucket when `capture` (CUDA), else run eagerly."""
 
@@ -47,6 +65,7 @@ class CapturedStep:
         self.columns = torch.arange(window)  # host side, for building the mask
         self.adapters = decoder.lora.new_buffer(slots)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None  # the graphs' memory pool, which the captured prefill shares
         if capture:
             self._capture()
 
@@ -69,18 +88,8 @@ class CapturedStep:
         if self.decoder.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.mask[:, 0, 0, 0] = True
-        pool, side = None, capture_stream()
         for bucket in self.buckets:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=side):
-                logits = self._forward(bucket)
-            pool = graph.pool()
-            self.graphs[bucket] = (graph, logits)
+            self.graphs[bucket], self.pool = captured(functools.partial(self._forward, bucket), self.pool)
         log.info("captured the decode step for %s rows", ", ".join(map(str, self.buckets)))
 
     def run(self) -> torch.Tensor:

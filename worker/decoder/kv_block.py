@@ -24,14 +24,16 @@ STORAGE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.floa
 @dataclass
 class View:
     """What the next forward pass reads and writes: rows `rows`, writes columns [write_lo, write_hi), reads
-    columns [read_lo, write_hi). A static step (`column` set) writes the one column that tensor holds and reads
-    the whole window: no shape or Python number changes between steps, so the step can be a CUDA graph."""
+    columns [read_lo, write_hi). A static pass (`column` set) writes the columns that tensor holds and reads the
+    whole window: no shape or Python number changes between passes, so the pass can be a CUDA graph. A static
+    step's rows are `rows`; a static prefill pass's are the slots `slots` holds (they start anywhere)."""
 
     rows: slice = field(default_factory=lambda: slice(0, 0))
     read_lo: int = 0
     write_lo: int = 0
     write_hi: int = 0
     column: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
 
 class SlotLayer(CacheLayerMixin):
@@ -51,7 +53,11 @@ class SlotLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         v = self.view
-        if v.column is not None:
+        if v.slots is not None:
+            write_slots(self.keys, v.slots, v.column, key_states)
+            write_slots(self.values, v.slots, v.column, value_states)
+            keys, values = self.keys.index_select(0, v.slots), self.values.index_select(0, v.slots)
+        elif v.column is not None:
             keys, values = self.keys[v.rows], self.values[v.rows]
             write_column(keys, v.column, key_states)
             write_column(values, v.column, value_states)
@@ -89,6 +95,15 @@ def write_column(block: torch.Tensor, column: torch.Tensor, states: torch.Tensor
         block.index_copy_(2, column, states)
     else:  # index_copy_ has no float8 kernel on the CPU: copy the bytes
         block.view(torch.uint8).index_copy_(2, column, stored(states, block.dtype).view(torch.uint8))
+
+
+def write_slots(block: torch.Tensor, slots: torch.Tensor, columns: torch.Tensor, states: torch.Tensor) -> None:
+    """Write `states` (slots × heads × columns × dim) into `block` at those slots and columns (a captured prefill
+    pass's write)."""
+    target, values = block.transpose(1, 2), stored(states, block.dtype).transpose(1, 2)
+    if block.dtype != states.dtype:  # no float8 indexing kernels on the CPU: move the bytes
+        target, values = target.view(torch.uint8), values.view(torch.uint8)
+    target.index_put_((slots[:, None], columns[None, :]), values)
 
 
 def kv_shape(config: object) -> tuple[int, int, int]:

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from worker.decoder.fused_norms import FusedNorms
 from worker.decoder.fused_projections import FusedProjections
 from worker.decoder.grammar import RowGrammars
+from worker.decoder.graph_prefill import CapturedPrefill
 from worker.decoder.graph_step import CapturedStep
 from worker.decoder.kv_block import KVBlock
 from worker.decoder.prefill_budget import prefill_group
@@ -61,7 +62,8 @@ class SlotDecoder:
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
-                 kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool = False):
+                 kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool = False,
+                 static_prefill: bool = True):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -93,6 +95,8 @@ class SlotDecoder:
         self.fused: FusedProjections | None = None
         # RMSNorm as PyTorch's one operator (the benchmark's A/B pair; not served until measured)
         self.norms: FusedNorms | None = None
+        # Static steps come with fixed-shape prefill passes, captured with them (False: eager prefills, to compare).
+        self._static_prefill: CapturedPrefill | None = None
         try:
             # q/k/v and gate/up each as one matmul and one LoRA product (False: one per projection, to compare)
             if fused_projections:
@@ -101,6 +105,8 @@ class SlotDecoder:
                 self.norms = FusedNorms(model)
             if self.static:
                 self._static = CapturedStep(self, capture=graphs)
+                if static_prefill:
+                    self._static_prefill = CapturedPrefill(self, capture=graphs, pool=self._static.pool)
         except BaseException:
             self.close()  # a decoder that failed to build leaves the model as it found it
             raise
@@ -141,14 +147,14 @@ class SlotDecoder:
         admitted_at = time.perf_counter() if admitted_at is None else admitted_at
         encoded = encode_chats(self.tokenizer, requests, self.device)
         ids, present = encoded["input_ids"], encoded["attention_mask"]
-        width = ids.shape[1]
         lengths = present.sum(1).tolist()
         for request, length in zip(requests, lengths):
             if not self.fits(length, request.max_new_tokens):
                 raise ValueError(f"job {request.job_id}: {length} prompt tokens + {request.max_new_tokens} new "
                                  f"tokens exceed the decoder's window of {self.window}")
         matchers = [self.grammars.matcher(r.grammar) if r.grammar else None for r in requests]
-        self._make_room(width)
+        ids, present = self._padded(ids, present)
+        self._make_room(ids.shape[1])
         first, t = len(self.rows), self.kv.t
         new = [Row(request=r, adapter=self.adapters.index(r.adapter),
                    sampling=RowSampling.create(r.temperature, r.top_p, r.seed, self.device),
@@ -176,6 +182,14 @@ class SlotDecoder:
                 row.start += by
             self.kv.t = width
 
+    def _padded(self, ids: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt block left-padded to the width the static prefill passes take, where it has one."""
+        width = self._static_prefill.width(ids.shape[1]) if self._static_prefill else None
+        if width is None or width == ids.shape[1]:
+            return ids, present
+        pad = (width - ids.shape[1], 0)
+        return torch.nn.functional.pad(ids, pad), torch.nn.functional.pad(present, pad)
+
     def _prefill_block(self, ids: torch.Tensor, present: torch.Tensor, first: int,
                        adapters: list[int]) -> torch.Tensor:
         """Run a prompt block (rows × width, left-padded where `present` is 0) into slots first, first + 1, ...,
@@ -186,6 +200,8 @@ class SlotDecoder:
         allowed |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding attends to itself, not NaN
         positions = (present.cumsum(1) - 1).clamp(min=0)
         lo = self.kv.t - width
+        if self._static_prefill and self._static_prefill.width(width) == width:
+            return self._static_prefill.run(ids, allowed, positions, first, lo, adapters)
         self.kv.view.rows, self.kv.view.read_lo = slice(first, first + rows), lo
         # In chunks of columns, each attending to the cache the chunks before it wrote: a forward pass's
         # activations are bounded by the chunk, not by the prompt block (worker/memory.py measures the largest).
@@ -203,8 +219,9 @@ class SlotDecoder:
             raise ValueError("a throwaway prefill needs a decoder with no rows in flight")
         rows, width = min(rows, self.kv.slots), min(width, self.window)
         ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
-        self._make_room(width)
-        self._prefill_block(ids, torch.ones_like(ids), 0, [i % len(self.adapters) for i in range(rows)])
+        ids, present = self._padded(ids, torch.ones_like(ids))
+        self._make_room(ids.shape[1])
+        self._prefill_block(ids, present, 0, [i % len(self.adapters) for i in range(rows)])
 
     # -- decoding ----------------------------------------------------------------------------------------------
 

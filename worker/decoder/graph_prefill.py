@@ -1,0 +1,127 @@
+"""The prefill with fixed shapes, so it can be captured as CUDA graphs and replayed (docs/architecture.md §14).
+
+A prompt block (rows × columns, left-padded) goes through in passes of `columns` columns each (PREFILL_COLUMNS,
+at most the chunk budget), for a bucket of rows (1, 2, 4, ...). A pass writes its rows' keys and values at the
+slots and columns that buffers name, and reads the whole window, so neither the rows' slots nor the block's place
+on the timeline is part of its shape. On CUDA each bucket is captured once and replayed: an eager prefill pass
+launches thousands of kernels, one at a time from Python. Elsewhere the same passes run eagerly (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.decoder.graph_step import captured
+from worker.decoder.row_lora import NO_ADAPTER
+
+if TYPE_CHECKING:
+    from worker.decoder.slot_decoder import SlotDecoder
+
+log = logging.getLogger("kevlaya.decoder")
+
+# Prompt columns a pass takes: prompts are padded to a multiple of it, so it trades padding against passes.
+PREFILL_COLUMNS = 128
+
+
+class CapturedPrefill:
+    """One decoder's fixed-shape prefill passes, one graph per bucket of rows when `capture` (CUDA), else run
+    eagerly; `pool`: the memory pool of the decoder's captured steps, which these graphs share."""
+
+    def __init__(self, decoder: SlotDecoder, capture: bool, pool: tuple | None = None):
+        self.decoder = decoder
+        slots, window, device = decoder.kv.slots, decoder.window, decoder.device
+        budget = decoder.prefill_chunk_tokens or slots * PREFILL_COLUMNS
+        self.columns = min(PREFILL_COLUMNS, window, budget)
+        most = max(1, min(slots, budget // self.columns))  # rows × columns within the chunk budget
+        self.buckets = [2**i for i in range(most.bit_length()) if 2**i <= most]
+        top = self.buckets[-1]
+        self.ids = torch.zeros(top, self.columns, dtype=torch.long, device=device)
+        self.positions = torch.zeros(top, self.columns, dtype=torch.long, device=device)
+        self.mask = torch.zeros(top, 1, self.columns, window, dtype=torch.bool, device=device)
+        self.slots = torch.zeros(top, dtype=torch.long, device=device)
+        self.written = torch.zeros(self.columns, dtype=torch.long, device=device)  # the columns a pass writes
+        self.adapters = decoder.lora.new_buffer(top)
+        self.own = torch.eye(self.columns, dtype=torch.bool, device=device)  # a padding row attends to itself
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = pool
+        if capture:
+            self._capture()
+
+    def width(self, width: int) -> int | None:
+        """The padded width a prompt block of `width` columns takes here (a multiple of the pass's columns), or
+        None when that is over the window (the block then runs eagerly)."""
+        padded = -(-width // self.columns) * self.columns
+        return padded if padded <= self.decoder.window else None
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        decoder = self.decoder
+        view = decoder.kv.view
+        view.slots, view.column = self.slots[:bucket], self.written
+        decoder.lora.mask = self.adapters[:bucket]
+        try:
+            with torch.inference_mode():
+                output = decoder.model(input_ids=self.ids[:bucket], attention_mask=self.mask[:bucket],
+                                       position_ids=self.positions[:bucket], cache=decoder.kv.cache,
+                                       use_cache=True, logits_to_keep=1)
+        finally:
+            view.slots = view.column = None
+        return output.logits[:, -1]
+
+    def _capture(self) -> None:
+        """One graph per bucket, captured on an empty decoder (its writes land in free slots)."""
+        if self.decoder.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.mask[:, 0, :, :self.columns] = self.own
+        self.written.copy_(torch.arange(self.columns))
+        for bucket in self.buckets:
+            self.graphs[bucket], self.pool = captured(functools.partial(self._forward, bucket), self.pool)
+        log.info("captured the prefill for %s rows of %d columns", ", ".join(map(str, self.buckets)), self.columns)
+
+    def pieces(self, rows: int, spare: int) -> list[tuple[int, int]]:
+        """(rows, bucket) of each pass group for `rows` prompts: the smallest bucket that holds what is left, its
+        padding rows in the `spare` free slots; where too few are free, the largest bucket that needs none."""
+        pieces = []
+        while rows:
+            bucket = next((b for b in self.buckets if b >= rows), self.buckets[-1])
+            if bucket - min(bucket, rows) > spare:
+                bucket = max(b for b in self.buckets if b <= rows)
+            pieces.append((min(bucket, rows), bucket))
+            rows -= pieces[-1][0]
+        return pieces
+
+    def run(self, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor, first: int, lo: int,
+            adapters: list[int]) -> torch.Tensor:
+        """Prefill a prompt block (rows × width, `width` a multiple of the pass's columns) into slots first,
+        first + 1, ..., at columns [lo, lo + width); `allowed`: rows × width × width, where each column may look.
+        Returns each row's last logits."""
+        rows, width = ids.shape
+        spare = self.decoder.kv.slots - first - rows
+        logits, done = [], 0
+        for count, bucket in self.pieces(rows, spare):
+            part = slice(done, done + count)
+            slots = list(range(first + done, first + done + count))
+            slots += range(first + rows, first + rows + bucket - count)  # padding rows: free slots
+            self.slots[:bucket].copy_(torch.tensor(slots))
+            self.decoder.lora.select_in_place(adapters[part] + [NO_ADAPTER] * (bucket - count), self.adapters[:bucket])
+            for a in range(0, width, self.columns):
+                b = a + self.columns
+                self.ids[:bucket].zero_()
+                self.ids[:count].copy_(ids[part, a:b])
+                self.positions[:bucket].zero_()
+                self.positions[:count].copy_(positions[part, a:b])
+                self.mask[:bucket].zero_()
+                self.mask[:count, 0, :, lo:lo + b].copy_(allowed[part, a:b, :b])
+                self.mask[count:bucket, 0, :, lo + a:lo + b] = self.own
+                self.written.copy_(torch.arange(lo + a, lo + b))
+                if bucket in self.graphs:
+                    graph, output = self.graphs[bucket]
+                    graph.replay()
+                else:
+                    output = self._forward(bucket)
+            logits.append(output[:count].clone())  # the next bucket's replay may reuse its memory
+            done += count
+        return torch.cat(logits)
