@@ -182,6 +182,75 @@ def test_out_of_memory_in_a_step_puts_the_newest_jobs_back_and_every_job_still_r
     assert sum(b.size for b in batches) == 6 and all(b.finished_at is not None for b in batches)
 
 
+def _engine_with_jobs(tiny_model, count: int):  # noqa: ANN001, ANN202
+    from shared.settings import Settings
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        ignore_eos=True)
+    with session_scope() as session:
+        session.add_all([Job(adapter=a, requested_adapter=a, input=f"Question {i}?",
+                             params={**TEXT, "max_new_tokens": 6 + 3 * i})
+                         for i, a in enumerate(["kev", "laya"] * (count // 2))])
+    return Engine(load_model(settings), settings)
+
+
+def _claims_seen(engine, fail_at: int | None = None) -> list[tuple[bool, bool]]:  # noqa: ANN001
+    """Each claim as (rows were in flight, it ran inside a decode step); the claim number `fail_at` raises."""
+    seen, in_step = [], [False]
+    step, claim = engine.decoder.step, engine._claim
+
+    def stepping(meanwhile=None):  # noqa: ANN001, ANN202
+        in_step[0] = True
+        try:
+            return step(meanwhile)
+        finally:
+            in_step[0] = False
+
+    def claiming() -> int:
+        seen.append((bool(engine.decoder.rows), in_step[0]))
+        if len(seen) == fail_at:
+            raise RuntimeError("the database went away (injected by the test)")
+        return claim()
+
+    engine.decoder.step, engine._claim = stepping, claiming
+    return seen
+
+
+def test_a_claim_while_rows_decode_runs_inside_the_step_and_every_job_succeeds(service_env, tiny_model):
+    """With rows in flight the engine claims while a step computes (on CUDA the GPU works meanwhile), so no row
+    waits for the claim's database work; with none, it claims before anything else."""
+    engine = _engine_with_jobs(tiny_model, 8)
+    seen = _claims_seen(engine)
+    try:
+        assert engine.drain(60) == 8
+    finally:
+        engine.decoder.close()
+    assert seen[0] == (False, False)  # the first claim: nothing in flight yet
+    assert (True, True) in seen  # freed slots refilled by claims inside steps
+    assert all(in_step for rows, in_step in seen if rows), seen
+    with session_scope() as session:
+        assert {j.status for j in session.scalars(select(Job))} == {"succeeded"}
+
+
+def test_a_claim_that_raises_inside_a_step_is_not_the_step_failing(service_env, tiny_model):
+    """The claim's error ends the drain as it always did (the task's retry takes over); the rows of the step it
+    ran in are not failed as if the model had broken."""
+    engine = _engine_with_jobs(tiny_model, 8)
+    seen = _claims_seen(engine, fail_at=2)
+    try:
+        with pytest.raises(RuntimeError, match="database went away"):
+            engine.drain(60)
+    finally:
+        engine.decoder.close()
+    assert seen[1] == (True, True)  # it raised inside a step
+    engine.writer.wait()
+    with session_scope() as session:
+        assert not session.scalars(select(Job).where(Job.status == "failed")).all()
+
+
 @pytest.mark.parametrize("where", ["prefill", "step"])
 def test_a_job_that_runs_out_of_memory_alone_fails_instead_of_going_back_to_the_queue(service_env, tiny_model,
                                                                                       where):
@@ -418,6 +487,7 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
 
     from shared.settings import Settings
     from worker.engine.loop import Engine
+    from worker.ledger.outcomes import stored_text
     from worker.metrics import ENGINE_PHASES, METRICS
     from worker.model import tokens
     from worker.model.loading import load_model
@@ -451,7 +521,8 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
     assert all(tokenizer is engine.writer.tokenizer is not engine.loaded.tokenizer for _, tokenizer, _ in made)
     with session_scope() as session:
         stored = sorted(j.result_text for j in session.scalars(select(Job)).all())
-    assert stored == sorted(text for _, _, text in made) and all(stored)
+    # sampled from random weights: a text may hold NUL, which every store writes as U+FFFD (PostgreSQL refuses it)
+    assert stored == sorted(stored_text(text) for _, _, text in made) and all(stored)
     assert all(METRICS.engine_phase.labels(p)._sum.get() > before[p] for p in ENGINE_PHASES)
 
 

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from modellab.bench.pairs import PAIRS
+
 
 def _fmt(value: Any, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
@@ -48,10 +50,10 @@ def table(result: dict[str, Any]) -> str:
         row("speedup vs the peer (transformers CB; its jobs/s)", _fmt((result.get("peer") or {}).get("jobs_per_s"),
                                                                         ".3f"),
             lambda e: _fmt(e.get("speedup_vs_peer"), ".2f") + "×"),
-        row(f"decode step ms, {_rows(result)} Kev rows (LoRA fp32; unfused; fused norms; NF4 Triton kernel)", "",
+        row(f"decode step ms, {_rows(result)} Kev rows (A/B pairs: {', '.join(_pairs(result))})", "",
             lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms'))} ("
                       + "; ".join(_fmt(((e.get(pair) or {}).get('profile') or {}).get('step_ms'))
-                                  for pair in ("lora_fp32", "unfused", "fused_norms", "nf4_kernel")) + ")"),
+                                  for pair in _pairs(result)) + ")"),
         row(f"prefill of {_rows(result)} Kev prompts ms, captured / eager passes", "",
             lambda e: f"{_fmt((e.get('profile') or {}).get('prefill_ms_unprofiled'), '.1f')} / "
                       f"{_fmt(((e.get('eager_prefill') or {}).get('profile') or {}).get('prefill_ms_unprofiled'), '.1f')}"),
@@ -88,6 +90,12 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines + census_table(result["service"]))
 
 
+def _pairs(result: dict[str, Any]) -> list[str]:
+    """The A/B pairs a run measured (modellab/bench/pairs.py; older runs: the pairs of their day)."""
+    return [name for name in dict.fromkeys(("lora_fp32", "unfused", "fused_norms", "nf4_kernel", *PAIRS))
+            if name in result["service"] and name != "eager_prefill"] or ["none"]
+
+
 def _rows(result: dict[str, Any]) -> str:
     return str((result["service"].get("census") or result["service"].get("profile") or {}).get("rows", "—"))
 
@@ -99,6 +107,7 @@ def _censuses(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
              "LoRA in fp32": (service.get("lora_fp32") or {}).get("census"),
              "one per projection": (service.get("unfused") or {}).get("census"),
              "RMSNorm fused": (service.get("fused_norms") or {}).get("census"),
+             "RMSNorm unfused": (service.get("unfused_norms") or {}).get("census"),
              "NF4 Triton kernel": (service.get("nf4_kernel") or {}).get("census")}
     return {label: census for label, census in found.items() if census and "classes" in census}
 

@@ -44,7 +44,7 @@ log = logging.getLogger("kevlaya.bench")
 PAIR_OPTIONS: dict[str, dict[str, Any]] = {
     "lora_fp32": {"lora_dtype": torch.float32},
     "unfused": {"fused_projections": False},
-    "fused_norms": {"fused_norms": True},
+    "unfused_norms": {"fused_norms": False},
     "nf4_kernel": {"nf4_kernel": True, "fused_projections": False},  # joined projections do not call the kernel
     "eager_prefill": {"static_prefill": False},
 }
@@ -165,7 +165,8 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
                               eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
                               kv_dtype=STORAGE_DTYPES[settings.engine_kv_dtype],
-                              **{"prefill_tokens": settings.engine_prefill_tokens,
+                              **{"fused_norms": runtime.device == "cuda",  # as build_decoder serves
+                                 "prefill_tokens": settings.engine_prefill_tokens,
                                  "prefill_chunk_tokens": settings.engine_prefill_chunk_tokens, **options})
         try:
             figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))

@@ -212,16 +212,19 @@ def test_the_worker_recovers_after_its_child_is_killed(env, api, start_process) 
     assert api.get("/readyz", headers=AUTH).status_code == 200
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager-steps", "cuda-graphs"])
-def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime, graphs: bool) -> None:
-    """The slot decoder on the NF4 base: Kev and Laya rows in the same steps, captured or not, give the
-    per-adapter `generate` answers (greedy; fp16 on the GPU, so logprobs to 1e-2)."""
+@pytest.mark.parametrize("graphs, fused_norms", [(False, False), (True, False), (True, True)],
+                         ids=["eager-steps", "cuda-graphs", "cuda-graphs-fused-norms"])
+def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime, graphs: bool,
+                                                          fused_norms: bool) -> None:
+    """The slot decoder on the NF4 base: Kev and Laya rows in the same steps, captured or not, with RMSNorm as one
+    operator (as served on CUDA) or not, give the per-adapter `generate` answers (greedy; fp16, so one answer in
+    eight may part at a near tie)."""
     from worker.decoder.slot_decoder import SlotDecoder
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4)
     expected = [demo.run_batch([r]).results[0] for r in requests]
     decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
-                          graphs=graphs)
+                          graphs=graphs, fused_norms=fused_norms)
     try:
         got = decoder.run(requests)
     finally:

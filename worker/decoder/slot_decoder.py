@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,8 +226,10 @@ class SlotDecoder:
 
     # -- decoding ----------------------------------------------------------------------------------------------
 
-    def step(self) -> list[GenerationResult]:
-        """One new token for every row in flight; returns the rows that finished with it."""
+    def step(self, meanwhile: Callable[[], object] | None = None) -> list[GenerationResult]:
+        """One new token for every row in flight; returns the rows that finished with it. `meanwhile` runs once
+        the step is launched, before its logits are read: on CUDA, host work (the engine's claims) while the GPU
+        computes. It must not change the rows."""
         if not self.rows:
             return []
         if self.kv.t == self.window:
@@ -234,6 +237,8 @@ class SlotDecoder:
         if self.static:
             logits = self._static.run()
             self.kv.t += 1
+            if meanwhile is not None:
+                meanwhile()
             return self._advance(list(self.rows), logits, first_row=0)
         n, t = len(self.rows), self.kv.t
         lo = min(row.start for row in self.rows)
@@ -246,6 +251,8 @@ class SlotDecoder:
             slice(0, n), lo, t, t + 1)
         logits = self._forward(ids, allowed, positions, [row.adapter for row in self.rows])
         self.kv.t = t + 1
+        if meanwhile is not None:
+            meanwhile()
         return self._advance(list(self.rows), logits, first_row=0)
 
     def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor,
