@@ -94,7 +94,7 @@ class SlotDecoder:
         # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare).
         self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype)
         self.fused: FusedProjections | None = None
-        # RMSNorm as PyTorch's one operator (the benchmark's A/B pair; not served until measured)
+        # RMSNorm as PyTorch's one operator (the worker sets it on CUDA; False: transformers' formula)
         self.norms: FusedNorms | None = None
         # Static steps come with fixed-shape prefill passes, captured with them (False: eager prefills, to compare).
         self._static_prefill: CapturedPrefill | None = None
