@@ -8,7 +8,6 @@ events, and the error against bitsandbytes' own product. Prints a table last; `-
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import shlex
 import statistics
@@ -33,28 +32,14 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
             "gate_proj, up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
 
 
-@functools.cache
-def _side_stream():  # noqa: ANN202 (one stream for every capture: cuBLAS keeps a workspace per stream it ran on)
-    import torch
-
-    return torch.cuda.Stream()
-
-
 def _graph_ms(run, repeats: int) -> float:  # noqa: ANN001
     """GPU milliseconds of one `run`, captured `repeats` times in one CUDA graph as the decode step runs (no launch
     cost from Python); the median of ten replays."""
     import torch
 
-    side = _side_stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            run()
+    from worker.decoder.graph_step import captured
+
+    (graph, _), _ = captured(lambda: [run() for _ in range(repeats)], None)
     times = []
     for _ in range(10):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
