@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import os
 import shutil
 import signal
@@ -43,10 +44,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 POSTGRES_ADMIN_URL = os.environ.get("KEVLAYA_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 
+PORTS_PER_TEST_PROCESS = 2000
+_handed_out = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, not handed out before in this test process: from a range of its own per test
+    process (xdist worker), below the kernel's ephemeral range (32768 up), where `bind(0)` and outgoing connections
+    draw theirs. Asking the kernel for a free port each time could hand out a port given to a server that had not
+    bound it yet (a Redis and an API once got the same one)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 20000 + int(worker or 0) % 6 * PORTS_PER_TEST_PROCESS
+    while True:
+        port = base + next(_handed_out) % PORTS_PER_TEST_PROCESS
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # something else holds it: the next one
+                continue
+        return port
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):  # noqa: ANN001, ANN201

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from modellab.bench.load import require_loopback, write_figures
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -61,14 +62,11 @@ def test_load_refuses_anything_but_loopback(url: str) -> None:
 @contextmanager
 def floor_server(app: str) -> Iterator[str]:
     """The load floor (modellab/bench/load_floor.py) served by uvicorn; yields its URL."""
-    import socket
     import time
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([os.sys.executable, "-m", "uvicorn", f"modellab.bench.load_floor:{app}", "--port",
                                str(port), "--log-level", "warning"])
     try:

@@ -151,3 +151,19 @@ def test_a_postgresql_that_cannot_listen_fails_with_its_log_and_leaves_nothing_b
         with pytest.raises(PostgresServerError, match="(?s)did not start.*(in use|bind)"):
             server.start(timeout=20)
     assert server.root is None and server.process.poll() is not None
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound():
+    """Tests take a port for a server they start later (an API, a Redis); the next one asked for must differ, or
+    the second server fails to bind (a Redis and an API of one test once got the same port)."""
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)
+    assert all(port < 32768 for port in ports)  # below the kernel's ephemeral range: bind(0) never draws them
+
+
+def test_the_bench_tools_hand_out_a_port_once():
+    """`kevlaya bench`, `load` and `scale-out` take ports for the API, Redis and metrics servers they start next."""
+    from modellab.bench.service import free_port as bench_port
+
+    ports = [bench_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)

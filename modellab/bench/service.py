@@ -27,10 +27,19 @@ log = logging.getLogger("kevlaya.bench")
 API_KEY = "kl_bench_admin_key"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on and not handed out before by this process: the servers it is for bind it later,
+    and the kernel may offer a port again until then."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @dataclass
