@@ -165,8 +165,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
                               eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
                               kv_dtype=STORAGE_DTYPES[settings.engine_kv_dtype],
-                              **{"fused_norms": runtime.device == "cuda",  # as build_decoder serves
-                                 "prefill_tokens": settings.engine_prefill_tokens,
+                              **{"prefill_tokens": settings.engine_prefill_tokens,
                                  "prefill_chunk_tokens": settings.engine_prefill_chunk_tokens, **options})
         try:
             figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))

@@ -1,7 +1,7 @@
 """RMSNorm layers as one operator each: PyTorch's `rms_norm` (a fused kernel on CUDA) in place of transformers'
 formula, which runs as about eight kernels (cast up, square, mean, add, rsqrt, multiply, cast down, scale).
 
-Served on CUDA (the worker's `build_decoder`); the benchmark's `unfused_norms` pair is the other side. The result
+Served on CUDA (the slot decoder's default there); the benchmark's `unfused_norms` pair is the other side. The result
 differs from transformers' only in rounding (one rounding to the compute dtype instead of two), so greedy answers
 agree rather than match bit for bit on fp16.
 """

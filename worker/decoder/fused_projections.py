@@ -100,16 +100,16 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
     packed = _share_storage([b.weight for b in bases])
     bias = _joined_bias(bases, compute_dtype)
 
-    def state_of(scales: torch.Tensor):  # noqa: ANN202 (bitsandbytes' QuantState)
-        return bnbf.QuantState(absmax=scales, shape=shape, code=first.code, blocksize=first.blocksize,
-                               quant_type=first.quant_type, dtype=first.dtype)
+    def joined_state():  # noqa: ANN202 (bitsandbytes' QuantState)
+        return bnbf.QuantState(absmax=torch.cat([_decoded_scales(s) for s in states]), shape=shape, code=first.code,
+                               blocksize=first.blocksize, quant_type=first.quant_type, dtype=first.dtype)
 
-    kept = state_of(torch.cat([_decoded_scales(s) for s in states])) if decoded_scales else None
+    kept = joined_state() if decoded_scales else None
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.to(compute_dtype) if compute_dtype is not None else x
-        state = kept if kept is not None else state_of(torch.cat([_decoded_scales(s) for s in states]))
+        state = kept if kept is not None else joined_state()
         # looked up on the module at each call, so a profiler's wrapper (the bench's census) sees it
         return bitsandbytes.matmul_4bit(x, packed, quant_state=state, bias=bias).to(dtype)
 
@@ -190,16 +190,16 @@ def _joined(members: list[torch.nn.Module], decoded_scales: bool | None = None) 
     the other kind of scales (None: whichever the join has, kept decoded if new); None where they cannot be
     joined."""
     bases = [_base(m) for m in members]
+    addresses = [b.weight.data_ptr() for b in bases]
     known = _JOINED.get(bases[0])
-    if (known is not None and known[0] == [b.weight.data_ptr() for b in bases]
-            and decoded_scales in (None, known[1])):
+    if known is not None and known[0] == addresses and decoded_scales in (None, known[1]):
         return known[2]
     if len({(b.in_features, b.weight.device) for b in bases}) != 1:
         return None
     decoded = decoded_scales is not False
     matmul = _nf4_matmul(bases, decoded) or _dense_matmul(bases)
     if matmul is not None:
-        _JOINED[bases[0]] = ([b.weight.data_ptr() for b in bases], decoded, matmul)
+        _JOINED[bases[0]] = ([b.weight.data_ptr() for b in bases], decoded, matmul)  # the joined addresses
     return matmul
 
 

@@ -63,7 +63,7 @@ class SlotDecoder:
                  window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
-                 kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool = False,
+                 kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool | None = None,
                  static_prefill: bool = True):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
@@ -94,8 +94,10 @@ class SlotDecoder:
         # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare).
         self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype)
         self.fused: FusedProjections | None = None
-        # RMSNorm as PyTorch's one operator (the worker sets it on CUDA; False: transformers' formula)
+        # RMSNorm as PyTorch's one operator where that was measured (None: on CUDA); the CPU keeps transformers'
+        # formula, whose greedy answers the shipped model's tests hold token for token
         self.norms: FusedNorms | None = None
+        fused_norms = self.device.type == "cuda" if fused_norms is None else fused_norms
         # Static steps come with fixed-shape prefill passes, captured with them (False: eager prefills, to compare).
         self._static_prefill: CapturedPrefill | None = None
         try:

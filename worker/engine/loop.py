@@ -79,16 +79,12 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     wanted = settings.max_batch + sum(reserved_slots(settings, loaded.adapters, settings.max_batch).values())
     graphs = settings.engine_cuda_graphs and loaded.device == "cuda"
     kv_dtype = STORAGE_DTYPES[settings.engine_kv_dtype]
-    # RMSNorm as one fused kernel where that was measured (CUDA); the CPU keeps transformers' formula, whose
-    # greedy answers the shipped model's tests hold token for token
-    fused_norms = loaded.device == "cuda"
 
     def build(slots: int) -> SlotDecoder:
         return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
                            eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs, texts=False,
                            prefill_tokens=settings.engine_prefill_tokens,
-                           prefill_chunk_tokens=settings.engine_prefill_chunk_tokens, kv_dtype=kv_dtype,
-                           fused_norms=fused_norms)
+                           prefill_chunk_tokens=settings.engine_prefill_chunk_tokens, kv_dtype=kv_dtype)
 
     if loaded.device != "cuda":
         return build(wanted)  # the decoder joins the projections itself
