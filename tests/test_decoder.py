@@ -249,10 +249,43 @@ def test_nucleus_and_greedy_choice() -> None:
     kept = nucleus(logits[:1], 0.7)
     assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
     greedy = RowSampling.create(0.0, 1.0, None, torch.device("cpu"))
-    choice = choose(logits, [greedy, greedy], banned=[3])
+    choice = choose(logits, [greedy, greedy], banned=[3]).read()
     assert choice.tokens == [0, 2] and choice.broken == [False, False]
     assert choice.logprobs == pytest.approx([math_log(0.5), math_log(0.3)])
 
 
 def math_log(x: float) -> float:
     return float(torch.log(torch.tensor(x)))
+
+
+def test_the_next_step_is_launched_before_the_host_reads_this_ones_tokens(runtime: ReferenceRuntime,
+                                                                          decoder) -> None:
+    """While the host reads a step's tokens (grammars, stop strings, results, the engine's work), the GPU already
+    computes the next step: a step's tokens are read after the next forward pass was launched. None is launched
+    for rows that all end by length with this step's token."""
+    from worker.decoder import sampling
+
+    jobs = [request("kev", PROMPTS[0], 4), request("laya", PROMPTS[1], 4)]
+    expected = [runtime.run_batch([r]).results[0] for r in jobs]
+    engine = decoder(slots=4)
+    passes, read_after = [], []
+    hook = runtime.model.register_forward_hook(lambda *_: passes.append(1))
+    real_read = sampling.Chosen.read
+
+    def read(chosen):  # noqa: ANN001, ANN202
+        read_after.append(len(passes))
+        return real_read(chosen)
+
+    try:
+        sampling.Chosen.read = read
+        done = {r.job_id: r for r in engine.prefill(jobs)}
+        while engine.rows:
+            done.update({r.job_id: r for r in engine.step()})
+    finally:
+        sampling.Chosen.read = real_read
+        hook.remove()
+    assert_same_answers(expected, [done[r.job_id] for r in jobs])
+    # the prefill's tokens are read at once (pass 1); step k's after pass k + 2 was launched, but the last step's
+    # rows all end by length: nothing is launched after pass 4 (4 tokens: the prefill's and three steps')
+    assert read_after == [1, 3, 4, 4]
+    assert len(passes) == 4

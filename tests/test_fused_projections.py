@@ -198,8 +198,9 @@ def test_a_joined_step_runs_fewer_matmuls_and_copies_no_base_output(runtime: Ref
                               eos_ids=runtime.eos_ids, fused_projections=fused)
         try:
             decoder.prefill(requests()[:2])
+            decoder.step()  # this step, and the next one launched ahead
             with profile(activities=[ProfilerActivity.CPU]) as recorded:
-                decoder.step()
+                decoder.step()  # the step launched ahead chosen from, and one more launched: one forward pass
         finally:
             decoder.close()
         events = list(recorded.events())

@@ -7,6 +7,7 @@ PAIRS = {
     "unfused_norms": "RMSNorm as transformers' formula, not PyTorch's one operator (worker/decoder/fused_norms.py)",
     "nf4_kernel": "the NF4 matmuls through the Triton kernel (modellab/nf4_matmul.py)",
     "eager_prefill": "prefill passes run eagerly, not replayed as CUDA graphs",
+    "step_by_step": "each step launched when the host has read the one before, not one step ahead",
 }
-PREFILL_PAIRS = {"eager_prefill"}  # pairs that change only the prefill: their eager decode steps need no census
-DEFAULT_PAIRS = ("unfused_norms", "eager_prefill")  # the others were measured (results README)
+SAME_KERNEL_PAIRS = {"eager_prefill", "step_by_step"}  # pairs that leave a step's kernels as served: no census
+DEFAULT_PAIRS = ("step_by_step",)  # the others were measured (results README)

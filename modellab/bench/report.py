@@ -57,8 +57,10 @@ def table(result: dict[str, Any]) -> str:
         row(f"prefill of {_rows(result)} Kev prompts ms, captured / eager passes", "",
             lambda e: f"{_fmt((e.get('profile') or {}).get('prefill_ms_unprofiled'), '.1f')} / "
                       f"{_fmt(((e.get('eager_prefill') or {}).get('profile') or {}).get('prefill_ms_unprofiled'), '.1f')}"),
-        row("decode step ms without the profiler / of it launching the graph", "",
-            lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms_unprofiled'))} / "
+        row("decode step ms without the profiler (A/B pairs) / of it launching the graph", "",
+            lambda e: f"{_fmt((e.get('profile') or {}).get('step_ms_unprofiled'))} ("
+                      + "; ".join(_fmt(((e.get(pair) or {}).get('profile') or {}).get('step_ms_unprofiled'))
+                                  for pair in _pairs(result)) + ") / "
                       f"{_fmt((e.get('profile') or {}).get('replay_launch_ms_per_step'))}"),
         row("Laya p50 / p95 ms, idle worker", "",
             lambda e: f"{_fmt(e.get('laya_p50_ms_idle'), '.0f')} / {_fmt(e.get('laya_p95_ms_idle'), '.0f')}"),

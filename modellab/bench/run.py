@@ -23,7 +23,7 @@ import torch
 
 from modellab.bench.census import kernel_census
 from modellab.bench.load import percentile
-from modellab.bench.pairs import DEFAULT_PAIRS, PAIRS, PREFILL_PAIRS
+from modellab.bench.pairs import DEFAULT_PAIRS, PAIRS, SAME_KERNEL_PAIRS
 from modellab.bench.peer import peer_phase
 from modellab.bench.profile import decode_busy_fraction
 from modellab.bench.recipe import time_recipe
@@ -47,6 +47,7 @@ PAIR_OPTIONS: dict[str, dict[str, Any]] = {
     "unfused_norms": {"fused_norms": False},
     "nf4_kernel": {"nf4_kernel": True, "fused_projections": False},  # joined projections do not call the kernel
     "eager_prefill": {"static_prefill": False},
+    "step_by_step": {"launch_ahead": False},
 }
 
 
@@ -153,7 +154,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     variants["census"] = ({"graphs": False}, kernel_census)
     if runtime.device == "cuda":
         for pair in config.pairs:
-            if pair not in PREFILL_PAIRS:  # a census times eager decode steps, which these leave as they are
+            if pair not in SAME_KERNEL_PAIRS:  # a census counts the kernels of eager decode steps
                 variants[f"census_{pair}"] = ({"graphs": False, **PAIR_OPTIONS[pair]}, kernel_census)
     for name, (options, measure) in variants.items():
         # installed before the decoder captures its steps, so the graphs hold the kernel

@@ -65,6 +65,7 @@ class CapturedStep:
         self.columns = torch.arange(window)  # host side, for building the mask
         self.adapters = decoder.lora.new_buffer(slots)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits: torch.Tensor | None = None  # where a replayed step's logits are kept until read
         self.pool = None  # the graphs' memory pool, which the captured prefill shares
         if capture:
             self._capture()
@@ -90,27 +91,35 @@ class CapturedStep:
         self.mask[:, 0, 0, 0] = True
         for bucket in self.buckets:
             self.graphs[bucket], self.pool = captured(functools.partial(self._forward, bucket), self.pool)
+        output = self.graphs[self.buckets[-1]][1]
+        self.logits = torch.empty(self.buckets[-1], *output.shape[1:], dtype=output.dtype, device=output.device)
         log.info("captured the decode step for %s rows", ", ".join(map(str, self.buckets)))
 
-    def run(self) -> torch.Tensor:
-        """The logits of every row in flight, from one step over the smallest bucket that holds them."""
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def run(self, ids: torch.Tensor, positions: list[int], starts: list[int], adapters: list[int]) -> torch.Tensor:
+        """The logits of one step over slots 0..n-1 (`ids` on the device; a slot's position, first column and
+        adapter), from the smallest bucket that holds them."""
         decoder = self.decoder
-        rows, t = decoder.rows, decoder.kv.t
-        n = len(rows)
-        bucket = next(b for b in self.buckets if b >= n)
-        ids = [row.tokens[-1] for row in rows] + [0] * (bucket - n)
-        positions = [row.prompt_tokens + len(row.tokens) - 1 for row in rows] + [0] * (bucket - n)
-        self.ids[:bucket, 0].copy_(torch.tensor(ids))
-        self.positions[:bucket, 0].copy_(torch.tensor(positions))
-        starts = torch.tensor([row.start for row in rows] + [t] * (bucket - n))
+        t, n = decoder.kv.t, len(positions)
+        bucket = self.bucket(n)
+        padding = bucket - n
+        self.ids[:n, 0].copy_(ids)
+        self.ids[n:bucket] = 0
+        self.positions[:bucket, 0].copy_(torch.tensor(positions + [0] * padding))
+        starts = torch.tensor(starts + [t] * padding)
         columns = self.columns[None, :]
         self.mask[:bucket, 0, 0].copy_((columns >= starts[:, None]) & (columns <= t))
         self.column.fill_(t)
-        decoder.lora.select_in_place([row.adapter for row in rows] + [NO_ADAPTER] * (bucket - n),
-                                     self.adapters[:bucket])
+        decoder.lora.select_in_place(adapters + [NO_ADAPTER] * padding, self.adapters[:bucket])
         if bucket in self.graphs:
-            graph, logits = self.graphs[bucket]
+            graph, output = self.graphs[bucket]
             graph.replay()
+            # Out of the graphs' pool: the step is read after the next call's work, and a captured prefill
+            # replayed meanwhile reuses that pool.
+            logits = self.logits[:bucket]
+            logits.copy_(output)
         else:
             logits = self._forward(bucket)
         return logits[:n]

@@ -61,8 +61,40 @@ def nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(remove, float("-inf"))
 
 
+@dataclass
+class Chosen:
+    """A choice still on the device: `read` brings it to the host. Its copies start at once, so a caller may
+    launch more GPU work (the next step) before reading, and the read waits only for the choice itself."""
+
+    tokens: torch.Tensor  # rows, on the device
+    logprobs: torch.Tensor
+    broken: torch.Tensor
+    top: tuple[torch.Tensor, torch.Tensor] | None  # (log p, ids) of each row's likeliest tokens, when asked
+    _host: tuple[torch.Tensor, ...] = ()
+    _copied: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        parts = (self.tokens, self.logprobs, self.broken, *(self.top or ()))
+        if self.tokens.device.type == "cuda":
+            self._host = tuple(part.to("cpu", non_blocking=True) for part in parts)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = parts
+
+    def read(self) -> Choice:
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, logprobs, broken, *top = self._host
+        likeliest = []
+        if top:
+            values, ids = top
+            likeliest = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+        return Choice(tokens.tolist(), logprobs.tolist(), broken.tolist(), likeliest)
+
+
 def choose(logits: torch.Tensor, rows: list[RowSampling], *, k: int = 0, banned: list[int] | None = None,
-           allowed: torch.Tensor | None = None, top: int = 0) -> Choice:
+           allowed: torch.Tensor | None = None, top: int = 0) -> Chosen:
     """One token per row of `logits` (rows × vocabulary); sampled rows keep only their `k` best tokens (0: all).
     `allowed` (rows × vocabulary, from the rows' grammars) masks each row's logits before its temperature, top-k and
     top-p. `banned` tokens are never chosen (benchmarks use it to keep rows from ending early). Neither changes the
@@ -84,8 +116,4 @@ def choose(logits: torch.Tensor, rows: list[RowSampling], *, k: int = 0, banned:
             probs = scores.softmax(dim=-1)
             tokens[row] = torch.multinomial(probs, num_samples=1, generator=sampling.generator)[0, 0]
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
-    likeliest = []
-    if top:
-        values, ids = raw_logprobs.topk(top, dim=-1)
-        likeliest = [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
-    return Choice(tokens.tolist(), chosen.tolist(), broken.tolist(), likeliest)
+    return Chosen(tokens, chosen, broken, tuple(raw_logprobs.topk(top, dim=-1)) if top else None)

@@ -8,6 +8,7 @@ No database or Celery here: the engine (worker/engine/) decides who gets a slot 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,12 +25,14 @@ from worker.decoder.graph_prefill import CapturedPrefill
 from worker.decoder.graph_step import CapturedStep
 from worker.decoder.kv_block import KVBlock
 from worker.decoder.prefill_budget import prefill_group
-from worker.decoder.row_lora import RowLoRA
-from worker.decoder.sampling import RowSampling, choose
+from worker.decoder.row_lora import NO_ADAPTER, RowLoRA
+from worker.decoder.sampling import Choice, Chosen, RowSampling, choose
 from worker.generation import GenerationRequest, GenerationResult, numerical_error
 from worker.model.tokens import encode_chats, result_text
 
 GENERATE_DEFAULT_TOP_K = 50
+
+log = logging.getLogger("kevlaya.decoder")
 
 
 @dataclass
@@ -54,6 +57,15 @@ class Row:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when its request asks
 
 
+@dataclass
+class Launched:
+    """A step launched and not yet chosen from: its logits, row i's in row i, for the rows as they were then
+    (None: a slot that ran idle)."""
+
+    logits: torch.Tensor
+    rows: list[Row | None]
+
+
 class SlotDecoder:
     """Up to `slots` rows in flight on one model; each row attends over at most `window` tokens (prompt plus
     new tokens). The model is a PeftModel holding `adapters`; while the decoder exists their LoRA is applied
@@ -64,7 +76,7 @@ class SlotDecoder:
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool | None = None,
-                 static_prefill: bool = True):
+                 static_prefill: bool = True, launch_ahead: bool = True):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -88,6 +100,10 @@ class SlotDecoder:
             raise ValueError(f"attention implementation {self.attention!r}: the decoder builds sdpa/eager masks")
         self.grammars = RowGrammars(tokenizer, model.config.vocab_size, self.eos_ids, slots, self.device)
         self.rows: list[Row] = []  # row i lives in slot i
+        # The next step, launched before the host read the tokens of the one before (`step`), or None;
+        # launch_ahead=False: each step launched when called, to compare.
+        self.launch_ahead = launch_ahead
+        self._ahead: Launched | None = None
         self.limit = slots  # rows admitted at most; the engine lowers it after an out-of-memory (worker/memory.py)
         self._order = itertools.count()
         self.static = static_steps or graphs
@@ -171,7 +187,7 @@ class SlotDecoder:
         prefill_ms = (time.perf_counter() - started) * 1000
         for row in new:
             row.prefill_ms = prefill_ms
-        return self._advance(new, logits, first_row=first)
+        return self._advance(new, self._choose(new, logits).read())
 
     def _make_room(self, width: int) -> None:
         """Make `t` at least `width` (a prompt block of that width ends at `t - 1`), shifting rows right."""
@@ -231,31 +247,64 @@ class SlotDecoder:
     def step(self, meanwhile: Callable[[], object] | None = None) -> list[GenerationResult]:
         """One new token for every row in flight; returns the rows that finished with it. `meanwhile` runs once
         the step is launched, before its logits are read: on CUDA, host work (the engine's claims) while the GPU
-        computes. It must not change the rows."""
+        computes. It must not change the rows.
+
+        The step after this one is launched as soon as this one's tokens are chosen on the device, before the host
+        reads them: the GPU computes it while the host does this step's bookkeeping (grammars, stop strings,
+        results) and whatever its caller does before the next call. A row that finishes here took part in that
+        launch for nothing; a row admitted meanwhile joins the launch after."""
         if not self.rows:
+            self._ahead = None
             return []
-        if self.kv.t == self.window:
-            self._compact()
-        if self.static:
-            logits = self._static.run()
-            self.kv.t += 1
-            if meanwhile is not None:
-                meanwhile()
-            return self._advance(list(self.rows), logits, first_row=0)
-        n, t = len(self.rows), self.kv.t
-        lo = min(row.start for row in self.rows)
-        ids = torch.tensor([[row.tokens[-1]] for row in self.rows], device=self.device)
-        positions = torch.tensor([[row.prompt_tokens + len(row.tokens) - 1] for row in self.rows], device=self.device)
-        columns = torch.arange(lo, t + 1, device=self.device)
-        starts = torch.tensor([row.start for row in self.rows], device=self.device)
-        allowed = (columns[None, :] >= starts[:, None])[:, None, :]
-        self.kv.view.rows, self.kv.view.read_lo, self.kv.view.write_lo, self.kv.view.write_hi = (
-            slice(0, n), lo, t, t + 1)
-        logits = self._forward(ids, allowed, positions, [row.adapter for row in self.rows])
-        self.kv.t = t + 1
+        launched, self._ahead = self._ahead or self._launch(), None
         if meanwhile is not None:
             meanwhile()
-        return self._advance(list(self.rows), logits, first_row=0)
+        # the rows of the launch still in flight (a prefill may have retired some), with their logits
+        in_flight = {id(row) for row in self.rows}
+        picked = [(i, row) for i, row in enumerate(launched.rows) if row is not None and id(row) in in_flight]
+        rows, index = [row for _, row in picked], [i for i, _ in picked]
+        logits = launched.logits[:len(index)] if index == list(range(len(index))) else launched.logits[index]
+        chosen = self._choose(rows, logits)
+        going_on = [row for row in rows if len(row.tokens) + 1 < row.request.max_new_tokens]
+        if self.launch_ahead and (going_on or len(rows) < len(self.rows)):
+            try:
+                self._ahead = self._launch(chosen, rows)
+            except Exception:  # nothing is lost: the next call launches it again, and raises there
+                log.debug("the step launched ahead failed; it runs again with the next call", exc_info=True)
+        return self._advance(rows, chosen.read())
+
+    def _launch(self, chosen: Chosen | None = None, chosen_rows: list[Row] = ()) -> Launched:
+        """Launch one step over the rows in flight. A row's input is its last token; for `chosen_rows`, the token
+        `chosen` holds for it on the device, not yet read (such a row that ends by length with it runs idle)."""
+        pending = {id(row): i for i, row in enumerate(chosen_rows)}
+        ends = {id(row) for row in chosen_rows if len(row.tokens) + 1 >= row.request.max_new_tokens}
+        slots = [None if id(row) in ends else row for row in self.rows]
+        if self.kv.t == self.window:
+            self._compact([row for row in slots if row is not None])
+        t = self.kv.t
+        ids = torch.tensor([row.tokens[-1] if row is not None and id(row) not in pending else 0 for row in slots])
+        ids = ids.to(self.device)
+        carried = [(slot, pending[id(row)]) for slot, row in enumerate(slots) if row is not None and id(row) in pending]
+        if carried:
+            where = torch.tensor(carried, device=self.device)
+            ids.index_copy_(0, where[:, 0], chosen.tokens.index_select(0, where[:, 1]))
+        # a row's new token sits at position prompt + tokens so far - 1; a pending token is one more
+        positions = [0 if row is None else row.prompt_tokens + len(row.tokens) - (id(row) not in pending)
+                     for row in slots]
+        starts = [t if row is None else row.start for row in slots]
+        adapters = [NO_ADAPTER if row is None else row.adapter for row in slots]
+        if self.static:
+            logits = self._static.run(ids, positions, starts, adapters)
+        else:
+            lo, n = min(starts), len(slots)
+            columns = torch.arange(lo, t + 1, device=self.device)
+            allowed = (columns[None, :] >= torch.tensor(starts, device=self.device)[:, None])[:, None, :]
+            self.kv.view.rows, self.kv.view.read_lo, self.kv.view.write_lo, self.kv.view.write_hi = (
+                slice(0, n), lo, t, t + 1)
+            logits = self._forward(ids[:, None], allowed, torch.tensor(positions, device=self.device)[:, None],
+                                   adapters)
+        self.kv.t = t + 1
+        return Launched(logits, slots)
 
     def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor,
                  adapters: list[int]) -> torch.Tensor:
@@ -269,14 +318,16 @@ class SlotDecoder:
                                 cache=self.kv.cache, use_cache=True, logits_to_keep=1)
         return output.logits[:, -1]
 
-    def _advance(self, rows: list[Row], logits: torch.Tensor, first_row: int) -> list[GenerationResult]:
-        """Give each of `rows` (in slots first_row, ...) the token chosen from its logits; retire finished rows.
-        The grammars' masks are computed here, after the step was launched and before its logits are read, so on
-        CUDA the CPU works while the GPU runs."""
+    def _choose(self, rows: list[Row], logits: torch.Tensor) -> Chosen:
+        """Each row's next token from its logits, chosen on the device. The grammars' masks are computed here,
+        after the step was launched and before its logits are read, so on CUDA the CPU works while the GPU runs."""
         allowed = self.grammars.allowed([row.matcher for row in rows])
         top = max((row.request.top_logprobs or 0 for row in rows), default=0)
-        choice = choose(logits, [row.sampling for row in rows], k=self.top_k,
-                        banned=self.eos_ids if self.ignore_eos else None, allowed=allowed, top=top)
+        return choose(logits, [row.sampling for row in rows], k=self.top_k,
+                      banned=self.eos_ids if self.ignore_eos else None, allowed=allowed, top=top)
+
+    def _advance(self, rows: list[Row], choice: Choice) -> list[GenerationResult]:
+        """Give each of `rows` its token from `choice`; retire the rows that finished."""
         now = time.perf_counter()
         finished = []
         for i, (row, token, logprob, broken) in enumerate(zip(rows, choice.tokens, choice.logprobs, choice.broken)):
@@ -286,7 +337,7 @@ class SlotDecoder:
                 row.tokens.append(token)
                 row.logprobs.append(logprob)
                 if row.request.top_logprobs is not None:
-                    row.top_logprobs.append(choice.top[i][:row.request.top_logprobs] if top else [])
+                    row.top_logprobs.append(choice.top[i][:row.request.top_logprobs] if choice.top else [])
                 row.first_token_at = row.first_token_at or now
                 row.last_token_at = now
                 row.ended = (token in self.eos_ids and not self.ignore_eos) or self._ends(row, token)
@@ -319,9 +370,10 @@ class SlotDecoder:
             self.rows[slot] = moved
         self.rows.pop()
 
-    def _compact(self) -> None:
-        """Shift every row left by the oldest row's start, freeing columns at the end of the window."""
-        by = min(row.start for row in self.rows)
+    def _compact(self, kept: list[Row]) -> None:
+        """Shift every row left by the oldest kept row's start, freeing columns at the end of the window (a row
+        not kept ends with the token it has pending: its columns no longer matter)."""
+        by = min(row.start for row in kept)
         assert by > 0, "a row longer than the window was admitted"
         self.kv.shift(len(self.rows), by, self.kv.t, -by)
         for row in self.rows:
@@ -332,11 +384,12 @@ class SlotDecoder:
 
     def drop_newest(self, count: int) -> list[GenerationRequest]:
         """Drop the `count` most recently admitted rows (their work is lost, they are not failed); returns their
-        requests, to go back in the queue."""
+        requests, to go back in the queue. A step launched ahead stays: the rows kept take their tokens from it."""
         return self._drop(sorted(self.rows, key=lambda r: r.order, reverse=True)[:count])
 
     def clear(self) -> list[GenerationRequest]:
         """Drop every row in flight (after a failed step); returns their requests."""
+        self._ahead = None
         return self._drop(list(self.rows))
 
     def _drop(self, rows: list[Row]) -> list[GenerationRequest]:
