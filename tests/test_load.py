@@ -114,6 +114,9 @@ def test_at_a_rate_submits_go_out_on_schedule_and_count_their_wait(tmp_path: Pat
     assert paced["offered_rate_per_s"] == 40 and paced["accepted_jobs"] == 60
     assert 1.45 <= paced["seconds"] <= 2.5 and paced["p50_ms"] < 100
     assert closed["offered_rate_per_s"] is None
-    # The last waited for all 60 answers, the median for about 30: twice as long when answers take equal times;
-    # on a busy machine the first answers can take several times longer than the last.
-    assert behind["p50_ms"] > 10 * closed["p50_ms"] and behind["max_ms"] > 1.2 * behind["p50_ms"]
+    # All 60 due at once on one connection: the n-th waits for n answers, so the median waited about half the run
+    # and the last nearly all of it. Measured within the run: a busy machine changes how long an answer takes from
+    # one run to the next (the closed loop's median, one answer, is about 1/60 of its run).
+    assert behind["p50_ms"] > 0.25 * behind["seconds"] * 1000 and behind["max_ms"] > 0.75 * behind["seconds"] * 1000
+    assert behind["max_ms"] > 1.2 * behind["p50_ms"]
+    assert closed["p50_ms"] < 0.1 * closed["seconds"] * 1000

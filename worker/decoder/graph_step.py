@@ -58,11 +58,17 @@ class CapturedStep:
         self.decoder = decoder
         slots, window, device = decoder.kv.slots, decoder.window, decoder.device
         self.buckets = sorted({min(2**i, slots) for i in range(slots.bit_length() + 1)})
+        # per slot: input token, index of its token in the chosen ones (-1: none), position, first column, adapter
+        self.inputs = torch.zeros(slots, 5, dtype=torch.long, device=device)
+        cuda = device.type == "cuda"
+        self.staged = [torch.zeros(slots, 5, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
+        self.turn = 0
         self.ids = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.mask = torch.zeros(slots, 1, 1, window, dtype=torch.bool, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
-        self.columns = torch.arange(window)  # host side, for building the mask
+        self.columns = torch.arange(window, device=device)
         self.adapters = decoder.lora.new_buffer(slots)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.logits: torch.Tensor | None = None  # where a replayed step's logits are kept until read
@@ -98,21 +104,31 @@ class CapturedStep:
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def run(self, ids: torch.Tensor, positions: list[int], starts: list[int], adapters: list[int]) -> torch.Tensor:
-        """The logits of one step over slots 0..n-1 (`ids` on the device; a slot's position, first column and
-        adapter), from the smallest bucket that holds them."""
+    def run(self, tokens: list[int], sources: list[int], positions: list[int], starts: list[int],
+            adapters: list[int], chosen: torch.Tensor | None) -> torch.Tensor:
+        """The logits of one step over slots 0..n-1, from the smallest bucket that holds them. A slot's input
+        token is `tokens[i]`, or where `sources[i]` ≥ 0 the token `chosen` (on the device) holds at that index;
+        then its position, first column and adapter. The host's inputs go in one copy from pinned memory, which
+        does not wait for the GPU: the step is queued behind the one in flight."""
         decoder = self.decoder
-        t, n = decoder.kv.t, len(positions)
+        t, n = decoder.kv.t, len(tokens)
         bucket = self.bucket(n)
         padding = bucket - n
-        self.ids[:n, 0].copy_(ids)
-        self.ids[n:bucket] = 0
-        self.positions[:bucket, 0].copy_(torch.tensor(positions + [0] * padding))
-        starts = torch.tensor(starts + [t] * padding)
-        columns = self.columns[None, :]
-        self.mask[:bucket, 0, 0].copy_((columns >= starts[:, None]) & (columns <= t))
+        staged = self._staging()
+        staged[:bucket] = torch.tensor([tokens + [0] * padding, sources + [-1] * padding, positions + [0] * padding,
+                                        starts + [t] * padding, adapters + [NO_ADAPTER] * padding]).T
+        inputs = self.inputs[:bucket]
+        inputs.copy_(staged[:bucket], non_blocking=True)
+        if self.copied is not None:
+            self.copied[self.turn].record()
+        token, source, position, start, adapter = inputs.T
+        if chosen is not None and chosen.numel():
+            token = torch.where(source >= 0, chosen.index_select(0, source.clamp(min=0)), token)
+        self.ids[:bucket, 0].copy_(token)
+        self.positions[:bucket, 0].copy_(position)
+        self.mask[:bucket, 0, 0] = (self.columns >= start[:, None]) & (self.columns <= t)
         self.column.fill_(t)
-        decoder.lora.select_in_place(adapters + [NO_ADAPTER] * padding, self.adapters[:bucket])
+        decoder.lora.select_on_device(adapter, self.adapters[:bucket])
         if bucket in self.graphs:
             graph, output = self.graphs[bucket]
             graph.replay()
@@ -123,3 +139,11 @@ class CapturedStep:
         else:
             logits = self._forward(bucket)
         return logits[:n]
+
+    def _staging(self) -> torch.Tensor:
+        """The next of two pinned staging buffers, once the copy out of it two steps ago is done (the host
+        rewrites it while the GPU may still be behind)."""
+        self.turn = 1 - self.turn
+        if self.copied is not None:
+            self.copied[self.turn].synchronize()
+        return self.staged[self.turn]

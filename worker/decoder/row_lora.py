@@ -60,6 +60,7 @@ class RowLoRA:
         self._table = torch.zeros(len(adapters) + 1, self.width)
         for index, (offset, rank) in enumerate(zip(self.offsets, self.ranks)):
             self._table[index, offset:offset + rank] = 1
+        self._device_table: torch.Tensor | None = None
         first = next(iter(self.stacked.values()))[0]
         self.mask = torch.zeros(1, 1, self.width, dtype=first.dtype, device=first.device)
         self._hooks = [layer.register_forward_hook(self._add_delta) for layer in self.layers]
@@ -97,6 +98,15 @@ class RowLoRA:
     def select_in_place(self, adapter_of_row: list[int], buffer: torch.Tensor) -> None:
         """`select` into a preallocated buffer (rows × 1 × width), so a captured graph sees the new rows."""
         buffer.copy_(self._rows(adapter_of_row))
+        self.mask = buffer
+
+    def select_on_device(self, adapter_of_row: torch.Tensor, buffer: torch.Tensor) -> None:
+        """`select_in_place` with each row's adapter already on the device (NO_ADAPTER as -1): nothing is copied
+        from the host, so the caller need not wait for the GPU."""
+        if self._device_table is None or self._device_table.device != buffer.device:
+            self._device_table = self._table.to(device=buffer.device, dtype=buffer.dtype)
+        table = self._device_table
+        buffer[:, 0].copy_(table.index_select(0, adapter_of_row.remainder(table.shape[0])))  # -1: the last row
         self.mask = buffer
 
     def new_buffer(self, rows: int) -> torch.Tensor:

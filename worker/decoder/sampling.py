@@ -93,8 +93,9 @@ class Chosen:
         return Choice(tokens.tolist(), logprobs.tolist(), broken.tolist(), likeliest)
 
 
-def choose(logits: torch.Tensor, rows: list[RowSampling], *, k: int = 0, banned: list[int] | None = None,
-           allowed: torch.Tensor | None = None, top: int = 0) -> Chosen:
+def choose(logits: torch.Tensor, rows: list[RowSampling], *, k: int = 0,
+           banned: torch.Tensor | list[int] | None = None, allowed: torch.Tensor | None = None,
+           top: int = 0) -> Chosen:
     """One token per row of `logits` (rows × vocabulary); sampled rows keep only their `k` best tokens (0: all).
     `allowed` (rows × vocabulary, from the rows' grammars) masks each row's logits before its temperature, top-k and
     top-p. `banned` tokens are never chosen (benchmarks use it to keep rows from ending early). Neither changes the
@@ -107,8 +108,10 @@ def choose(logits: torch.Tensor, rows: list[RowSampling], *, k: int = 0, banned:
     logits = torch.where(broken[:, None], torch.zeros_like(logits), logits)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    if banned:
-        logits[:, banned] = float("-inf")
+    if banned is not None and len(banned):
+        # a tensor on the logits' device: no copy from the host, which would wait for the GPU
+        banned = torch.as_tensor(banned, device=logits.device)
+        logits = logits.index_fill(1, banned, float("-inf"))
     tokens = logits.argmax(dim=-1)
     for row, sampling in enumerate(rows):
         if sampling.temperature > 0:

@@ -94,6 +94,8 @@ class SlotDecoder:
         if self.device.type == "cpu":
             dtype = torch.float32
         # KEVLAYA_ENGINE_KV_DTYPE: the cache may store in another dtype (fp8); attention still reads it in `dtype`.
+        # benchmarks: end-of-sequence tokens never chosen, so every row writes its max_new_tokens
+        self._banned = torch.tensor(self.eos_ids, device=self.device) if ignore_eos and self.eos_ids else None
         self.kv = KVBlock(model.config, slots, window, kv_dtype or dtype, self.device)
         self.attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
         if self.attention not in ("sdpa", "eager"):
@@ -282,20 +284,22 @@ class SlotDecoder:
         if self.kv.t == self.window:
             self._compact([row for row in slots if row is not None])
         t = self.kv.t
-        ids = torch.tensor([row.tokens[-1] if row is not None and id(row) not in pending else 0 for row in slots])
-        ids = ids.to(self.device)
-        carried = [(slot, pending[id(row)]) for slot, row in enumerate(slots) if row is not None and id(row) in pending]
-        if carried:
-            where = torch.tensor(carried, device=self.device)
-            ids.index_copy_(0, where[:, 0], chosen.tokens.index_select(0, where[:, 1]))
+        # a slot's input: its row's last token, or the index of its token among the chosen ones (-1: none)
+        tokens = [row.tokens[-1] if row is not None and id(row) not in pending else 0 for row in slots]
+        sources = [pending.get(id(row), -1) if row is not None else -1 for row in slots]
         # a row's new token sits at position prompt + tokens so far - 1; a pending token is one more
         positions = [0 if row is None else row.prompt_tokens + len(row.tokens) - (id(row) not in pending)
                      for row in slots]
         starts = [t if row is None else row.start for row in slots]
         adapters = [NO_ADAPTER if row is None else row.adapter for row in slots]
         if self.static:
-            logits = self._static.run(ids, positions, starts, adapters)
+            logits = self._static.run(tokens, sources, positions, starts, adapters,
+                                      chosen.tokens if chosen is not None else None)
         else:
+            ids = torch.tensor(tokens, device=self.device)
+            if pending:
+                source = torch.tensor(sources, device=self.device)
+                ids = torch.where(source >= 0, chosen.tokens.index_select(0, source.clamp(min=0)), ids)
             lo, n = min(starts), len(slots)
             columns = torch.arange(lo, t + 1, device=self.device)
             allowed = (columns[None, :] >= torch.tensor(starts, device=self.device)[:, None])[:, None, :]
@@ -323,8 +327,8 @@ class SlotDecoder:
         after the step was launched and before its logits are read, so on CUDA the CPU works while the GPU runs."""
         allowed = self.grammars.allowed([row.matcher for row in rows])
         top = max((row.request.top_logprobs or 0 for row in rows), default=0)
-        return choose(logits, [row.sampling for row in rows], k=self.top_k,
-                      banned=self.eos_ids if self.ignore_eos else None, allowed=allowed, top=top)
+        return choose(logits, [row.sampling for row in rows], k=self.top_k, banned=self._banned, allowed=allowed,
+                      top=top)
 
     def _advance(self, rows: list[Row], choice: Choice) -> list[GenerationResult]:
         """Give each of `rows` its token from `choice`; retire the rows that finished."""
