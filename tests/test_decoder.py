@@ -289,3 +289,32 @@ def test_the_next_step_is_launched_before_the_host_reads_this_ones_tokens(runtim
     # rows all end by length: nothing is launched after pass 4 (4 tokens: the prefill's and three steps')
     assert read_after == [1, 3, 4, 4]
     assert len(passes) == 4
+
+
+def test_a_step_launched_ahead_that_fails_runs_again_with_the_next_call(runtime: ReferenceRuntime, decoder) -> None:
+    """A launch ahead that raises loses nothing: the rows take this step's tokens, the next call launches the step
+    again from them, and the answers are those of `generate`. A failure that persists raises there."""
+    jobs = [request("kev", PROMPTS[0], 12), request("laya", PROMPTS[1], 12)]
+    expected = [runtime.run_batch([r]).results[0] for r in jobs]
+    engine = decoder(slots=4)
+    forward, calls = engine._forward, []
+
+    def failing_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 4:  # the prefill, two steps, then the third step's launch ahead
+            raise RuntimeError("a launch that fails")
+        return forward(*args, **kwargs)
+
+    engine._forward = failing_once
+    done = {r.job_id: r for r in engine.prefill(jobs)}
+    while engine.rows:
+        done.update({r.job_id: r for r in engine.step()})
+    assert len(calls) > 4
+    assert_same_answers(expected, [done[r.job_id] for r in jobs])
+
+    engine._forward = forward
+    engine.prefill([request("kev", PROMPTS[2], 12)])
+    engine._forward = lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("a launch that keeps failing"))
+    with pytest.raises(RuntimeError, match="keeps failing"):
+        while engine.rows:
+            engine.step()

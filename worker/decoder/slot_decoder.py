@@ -271,8 +271,9 @@ class SlotDecoder:
         if self.launch_ahead and (going_on or len(rows) < len(self.rows)):
             try:
                 self._ahead = self._launch(chosen, rows)
-            except Exception:  # nothing is lost: the next call launches it again, and raises there
-                log.debug("the step launched ahead failed; it runs again with the next call", exc_info=True)
+            except Exception as exc:  # nothing is lost: the next call launches it again, and raises there
+                log.warning("the step launched ahead failed (%s: %s); it runs again with the next call",
+                            exc.__class__.__name__, exc)
         return self._advance(rows, chosen.read())
 
     def _launch(self, chosen: Chosen | None = None, chosen_rows: list[Row] = ()) -> Launched:
