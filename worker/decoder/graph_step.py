@@ -17,6 +17,7 @@ import torch
 from worker.decoder.row_lora import NO_ADAPTER
 
 if TYPE_CHECKING:
+    from worker.decoder.sampling import Chosen
     from worker.decoder.slot_decoder import SlotDecoder
 
 log = logging.getLogger("kevlaya.decoder")
@@ -105,9 +106,9 @@ class CapturedStep:
         return next(b for b in self.buckets if b >= rows)
 
     def run(self, tokens: list[int], sources: list[int], positions: list[int], starts: list[int],
-            adapters: list[int], chosen: torch.Tensor | None) -> torch.Tensor:
+            adapters: list[int], chosen: Chosen | None) -> torch.Tensor:
         """The logits of one step over slots 0..n-1, from the smallest bucket that holds them. A slot's input
-        token is `tokens[i]`, or where `sources[i]` ≥ 0 the token `chosen` (on the device) holds at that index;
+        token is `tokens[i]`, or where `sources[i]` ≥ 0 the token `chosen` holds on the device at that index;
         then its position, first column and adapter. The host's inputs go in one copy from pinned memory, which
         does not wait for the GPU: the step is queued behind the one in flight."""
         decoder = self.decoder
@@ -122,8 +123,8 @@ class CapturedStep:
         if self.copied is not None:
             self.copied[self.turn].record()
         token, source, position, start, adapter = inputs.T
-        if chosen is not None and chosen.numel():
-            token = torch.where(source >= 0, chosen.index_select(0, source.clamp(min=0)), token)
+        if chosen is not None:
+            token = chosen.tokens_for(token, source)
         self.ids[:bucket, 0].copy_(token)
         self.positions[:bucket, 0].copy_(position)
         self.mask[:bucket, 0, 0] = (self.columns >= start[:, None]) & (self.columns <= t)

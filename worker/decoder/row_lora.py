@@ -56,12 +56,11 @@ class RowLoRA:
         self.width = sum(self.ranks)
         # Per LoRA layer: (A_all, B_all), rank blocks side by side (worker/decoder/fused_projections.py joins them).
         self.stacked = {layer: self._stack(layer) for layer in self.layers}
+        first = next(iter(self.stacked.values()))[0]
         # One mask row per adapter, its rank block set; the last row (NO_ADAPTER) selects nothing.
-        self._table = torch.zeros(len(adapters) + 1, self.width)
+        self._table = torch.zeros(len(adapters) + 1, self.width, dtype=first.dtype, device=first.device)
         for index, (offset, rank) in enumerate(zip(self.offsets, self.ranks)):
             self._table[index, offset:offset + rank] = 1
-        self._device_table: torch.Tensor | None = None
-        first = next(iter(self.stacked.values()))[0]
         self.mask = torch.zeros(1, 1, self.width, dtype=first.dtype, device=first.device)
         self._hooks = [layer.register_forward_hook(self._add_delta) for layer in self.layers]
         for layer in self.layers:
@@ -87,26 +86,22 @@ class RowLoRA:
         return (torch.cat(a_blocks).detach().to(dtype).contiguous(),
                 torch.cat(b_blocks, dim=1).detach().to(dtype).contiguous())
 
-    def _rows(self, adapter_of_row: list[int]) -> torch.Tensor:
-        """The row mask, gathered on the CPU from the per-adapter table (one copy to the device, not one per row)."""
-        return self._table[torch.tensor(adapter_of_row, dtype=torch.long)][:, None, :]
+    def _rows(self, adapter_of_row: torch.Tensor) -> torch.Tensor:
+        """Each row's mask (rows × 1 × width), gathered from the per-adapter table on its device."""
+        return self._table.index_select(0, adapter_of_row.remainder(self._table.shape[0]))[:, None, :]  # -1: last
 
     def select(self, adapter_of_row: list[int]) -> None:
         """Set each row's adapter (an index into `adapters`, or NO_ADAPTER) for the next forward passes."""
-        self.mask = self._rows(adapter_of_row).to(device=self.mask.device, dtype=self.mask.dtype)
+        self.mask = self._rows(torch.tensor(adapter_of_row, device=self._table.device))
 
     def select_in_place(self, adapter_of_row: list[int], buffer: torch.Tensor) -> None:
         """`select` into a preallocated buffer (rows × 1 × width), so a captured graph sees the new rows."""
-        buffer.copy_(self._rows(adapter_of_row))
-        self.mask = buffer
+        self.select_on_device(torch.tensor(adapter_of_row, device=buffer.device), buffer)
 
     def select_on_device(self, adapter_of_row: torch.Tensor, buffer: torch.Tensor) -> None:
-        """`select_in_place` with each row's adapter already on the device (NO_ADAPTER as -1): nothing is copied
-        from the host, so the caller need not wait for the GPU."""
-        if self._device_table is None or self._device_table.device != buffer.device:
-            self._device_table = self._table.to(device=buffer.device, dtype=buffer.dtype)
-        table = self._device_table
-        buffer[:, 0].copy_(table.index_select(0, adapter_of_row.remainder(table.shape[0])))  # -1: the last row
+        """`select_in_place` with each row's adapter already on the device: nothing is copied from the host, so
+        the caller need not wait for the GPU."""
+        buffer.copy_(self._rows(adapter_of_row))
         self.mask = buffer
 
     def new_buffer(self, rows: int) -> torch.Tensor:

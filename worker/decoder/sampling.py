@@ -82,6 +82,12 @@ class Chosen:
         else:
             self._host = parts
 
+    def tokens_for(self, tokens: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+        """`tokens` (on the device) with each slot whose source is ≥ 0 taking the chosen token at that index."""
+        if not self.tokens.numel():
+            return tokens
+        return torch.where(sources >= 0, self.tokens.index_select(0, sources.clamp(min=0)), tokens)
+
     def read(self) -> Choice:
         if self._copied is not None:
             self._copied.synchronize()

@@ -294,13 +294,11 @@ class SlotDecoder:
         starts = [t if row is None else row.start for row in slots]
         adapters = [NO_ADAPTER if row is None else row.adapter for row in slots]
         if self.static:
-            logits = self._static.run(tokens, sources, positions, starts, adapters,
-                                      chosen.tokens if chosen is not None else None)
+            logits = self._static.run(tokens, sources, positions, starts, adapters, chosen)
         else:
             ids = torch.tensor(tokens, device=self.device)
-            if pending:
-                source = torch.tensor(sources, device=self.device)
-                ids = torch.where(source >= 0, chosen.tokens.index_select(0, source.clamp(min=0)), ids)
+            if chosen is not None:
+                ids = chosen.tokens_for(ids, torch.tensor(sources, device=self.device))
             lo, n = min(starts), len(slots)
             columns = torch.arange(lo, t + 1, device=self.device)
             allowed = (columns[None, :] >= torch.tensor(starts, device=self.device)[:, None])[:, None, :]
