@@ -105,6 +105,7 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     budget = dataclasses.replace(budget, resident_bytes=torch.cuda.memory_allocated())
     return fit_slots(build, budget, wanted, settings.engine_prefill_tokens)
 
+
 def _caught(work: Callable[[], None], raised: list[BaseException]) -> None:
     """Run `work`, keeping what it raises in `raised`."""
     try:
