@@ -161,6 +161,17 @@ def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound():
     assert all(port < 32768 for port in ports)  # below the kernel's ephemeral range: bind(0) never draws them
 
 
+def test_fixtures_and_tests_take_ports_from_one_counter(request: pytest.FixtureRequest):
+    """The conftest that pytest loads for its fixtures is the module tests import helpers from. Loaded under two
+    names, each copy counts from the start of the range: a fixture's worker and a test's Flower once got one port,
+    and the test reached the worker's metrics server instead of its Flower."""
+    import tests.conftest
+
+    loaded = [plugin for plugin in request.config.pluginmanager.get_plugins()
+              if getattr(plugin, "__file__", None) == tests.conftest.__file__]
+    assert loaded == [tests.conftest]
+
+
 def test_the_bench_tools_hand_out_a_port_once():
     """`kevlaya bench`, `load` and `scale-out` take ports for the API, Redis and metrics servers they start next."""
     from modellab.bench.service import free_port as bench_port
