@@ -1,5 +1,5 @@
-"""Model-lab commands (`modellab/`): `models random`, `models build-demo`, `models questions`, `models verify`,
-`train` and `eval`."""
+"""Model-lab commands (`modellab/`): `models random`, `models build-demo`, `models questions`, `models data`,
+`models calibrate`, `models verify`, `train` and `eval`."""
 
 from __future__ import annotations
 
@@ -92,6 +92,77 @@ def models_questions(
 
     write_questions(out, count, seed)
     typer.echo(f"written {count} questions to {out}")
+
+
+@app.command("data")
+def models_data(
+    out: Annotated[Path, typer.Option(help="directory to write the data into")] = Path("build/demo-data"),
+    train: Annotated[int, typer.Option(min=0, help="training prompts per adapter")] = 40_000,
+    val: Annotated[int, typer.Option(min=1, help="validation scenarios")] = 1_000,
+    test: Annotated[int, typer.Option(min=1, help="held-out test scenarios")] = 1_000,
+    seed: Annotated[int, typer.Option(help="the seed every split is drawn from")] = 0,
+    question_share: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="share of the train and val prompts asked as questions in plain words")] = 0.0,
+) -> None:
+    """Write the decision data the demo build draws (the same for the same counts and seed):
+    <adapter>/{train,val,test}.jsonl for `kevlaya train`, val_scenarios.jsonl for `kevlaya models calibrate` and
+    test_scenarios.jsonl for `kevlaya eval`. The test and validation splits do not depend on --train."""
+    from modellab.decision_data import write_dataset
+
+    paths = write_dataset(out, n_train=train, n_val=val, n_test=test, seed=seed, question_share=question_share)
+    for name, path in paths.items():
+        typer.echo(f"{name:<16} {path}")
+
+
+@app.command("calibrate")
+def models_calibrate(
+    scenarios: Annotated[Path, typer.Option(help="validation scenarios (never the held-out test split, which would "
+                                                 "then grade its own fit)")] = Path("models/demo/val_scenarios.jsonl"),
+    adapters: Annotated[str, typer.Option(help="comma-separated: laya, kev")] = "laya,kev",
+    batch_size: Annotated[int, typer.Option(min=1, help="jobs per forward pass")] = 32,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="use only the first N scenarios")] = None,
+    write: Annotated[bool, typer.Option(help="write each adapter's calibration.json (and its manifests); "
+                                             "--no-write: only report the fit")] = True,
+) -> None:
+    """Fit each adapter's confidence calibration on its answers to validation scenarios and write it beside the
+    adapter: a job's confidence is then its decision's probability raised to the fitted exponent, so that answers
+    reported at 0.9 are right about 90 % of the time. Decisions do not change.
+
+    Uses the configured base model and adapters (KEVLAYA_BASE_MODEL, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
+    import logging
+    import shlex
+
+    from modellab.evaluation import fit_adapter_calibrations, load_scenarios
+    from shared.calibration import CalibrationError, write_calibration
+    from worker.model.loading import load_model
+
+    chosen = tuple(dict.fromkeys(a.strip() for a in adapters.split(",") if a.strip()))
+    if not chosen or any(a not in ADAPTERS for a in chosen):
+        fail(f"--adapters takes a comma-separated subset of {', '.join(ADAPTERS)}")
+    if not scenarios.exists():
+        fail(f"no scenarios at {scenarios}: write them with `kevlaya models data` or pass --scenarios")
+    logging.basicConfig(level=logging.WARNING)
+    settings = get_settings()
+    loaded = load_model(settings)
+    if refused := {a: loaded.refusal(a) for a in chosen if loaded.refusal(a)}:
+        fail("; ".join(refused.values()))
+    try:
+        fits = fit_adapter_calibrations(loaded, settings, load_scenarios(scenarios, limit), chosen, batch_size)
+    except ValueError as exc:
+        fail(str(exc))
+    command = shlex.join(["kevlaya", *sys.argv[1:]])
+    for adapter, (fitted, report) in fits.items():
+        typer.echo(f"{adapter}: exponent {fitted.exponent:g} over {report['answers']} answers (accuracy "
+                   f"{report['accuracy']:.1%}); ECE {report['ece_before']:.4f} -> {report['ece_after']:.4f}, "
+                   f"log-loss {report['log_loss_before']:.4f} -> {report['log_loss_after']:.4f}")
+        if write:
+            path = settings.adapter_profile(adapter).path
+            try:
+                written = write_calibration(Path(path), fitted, {"fitted_on": str(scenarios), "command": command,
+                                                                 **report})
+            except CalibrationError as exc:
+                fail(str(exc))
+            typer.echo(f"  written {written}")
 
 
 @app.command("verify")

@@ -320,13 +320,13 @@ def write_dataset(
     out_dir: Path, n_train: int, n_val: int, n_test: int, seed: int, none_share: float = 0.15,
     question_share: float = 0.0,
 ) -> dict[str, Path]:
-    """Write `<adapter>/<split>.jsonl` for both adapters and `test_scenarios.jsonl`.
+    """Write `<adapter>/<split>.jsonl` for both adapters, and `val_scenarios.jsonl` and `test_scenarios.jsonl`.
 
     Each split draws from its own sub-stream of `seed`; a prompt already used by an earlier split
     (test first, then val, then train) is redrawn, so no evaluation prompt is ever trained on. A share
     `question_share` of the train and val prompts are questions in plain words (`sample_question`), none of
     them one of the held-out questions; the test split stays in the scenario format.
-    Returns the written paths keyed "<adapter>/<split>" and "test_scenarios"."""
+    Returns the written paths keyed "<adapter>/<split>", "val_scenarios" and "test_scenarios"."""
     if not 0.0 <= question_share <= 1.0:
         raise ValueError("question_share must be within [0, 1]")
     out_dir = Path(out_dir)
@@ -352,8 +352,9 @@ def write_dataset(
             _write_jsonl(path, ({"prompt": render_prompt(s), "completion": targets[adapter](s), "label": s.label}
                                 for s in splits[split]))
             paths[f"{adapter}/{split}"] = path
-    path = out_dir / "test_scenarios.jsonl"
-    _write_jsonl(path, ({"id": f"test-{i:05d}", "scenario": s.to_dict(), "label": s.label}
-                        for i, s in enumerate(splits["test"])))
-    paths["test_scenarios"] = path
+    for split in ("val", "test"):  # for `kevlaya models calibrate` and `kevlaya eval`
+        path = out_dir / f"{split}_scenarios.jsonl"
+        _write_jsonl(path, ({"id": f"{split}-{i:05d}", "scenario": s.to_dict(), "label": s.label}
+                            for i, s in enumerate(splits[split])))
+        paths[f"{split}_scenarios"] = path
     return paths

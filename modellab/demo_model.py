@@ -36,14 +36,16 @@ from modellab.training import (
     score_decisions,
     train_adapter,
 )
+from shared.calibration import write_calibration
 from shared.manifest import MANIFEST_NAME, write_manifest
-from shared.settings import ADAPTERS
-from worker.model.loading import resolve_device
+from shared.settings import ADAPTERS, Settings
+from worker.model.loading import load_model, resolve_device
 
 log = logging.getLogger("kevlaya.training")
 
 SCENARIOS = "test_scenarios.jsonl"  # the held-out split, beside the models for `kevlaya eval`
-OUTPUTS = ("base", "kev", "laya", SCENARIOS, "BUILD.json", MANIFEST_NAME)
+VAL_SCENARIOS = "val_scenarios.jsonl"  # the validation split, for `kevlaya models calibrate`
+OUTPUTS = ("base", "kev", "laya", SCENARIOS, VAL_SCENARIOS, "BUILD.json", MANIFEST_NAME)
 
 
 @dataclass(frozen=True)
@@ -434,6 +436,30 @@ def score_test_split(out: Path, paths: dict[str, Path], limit: int, device: str)
     return scores
 
 
+def calibrate_adapters(out: Path, device: str) -> dict[str, Any]:
+    """Fit each adapter's confidence calibration on the validation scenarios, answered as the worker serves them
+    (the NF4 base on CUDA), and write it beside the adapter (shared/calibration.py)."""
+    from modellab.evaluation import fit_adapter_calibrations, load_scenarios
+
+    settings = Settings(_env_file=None, base_model=str(out / "base"), device=device,
+                        kev={"path": str(out / "kev")}, laya={"path": str(out / "laya")})
+    loaded, scenarios = load_model(settings), load_scenarios(out / VAL_SCENARIOS)
+    calibrations: dict[str, Any] = {}
+    for adapter in ADAPTERS:
+        try:
+            [(fitted, report)] = fit_adapter_calibrations(loaded, settings, scenarios, (adapter,), batch_size=64,
+                                                          progress=False).values()
+        except ValueError as exc:  # an adapter that decides nothing (a quick build's) has nothing to fit on
+            log.warning("%s left uncalibrated: %s", adapter, exc)
+            calibrations[adapter] = {"skipped": str(exc)}
+            continue
+        write_calibration(out / adapter, fitted, {"fitted_on": VAL_SCENARIOS, **report})
+        log.info("calibrated %s: exponent %g; ECE %.4f -> %.4f", adapter, fitted.exponent, report["ece_before"],
+                 report["ece_after"])
+        calibrations[adapter] = {"exponent": fitted.exponent, **report}
+    return calibrations
+
+
 def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool = False, seed: int = 0,
                progress: bool = True, command: str | None = None,
                question_share: float | None = None) -> dict[str, Any]:
@@ -452,6 +478,7 @@ def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool =
     paths = stages.run("data", dd.write_dataset, data_dir, spec.n_train, spec.n_val, spec.n_test, seed,
                        question_share=spec.question_share)
     shutil.copyfile(paths["test_scenarios"], out / SCENARIOS)
+    shutil.copyfile(paths["val_scenarios"], out / VAL_SCENARIOS)
     texts, chats = stages.run("corpus", pretraining_corpus, spec.pretrain_docs, seed, spec.question_share)
     tokenizer = stages.run("tokenizer", _tokenizer_for, spec, texts, chats)
     documents = stages.run("documents", _documents, tokenizer, texts, chats, seed)
@@ -473,6 +500,7 @@ def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool =
         )
         reports[adapter] = stages.run(f"adapter {adapter}", train_adapter, config)
     test = stages.run("test", score_test_split, out, paths, spec.test_samples, device)
+    calibrations = stages.run("calibrate", calibrate_adapters, out, device)
 
     build = {
         "command": command,
@@ -486,6 +514,7 @@ def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool =
         "pretrain": asdict(pretrain_report),
         "adapters": {name: asdict(report) for name, report in reports.items()},
         "test": test,
+        "calibration": calibrations,
         "versions": {"torch": torch.__version__},
     }
     (out / "BUILD.json").write_text(json.dumps(build, indent=2) + "\n", encoding="utf-8")

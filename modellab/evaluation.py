@@ -14,24 +14,25 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from modellab.decision_data import NONE, Scenario, render_prompt, score_decision
 from modellab.reference import ReferenceRuntime
+from shared.calibration import Calibration, adapter_calibration, fit_calibration, log_loss
 from shared.lifecycle import JobOutcome
 from shared.schemas import answer_grammar
 from shared.settings import Settings
 from worker.decoder.slot_decoder import SlotDecoder
 from worker.generation import GenerationRequest, GenerationResult
 from worker.ledger.cascade import needs_escalation
-from worker.ledger.outcomes import job_outcome
+from worker.ledger.outcomes import decision_probability, job_outcome
 from worker.model.loading import LoadedModel
 
 MODES = ("base", "laya", "kev", "auto")
-THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99)
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.92, 0.93, 0.94, 0.95, 0.96, 0.97, 0.98, 0.99)
 
 
 @dataclass
@@ -41,13 +42,14 @@ class Answer:
     id: str
     label: str
     decision: str | None
-    confidence: float | None
+    confidence: float | None  # as the service reports it: the adapter's calibration applied
     correct: bool
     latency_ms: float
     completion_tokens: int
     escalated: bool = False
     offered: bool = False  # the decision is one of the options the question lists, or "none"
     error_code: str | None = None  # why no decision: length, invalid_output, ...
+    probability: float | None = None  # the model's probability of its decision, before calibration
 
 
 @dataclass
@@ -75,6 +77,11 @@ class Evaluator:
     def __init__(self, loaded: LoadedModel, settings: Settings, batch_size: int = 1, grammar: bool = True):
         self.loaded, self.settings, self.batch_size, self.grammar = loaded, settings, batch_size, grammar
 
+    def calibration(self, mode: str) -> Calibration:
+        """The adapter's, as the worker applies it (the bare base has none)."""
+        return Calibration() if mode == "base" else adapter_calibration(self.settings.adapter_profile(
+            "kev" if mode == "kev" else "laya").path)
+
     def answers(self, mode: str, scenarios: list[tuple[str, Scenario]], progress: bool = True) -> list[Answer]:
         """Answers of `base`, `laya` or `kev` (the base is prompted exactly as Laya is, and never constrained)."""
         adapter = "kev" if mode == "kev" else "laya"
@@ -97,7 +104,7 @@ class Evaluator:
             started = time.perf_counter()
             results = run(requests[i:i + self.batch_size])
             latency_ms = (time.perf_counter() - started) * 1000
-            answers += self._scored(scenarios[i:i + self.batch_size], results, latency_ms)
+            answers += self._scored(scenarios[i:i + self.batch_size], results, latency_ms, self.calibration(mode))
         return answers
 
     def _decoder(self) -> SlotDecoder:
@@ -116,15 +123,16 @@ class Evaluator:
                                  grammar=grammar if self.grammar else None)
 
     @staticmethod
-    def _scored(chunk: list[tuple[str, Scenario]], results: list[GenerationResult],
-                latency_ms: float) -> list[Answer]:
+    def _scored(chunk: list[tuple[str, Scenario]], results: list[GenerationResult], latency_ms: float,
+                calibration: Calibration) -> list[Answer]:
         answers = []
         for (scenario_id, scenario), result in zip(chunk, results, strict=True):
-            outcome = job_outcome(result, "decision")
+            outcome = job_outcome(result, "decision", calibration)
             decision = outcome.decision or {}
             answers.append(Answer(
                 id=scenario_id, label=scenario.label, decision=decision.get("decision"),
                 confidence=decision.get("confidence"),
+                probability=decision_probability(result) if decision else None,
                 correct=bool(decision) and score_decision(scenario, decision["decision"]),
                 latency_ms=latency_ms, completion_tokens=result.completion_tokens,
                 offered=decision.get("decision") in {*(o.name for o in scenario.options), NONE},
@@ -167,17 +175,18 @@ def summarize(mode: str, answers: list[Answer]) -> ModeReport:
     )
 
 
-def calibration(answers: list[Answer], bins: int = 10) -> dict[str, object]:
-    """Reliability of a confidence: per bin, mean confidence vs accuracy; ECE = their weighted gap."""
-    rated = [a for a in answers if a.confidence is not None]
+def calibration(answers: list[Answer], bins: int = 10, of: str = "confidence") -> dict[str, object]:
+    """Reliability of a confidence (`of="probability"`: of the model's probability before the adapter's
+    calibration): per bin, mean confidence vs accuracy; ECE = their weighted gap."""
+    rated = [(getattr(a, of), a) for a in answers if getattr(a, of) is not None]
     table = []
     ece = 0.0
     for b in range(bins):
         low, high = b / bins, (b + 1) / bins
-        members = [a for a in rated if low <= a.confidence < high or (b == bins - 1 and a.confidence == 1.0)]
+        members = [a for c, a in rated if low <= c < high or (b == bins - 1 and c == 1.0)]
         if not members:
             continue
-        confidence = statistics.fmean(a.confidence for a in members)
+        confidence = statistics.fmean(getattr(a, of) for a in members)
         accuracy = sum(a.correct for a in members) / len(members)
         ece += len(members) / len(rated) * abs(confidence - accuracy)
         table.append({"bin": [low, high], "n": len(members), "mean_confidence": confidence, "accuracy": accuracy})
@@ -212,9 +221,36 @@ def run_evaluation(loaded: LoadedModel, settings: Settings, scenarios: list[tupl
         "modes": {mode: {k: v for k, v in asdict(r).items() if k != "answers"} for mode, r in reports.items()},
         "laya_calibration": calibration(answers["laya"]) if "laya" in answers else None,
         "kev_calibration": calibration(answers["kev"]) if "kev" in answers else None,
+        # what each adapter's calibration file changed: its exponent, and the ECE of the probabilities before it
+        "confidence_exponent": {a: evaluator.calibration(a).exponent for a in ("laya", "kev") if a in answers},
+        "ece_before_calibration": {a: calibration(answers[a], of="probability")["ece"]
+                                   for a in ("laya", "kev") if a in answers},
         "cascade_threshold_sweep": sweep,
         "answers": {mode: [asdict(a) for a in r.answers] for mode, r in reports.items()},
     }
+
+
+def fit_adapter_calibrations(loaded: LoadedModel, settings: Settings, scenarios: list[tuple[str, Scenario]],
+                             adapters: tuple[str, ...], batch_size: int = 1,
+                             progress: bool = True) -> dict[str, tuple[Calibration, dict[str, object]]]:
+    """Each adapter's calibration, fitted on its answers to `scenarios` (validation scenarios: answered as the
+    worker answers, under the decision grammar), with what it changes there: log-loss and ECE before and after."""
+    evaluator = Evaluator(loaded, settings, batch_size)
+    fits = {}
+    for adapter in adapters:
+        answers = [a for a in evaluator.answers(adapter, scenarios, progress) if a.probability]
+        if not answers:
+            raise ValueError(f"{adapter} decided none of the {len(scenarios)} scenarios: nothing to calibrate on")
+        probabilities, correct = [a.probability for a in answers], [a.correct for a in answers]
+        fitted = fit_calibration(probabilities, correct)
+        after = [replace(a, confidence=fitted.confidence(a.probability)) for a in answers]
+        fits[adapter] = (fitted, {
+            "answers": len(answers), "accuracy": sum(correct) / len(answers),
+            "log_loss_before": log_loss(probabilities, correct, Calibration()),
+            "log_loss_after": log_loss(probabilities, correct, fitted),
+            "ece_before": calibration(answers, of="probability")["ece"], "ece_after": calibration(after)["ece"],
+        })
+    return fits
 
 
 def agreement(first: list[dict[str, object]], second: list[dict[str, object]]) -> float:
@@ -233,8 +269,11 @@ def table(report: dict[str, object]) -> str:
                      f"{r['mean_completion_tokens']:>7.1f} {escalated:>10}  {failures}")
     for adapter in ("laya", "kev"):
         if (rated := report.get(f"{adapter}_calibration")) and rated["ece"] is not None:
+            exponent = (report.get("confidence_exponent") or {}).get(adapter, 1.0)
+            before = (report.get("ece_before_calibration") or {}).get(adapter)
             lines.append(f"{adapter.capitalize()} confidence calibration: ECE {rated['ece']:.3f} over {rated['n']} "
-                         "answers")
+                         f"answers (exponent {exponent:g}" + (f"; {before:.3f} before it)" if exponent != 1.0 and
+                                                              before is not None else ")"))
     for row in report.get("cascade_threshold_sweep") or []:
         lines.append(f"  auto at threshold {row['threshold']:.2f}: accuracy {row['accuracy']:.1%}, "
                      f"mean {row['mean_latency_ms']:.1f} ms, escalated {row['escalation_rate']:.1%}")

@@ -157,7 +157,7 @@ class Settings(BaseSettings):
                             "adapter and its jobs' defaults")
     laya: LayaProfile = Field(default=LayaProfile(), description="the profile of Laya, the fast decider: its "
                               "adapter and its jobs' defaults")
-    cascade_threshold: float = Field(default=0.85, ge=0, le=1, description="an `auto` job escalates to Kev when "
+    cascade_threshold: float = Field(default=0.94, ge=0, le=1, description="an `auto` job escalates to Kev when "
                                      "Laya's confidence is below this")
 
     # Engine (docs/architecture.md §4, §14)

@@ -246,7 +246,11 @@ def test_quick_demo_build_loads_and_verifies(tmp_path: Path) -> None:
     assert (out / MANIFEST_NAME).exists() and verify_manifest(out) == []
     build = json.loads((out / "BUILD.json").read_text())
     assert build["quick"] and build["seed"] == 0 and build["token_coverage"]["unseen_token_types"] == 0
-    assert {"data", "tokenizer", "base", "adapter kev", "adapter laya", "test"} <= build["stage_seconds"].keys()
+    stages = {"data", "tokenizer", "base", "adapter kev", "adapter laya", "test", "calibrate"}
+    assert stages <= build["stage_seconds"].keys()
+    # each adapter fitted, or skipped with the reason (a quick model rarely decides anything)
+    assert build["calibration"].keys() == {"kev", "laya"}
+    assert len((out / "val_scenarios.jsonl").read_text().splitlines()) == build["spec"]["n_val"]
     assert (tmp_path / "data" / "laya" / "test.jsonl").exists()
     assert len((out / "test_scenarios.jsonl").read_text().splitlines()) == build["spec"]["n_test"]
 

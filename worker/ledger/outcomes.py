@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from shared.decision import find_decision
+from shared.calibration import Calibration
+from shared.decision import FoundDecision, find_decision
 from shared.lifecycle import JobOutcome
 from shared.models import JobStatus
 from worker.generation import GenerationResult
@@ -13,8 +14,16 @@ def stored_text(text: str) -> str:
     return text.replace("\x00", "\ufffd")
 
 
-def job_outcome(result: GenerationResult, output: str) -> JobOutcome:
-    """`output` is the job's format: "decision" requires a valid decision object, "text" does not."""
+def decision_probability(result: GenerationResult, found: FoundDecision | None = None) -> float | None:
+    """The probability the model gave to writing its decision object up to the decision's value: the span starts
+    at the object, so fields written before the decision (Laya's kept options) count too. None without one."""
+    found = found or find_decision(result.text or "")
+    return result.span_probability(*found.span) if found is not None else None
+
+
+def job_outcome(result: GenerationResult, output: str, calibration: Calibration = Calibration()) -> JobOutcome:
+    """`output` is the job's format: "decision" requires a valid decision object, "text" does not. `calibration` is
+    the adapter's (shared/calibration.py)."""
     text = stored_text(result.text) if result.text is not None else None
     # Slots never switch adapters: a row carries its own (docs/architecture.md §14).
     timings = dict(switch_ms=0.0, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
@@ -26,12 +35,12 @@ def job_outcome(result: GenerationResult, output: str) -> JobOutcome:
     found = find_decision(result.text or "")
     decision = None
     if found is not None:
-        # The confidence is the model's own probability of its decision, never a number it wrote. The span starts
-        # at the object, so fields written before the decision (Laya's kept options) count too.
+        # The confidence is the model's own probability of its decision, never a number it wrote, mapped by the
+        # adapter's calibration to how often such answers are right.
         decision = {k: v for k, v in found.value.items() if k != "confidence"}
-        probability = result.span_probability(*found.span)
+        probability = decision_probability(result, found)
         if probability is not None:
-            decision["confidence"] = round(probability, 4)
+            decision["confidence"] = round(calibration.confidence(probability), 4)
     if decision is None and output == "decision":
         if result.finish_reason == "length":  # the grammar guarantees the object, given the tokens to close it
             return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code="length",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from shared import lifecycle
+from shared.calibration import adapter_calibration
 from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus, Priority
 from shared.queue import QueueUnavailable, publish_wakeup
@@ -60,7 +61,11 @@ class Settled:
 def settle_job(session: Session, job: Job, group_id: uuid.UUID, result: GenerationResult | JobOutcome,
                settings: Settings) -> Settled:
     """Store what became of one job of claim group `group_id`."""
-    outcome = result if isinstance(result, JobOutcome) else job_outcome(result, job.params.get("output", "decision"))
+    if isinstance(result, JobOutcome):
+        outcome = result
+    else:
+        calibration = adapter_calibration(settings.adapter_profile(job.adapter).path)  # type: ignore[arg-type]
+        outcome = job_outcome(result, job.params.get("output", "decision"), calibration)
     if isinstance(result, GenerationResult) and is_cascade_head(job) and needs_escalation(
             outcome, settings.cascade_threshold):
         child = escalate(session, job, group_id, outcome)

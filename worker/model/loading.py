@@ -16,6 +16,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared.base_match import base_mismatch
+from shared.calibration import CalibrationError, adapter_calibration
 from shared.manifest import verify_manifest
 from shared.settings import ADAPTERS, Settings
 from worker.generation import GenerationRequest
@@ -119,6 +120,12 @@ def load_model(settings: Settings) -> LoadedModel:
             unavailable[name] = f"adapter {name} ({path}) is for another base: {reason}"
             log.error("%s; it will not be served", unavailable[name])
             continue
+        try:  # read now, so a broken calibration file refuses the adapter at start, not each job at settle
+            calibration = adapter_calibration(path)
+        except CalibrationError as exc:
+            unavailable[name] = f"adapter {name} ({path}) has a broken calibration: {exc}"
+            log.error("%s; it will not be served", unavailable[name])
+            continue
         adapter_started = time.perf_counter()
         try:
             if isinstance(model, PeftModel):
@@ -140,7 +147,8 @@ def load_model(settings: Settings) -> LoadedModel:
                     torch.cuda.empty_cache()
                 model = load_base(base, device, settings.vram_budget_gb, settings.quantization)
             continue
-        log.info("loaded adapter %s from %s in %.2fs", name, path, time.perf_counter() - adapter_started)
+        log.info("loaded adapter %s from %s in %.2fs (confidence exponent %g)", name, path,
+                 time.perf_counter() - adapter_started, calibration.exponent)
     model.eval()
     if device == "cuda":
         torch.cuda.empty_cache()  # once after loading, never per job

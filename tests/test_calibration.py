@@ -1,0 +1,195 @@
+"""An adapter's confidence calibration: fitted on validation answers, written beside the adapter with its manifests,
+applied by the worker to every decision of the adapter, and refused when broken."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from shared.calibration import (
+    CALIBRATION_FILE,
+    Calibration,
+    CalibrationError,
+    fit_calibration,
+    read_calibration,
+    write_calibration,
+)
+from shared.db import session_scope
+from shared.manifest import verify_manifest, write_manifest
+from shared.models import Job
+from shared.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "models" / "demo"
+
+
+@pytest.mark.parametrize("exponent", [0.4, 1.0, 2.5])
+def test_the_fit_finds_the_exponent_the_outcomes_were_drawn_with(exponent: float):
+    """Answers right with probability p ** exponent: the fit recovers the exponent (1: already calibrated)."""
+    rng = random.Random(7)
+    probabilities = [rng.uniform(0.2, 1.0) for _ in range(20_000)]
+    correct = [rng.random() < p ** exponent for p in probabilities]
+    assert fit_calibration(probabilities, correct).exponent == pytest.approx(exponent, rel=0.06)
+
+
+def test_a_fit_needs_answers_with_a_probability():
+    with pytest.raises(ValueError, match="no answers"):
+        fit_calibration([], [])
+    with pytest.raises(ValueError, match="within"):
+        fit_calibration([0.0, 0.5], [False, True])
+
+
+def test_an_adapter_without_a_calibration_file_reports_the_probability_as_it_is(tmp_path: Path):
+    assert read_calibration(tmp_path) == Calibration()
+    assert Calibration().confidence(0.37) == 0.37
+
+
+@pytest.mark.parametrize(("content", "named"), [
+    ("{not json", "not a calibration"),
+    ('{"fitted_on": "x"}', "not a calibration"),
+    ('[0.5]', "not a calibration"),
+    ('{"exponent": "0.5"}', "`exponent` must be a number"),
+    ('{"exponent": true}', "`exponent` must be a number"),
+    ('{"exponent": 0}', "`exponent` must be a number"),
+    ('{"exponent": 1000}', "`exponent` must be a number"),
+])
+def test_a_broken_calibration_file_is_refused_naming_the_file(tmp_path: Path, content: str, named: str):
+    (tmp_path / CALIBRATION_FILE).write_text(content)
+    with pytest.raises(CalibrationError, match=named) as raised:
+        read_calibration(tmp_path)
+    assert str(tmp_path / CALIBRATION_FILE) in str(raised.value)
+
+
+def _adapter_with_manifests(root: Path) -> Path:
+    """A model directory with a manifest over an adapter that has its own, as the demo model is laid out."""
+    adapter = root / "laya"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    write_manifest(adapter)
+    (root / "BUILD.json").write_text("{}")
+    write_manifest(root)
+    return adapter
+
+
+def test_writing_a_calibration_keeps_the_adapter_and_its_parent_verified(tmp_path: Path):
+    adapter = _adapter_with_manifests(tmp_path)
+    written = write_calibration(adapter, Calibration(exponent=0.5), {"fitted_on": "val.jsonl"})
+    assert json.loads(written.read_text()) == {"exponent": 0.5, "fitted_on": "val.jsonl"}
+    assert verify_manifest(adapter) == [] and verify_manifest(tmp_path) == []
+    assert read_calibration(adapter) == Calibration(exponent=0.5)
+    assert {p.name for p in adapter.iterdir()} == {CALIBRATION_FILE, "MANIFEST.sha256", "adapter_model.safetensors"}
+
+
+@pytest.mark.parametrize("changed", ["laya/adapter_model.safetensors", "BUILD.json"])
+def test_a_calibration_is_not_written_over_files_changed_since_their_manifest(tmp_path: Path, changed: str):
+    """Writing the manifests again would vouch for the changed file: the write is refused and nothing is written."""
+    adapter = _adapter_with_manifests(tmp_path)
+    (tmp_path / changed).write_bytes(b"swapped")
+    with pytest.raises(CalibrationError, match="checksum mismatch"):
+        write_calibration(adapter, Calibration(exponent=0.5), {})
+    assert not (adapter / CALIBRATION_FILE).exists()
+    assert verify_manifest(tmp_path) != []
+
+
+@pytest.fixture
+def demo_copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "demo"
+    shutil.copytree(DEMO, copy)
+    for adapter in ("kev", "laya"):  # start uncalibrated, whatever the shipped model carries
+        (copy / adapter / CALIBRATION_FILE).unlink(missing_ok=True)
+        write_manifest(copy / adapter)
+    write_manifest(copy)
+    return copy
+
+
+def _demo_settings(model: Path) -> Settings:
+    return Settings(_env_file=None, base_model=str(model / "base"), device="cpu", max_batch=4,
+                    kev={"path": str(model / "kev")}, laya={"path": str(model / "laya")})
+
+
+def _laya_confidences(model: Path) -> list[tuple[str, float]]:
+    """Laya's decision and confidence for three stored jobs, served by the worker's engine on `model`."""
+    from modellab.decision_data import Scenario, render_prompt
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
+
+    scenarios = [json.loads(line) for line in (DEMO / "val_scenarios.jsonl").read_text().splitlines()[:3]]
+    with session_scope() as session:
+        session.query(Job).delete()
+        jobs = [Job(id=uuid.uuid4(), adapter="laya", requested_adapter="laya",
+                    input=render_prompt(Scenario.from_dict(row["scenario"])),
+                    params={"output": "decision", "temperature": 0})
+                for row in scenarios]
+        session.add_all(jobs)
+        order = [job.id for job in jobs]
+    settings = _demo_settings(model)
+    engine = Engine(load_model(settings), settings)
+    try:
+        assert engine.drain(60) == 3
+    finally:
+        engine.decoder.close()
+    with session_scope() as session:
+        stored = {job.id: job for job in session.scalars(select(Job))}
+        return [(stored[i].decision["decision"], stored[i].decision["confidence"]) for i in order]
+
+
+def test_the_worker_reports_each_decision_at_its_adapters_calibration(service_env, demo_copy: Path):
+    """The same jobs on the same adapter, before and after it is calibrated: the same decisions, each confidence
+    the probability raised to the exponent."""
+    before = _laya_confidences(demo_copy)
+    write_calibration(demo_copy / "laya", Calibration(exponent=0.5), {})
+    after = _laya_confidences(demo_copy)
+    assert [d for d, _ in after] == [d for d, _ in before]
+    for (_, raw), (_, calibrated) in zip(before, after, strict=True):
+        assert calibrated == pytest.approx(raw ** 0.5, abs=2e-4)  # both rounded to 4 places
+    assert any(calibrated > raw for (_, raw), (_, calibrated) in zip(before, after, strict=True))
+
+
+def test_a_worker_refuses_an_adapter_whose_calibration_is_broken(demo_copy: Path):
+    from worker.model.loading import load_model
+
+    (demo_copy / "laya" / CALIBRATION_FILE).write_text('{"exponent": -1}')
+    write_manifest(demo_copy / "laya")
+    loaded = load_model(_demo_settings(demo_copy))
+    assert loaded.adapters == {"kev"}
+    assert "broken calibration" in loaded.refusal("laya") and CALIBRATION_FILE in loaded.refusal("laya")
+
+
+def _calibrate(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(model.parent), "KEVLAYA_DEVICE": "cpu",
+           "KEVLAYA_BASE_MODEL": str(model / "base"), "KEVLAYA_KEV__PATH": str(model / "kev"),
+           "KEVLAYA_LAYA__PATH": str(model / "laya")}
+    return subprocess.run([sys.executable, "-m", "cli", "models", "calibrate", "--scenarios",
+                           str(model / "val_scenarios.jsonl"), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_calibrate_fits_laya_on_validation_answers_and_writes_it_beside_the_adapter(demo_copy: Path):
+    """The demo's Laya counts its kept options in its confidence, so it is cautious: the fitted exponent is below 1
+    and lowers the calibration error on the answers it was fitted on."""
+    result = _calibrate(demo_copy, "--adapters", "laya", "--limit", "200", "--batch-size", "50")
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads((demo_copy / "laya" / CALIBRATION_FILE).read_text())
+    assert 0.05 <= written["exponent"] < 1
+    assert written["answers"] == 200 and written["ece_after"] < written["ece_before"]
+    assert written["log_loss_after"] < written["log_loss_before"]
+    assert written["command"].startswith("kevlaya models calibrate")
+    assert f"laya: exponent {written['exponent']:g} over 200 answers" in result.stdout
+    assert not (demo_copy / "kev" / CALIBRATION_FILE).exists()
+    assert verify_manifest(demo_copy / "laya") == [] and verify_manifest(demo_copy) == []
+
+
+def test_calibrate_refuses_bad_arguments_in_one_line(demo_copy: Path):
+    for args, message in ((("--adapters", "bob"), "--adapters takes"),
+                          (("--scenarios", str(demo_copy / "missing.jsonl")), "no scenarios at")):
+        result = _calibrate(demo_copy, *args)
+        assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
+    assert not (demo_copy / "laya" / CALIBRATION_FILE).exists()
