@@ -182,6 +182,10 @@ def test_write_dataset(tmp_path: Path) -> None:
         assert s.label == r["label"] == laya["label"]
         assert render_prompt(s) == laya["prompt"]
 
+    val_rows = [json.loads(line) for line in paths["val_scenarios"].read_text().splitlines()]
+    assert [render_prompt(Scenario.from_dict(r["scenario"])) for r in val_rows] == [
+        r["prompt"] for r in rows["laya", "val"]]
+
     assert sum(label_counts(rows["laya", "train"]).values()) == 600
     # Same seed, same files.
     again = write_dataset(tmp_path / "again", n_train=600, n_val=100, n_test=200, seed=3)
@@ -222,3 +226,25 @@ def test_training_questions_are_never_the_held_out_ones(tmp_path: Path) -> None:
     assert all(p.startswith("Options: ") for p in test_prompts)
     with pytest.raises(ValueError, match="at most 1000"):
         held_out_questions(HELD_OUT_QUESTIONS + 1, seed=0)
+
+
+def test_the_data_command_writes_held_out_splits_that_do_not_depend_on_the_training_count(tmp_path: Path) -> None:
+    """`kevlaya models data --train 0` writes the validation and test scenarios a full build draws: how the shipped
+    `models/demo/val_scenarios.jsonl` is written again without the 40,000 training prompts."""
+    import subprocess
+    import sys
+
+    def data(out: Path, train: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cli", "models", "data", "--out", str(out), "--train",
+                               str(train), "--val", "30", "--test", "40", "--seed", "5"], capture_output=True,
+                              text=True, timeout=120)
+
+    small, large = data(tmp_path / "small", 0), data(tmp_path / "large", 200)
+    assert small.returncode == 0 and large.returncode == 0, small.stderr + large.stderr
+    for name in ("val_scenarios.jsonl", "test_scenarios.jsonl"):
+        assert (tmp_path / "small" / name).read_text() == (tmp_path / "large" / name).read_text()
+    assert len((tmp_path / "small" / "val_scenarios.jsonl").read_text().splitlines()) == 30
+    assert len((tmp_path / "large" / "laya" / "train.jsonl").read_text().splitlines()) == 200
+    assert "val_scenarios" in small.stdout
+    refused = data(tmp_path / "bad", -1)
+    assert refused.returncode == 2 and "--train" in refused.stderr and "Traceback" not in refused.stderr
