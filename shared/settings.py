@@ -158,7 +158,8 @@ class Settings(BaseSettings):
     laya: LayaProfile = Field(default=LayaProfile(), description="the profile of Laya, the fast decider: its "
                               "adapter and its jobs' defaults")
     cascade_threshold: float = Field(default=0.94, ge=0, le=1, description="an `auto` job escalates to Kev when "
-                                     "Laya's confidence is below this")
+                                     "Laya's confidence is below this (with Laya's calibration: how likely its "
+                                     "answer is to be right)")
 
     # Engine (docs/architecture.md §4, §14)
     max_batch: int = Field(default=16, ge=1, description="rows decoded at once, besides the reserved slots (fewer "
