@@ -141,13 +141,17 @@ def models_calibrate(
         fail(f"--adapters takes a comma-separated subset of {', '.join(ADAPTERS)}")
     if not scenarios.exists():
         fail(f"no scenarios at {scenarios}: write them with `kevlaya models data` or pass --scenarios")
+    try:
+        items = load_scenarios(scenarios, limit)
+    except ValueError as exc:
+        fail(str(exc))
     logging.basicConfig(level=logging.WARNING)
     settings = get_settings()
     loaded = load_model(settings)
     if refused := {a: loaded.refusal(a) for a in chosen if loaded.refusal(a)}:
         fail("; ".join(refused.values()))
     try:
-        fits = fit_adapter_calibrations(loaded, settings, load_scenarios(scenarios, limit), chosen, batch_size)
+        fits = fit_adapter_calibrations(loaded, settings, items, chosen, batch_size)
     except ValueError as exc:
         fail(str(exc))
     command = shlex.join(["kevlaya", *sys.argv[1:]])
@@ -236,7 +240,7 @@ def evaluate(
         "models/demo/test_scenarios.jsonl"),
     out: Annotated[Path, typer.Option(help="directory for results.json and results.png")] = Path("models/eval"),
     modes: Annotated[str, typer.Option(help="comma-separated: base, laya, kev, auto")] = "base,laya,kev,auto",
-    limit: Annotated[Optional[int], typer.Option(help="evaluate only the first N scenarios")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="evaluate only the first N scenarios")] = None,
     batch_size: Annotated[int, typer.Option(help="jobs per forward pass; 1 = each job served alone")] = 1,
     grammar: Annotated[bool, typer.Option(
         help="generate decisions under the decision grammar, as the worker does; --no-grammar: as the model writes "
@@ -263,9 +267,12 @@ def evaluate(
         fail("--batch-size must be at least 1")
     if not scenarios.exists():
         fail(f"no scenarios at {scenarios}: build them with `kevlaya models build-demo` or pass --scenarios")
+    try:
+        items = load_scenarios(scenarios, limit)
+    except ValueError as exc:
+        fail(str(exc))
     logging.basicConfig(level=logging.WARNING)
     settings = get_settings()
-    items = load_scenarios(scenarios, limit)
     loaded = load_model(settings)
     report = run_evaluation(loaded, settings, items, chosen, batch_size, grammar)
     if compare_precision:

@@ -69,8 +69,23 @@ class ModeReport:
 
 
 def load_scenarios(path: Path, limit: int | None = None) -> list[tuple[str, Scenario]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [(row["id"], Scenario.from_dict(row["scenario"])) for row in rows[:limit]]
+    """The first `limit` (all: None) rows of a scenarios JSONL (`{"id", "scenario", ...}` a line, as `kevlaya
+    models data` writes them). Raises ValueError naming the file and line of the first row that is not one."""
+    items: list[tuple[str, Scenario]] = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if limit is not None and len(items) == limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            items.append((str(row["id"]), Scenario.from_dict(row["scenario"])))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number}: not a scenario row (a JSON object with `id` and `scenario`): "
+                             f"{exc.__class__.__name__}: {exc}") from exc
+    if not items:
+        raise ValueError(f"{path}: no scenarios")
+    return items
 
 
 class Evaluator:

@@ -62,3 +62,21 @@ def test_summary_and_calibration_on_known_answers():
     # the confident answers are right and the unsure ones wrong: well calibrated, small ECE
     assert calib["n"] == 5 and calib["ece"] < 0.15
     assert {tuple(b["bin"]) for b in calib["bins"]} == {(0.9, 1.0), (0.1, 0.2)}
+
+
+@pytest.mark.parametrize("command", [("eval",), ("models", "calibrate", "--no-write")])
+@pytest.mark.parametrize(("content", "named"), [
+    ('{"id": "a", "scenario": {"options": []}}\nnot json\n', "bad.jsonl:1: not a scenario row"),
+    ('\n{"id": "a"}\n', "bad.jsonl:2: not a scenario row"),
+    ("\n\n", "bad.jsonl: no scenarios"),
+])
+def test_a_scenarios_file_that_is_not_one_is_refused_in_one_line(tmp_path: Path, command: tuple[str, ...],
+                                                                 content: str, named: str):
+    """Both commands read the scenarios before loading a model, and name the file and line of the first bad row."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    out = ("--out", str(tmp_path / "out")) if command == ("eval",) else ()
+    run = subprocess.run([sys.executable, "-m", "cli", *command, "--scenarios", str(bad), *out],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and named in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and not (tmp_path / "out").exists()
