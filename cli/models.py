@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from cli.common import fail
 from modellab.presets import LORA_PRESETS
 from shared.settings import ADAPTERS, get_settings
+
+if TYPE_CHECKING:
+    from modellab.decision_data import Scenario
 
 app = typer.Typer(help="Model directories.", no_args_is_help=True)
 
@@ -21,6 +24,27 @@ def _presets(field: str) -> str:
     values = {name: getattr(p, field) for name, p in LORA_PRESETS.items()}
     return ", ".join(f"{name} {value:.0e}".replace("e-0", "e-") if isinstance(value, float) else f"{name} {value}"
                      for name, value in values.items())
+
+
+def _subset(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
+    """A comma-separated option's values, in order and once each; a one-line error for anything else."""
+    chosen = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    if not chosen or any(v not in allowed for v in chosen):
+        fail(f"{option} takes a comma-separated subset of {', '.join(allowed)}")
+    return chosen
+
+
+def _scenarios(path: Path, limit: int | None) -> list[tuple[str, Scenario]]:
+    """The scenarios a command runs, read before any model is loaded; a one-line error for a missing or bad file."""
+    from modellab.evaluation import load_scenarios
+
+    if not path.exists():
+        fail(f"no scenarios at {path}: write them with `kevlaya models data` (or `models build-demo`) or pass "
+             "--scenarios")
+    try:
+        return load_scenarios(path, limit)
+    except ValueError as exc:
+        fail(str(exc))
 
 
 @app.command("random")
@@ -132,19 +156,12 @@ def models_calibrate(
     import logging
     import shlex
 
-    from modellab.evaluation import fit_adapter_calibrations, load_scenarios
+    from modellab.evaluation import fit_adapter_calibrations
     from shared.calibration import CalibrationError, write_calibration
     from worker.model.loading import load_model
 
-    chosen = tuple(dict.fromkeys(a.strip() for a in adapters.split(",") if a.strip()))
-    if not chosen or any(a not in ADAPTERS for a in chosen):
-        fail(f"--adapters takes a comma-separated subset of {', '.join(ADAPTERS)}")
-    if not scenarios.exists():
-        fail(f"no scenarios at {scenarios}: write them with `kevlaya models data` or pass --scenarios")
-    try:
-        items = load_scenarios(scenarios, limit)
-    except ValueError as exc:
-        fail(str(exc))
+    chosen = _subset(adapters, ADAPTERS, "--adapters")
+    items = _scenarios(scenarios, limit)
     logging.basicConfig(level=logging.WARNING)
     settings = get_settings()
     loaded = load_model(settings)
@@ -257,20 +274,13 @@ def evaluate(
     import logging
     import shlex
 
-    from modellab.evaluation import MODES, agreement, load_scenarios, plot, run_evaluation, table
+    from modellab.evaluation import MODES, agreement, plot, run_evaluation, table
     from worker.model.loading import load_model, uses_nf4
 
-    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
-    if not chosen or any(m not in MODES for m in chosen):
-        fail(f"--modes takes a comma-separated subset of {', '.join(MODES)}")
+    chosen = _subset(modes, MODES, "--modes")
     if batch_size < 1:
         fail("--batch-size must be at least 1")
-    if not scenarios.exists():
-        fail(f"no scenarios at {scenarios}: build them with `kevlaya models build-demo` or pass --scenarios")
-    try:
-        items = load_scenarios(scenarios, limit)
-    except ValueError as exc:
-        fail(str(exc))
+    items = _scenarios(scenarios, limit)
     logging.basicConfig(level=logging.WARNING)
     settings = get_settings()
     loaded = load_model(settings)

@@ -114,12 +114,13 @@ class Evaluator:
     def _answered(self, mode: str, scenarios: list[tuple[str, Scenario]], requests: list[GenerationRequest],
                   run: Callable[[list[GenerationRequest]], list[GenerationResult]], progress: bool) -> list[Answer]:
         answers: list[Answer] = []
+        calibration = self.calibration(mode)
         starts = range(0, len(scenarios), self.batch_size)
         for i in tqdm(starts, desc=f"eval {mode}", unit="batch", disable=not progress):
             started = time.perf_counter()
             results = run(requests[i:i + self.batch_size])
             latency_ms = (time.perf_counter() - started) * 1000
-            answers += self._scored(scenarios[i:i + self.batch_size], results, latency_ms, self.calibration(mode))
+            answers += self._scored(scenarios[i:i + self.batch_size], results, latency_ms, calibration)
         return answers
 
     def _decoder(self) -> SlotDecoder:

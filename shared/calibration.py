@@ -36,11 +36,11 @@ class Calibration:
         return probability ** self.exponent
 
 
-def _log_loss(probabilities: Sequence[float], correct: Sequence[bool], exponent: float) -> float:
-    """Mean negative log-likelihood of the outcomes when each answer is right with probability p ** exponent."""
+def log_loss(probabilities: Sequence[float], correct: Sequence[bool], calibration: Calibration) -> float:
+    """Mean negative log-likelihood of the outcomes when each answer is right with its calibrated confidence."""
     total = 0.0
     for p, right in zip(probabilities, correct, strict=True):
-        log_p = exponent * math.log(max(p, 1e-300))
+        log_p = calibration.exponent * math.log(max(p, 1e-300))
         # log(1 - e^x) without losing precision when e^x is close to 1
         total -= log_p if right else math.log(-math.expm1(min(log_p, -1e-12)))
     return total / len(probabilities)
@@ -57,15 +57,12 @@ def fit_calibration(probabilities: Sequence[float], correct: Sequence[bool]) -> 
     ratio = (math.sqrt(5) - 1) / 2
     for _ in range(80):
         first, second = high - ratio * (high - low), low + ratio * (high - low)
-        if _log_loss(probabilities, correct, math.exp(first)) <= _log_loss(probabilities, correct, math.exp(second)):
+        if (log_loss(probabilities, correct, Calibration(math.exp(first)))
+                <= log_loss(probabilities, correct, Calibration(math.exp(second)))):
             high = second
         else:
             low = first
     return Calibration(exponent=round(math.exp((low + high) / 2), 4))
-
-
-def log_loss(probabilities: Sequence[float], correct: Sequence[bool], calibration: Calibration) -> float:
-    return _log_loss(probabilities, correct, calibration.exponent)
 
 
 def read_calibration(adapter_dir: Path) -> Calibration:
