@@ -282,14 +282,16 @@ def test_the_status_page_shows_a_running_jobs_text_growing_as_characters(env, ap
     markup = "<img src=x onerror=document.title='hacked'><script>document.title='hacked'</script>"
     schema = {"type": "object", "properties": {"x": {"const": markup}}, "required": ["x"],
               "additionalProperties": False}
-    job_id = submit(api, "kev", LONG, max_new_tokens=300,
-                    response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": schema}})
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
         page = browser.new_page()
         page.goto(f"{api.base_url}/status")
         page.fill("#key", env["KEVLAYA_API_KEY"])
         page.click("#login button[type=submit]")
+        page.wait_for_selector("body[data-loaded=true]", timeout=30000)  # logged in and polling
+        # Submitted once the page watches: the job runs for seconds, less than a browser takes to start.
+        job_id = submit(api, "kev", LONG, max_new_tokens=500,
+                        response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": schema}})
         box = page.locator(f"#running [data-job='{job_id}']")
         expect(box.locator("pre")).to_contain_text("<script>", timeout=30000)
         first = int(box.get_attribute("data-tokens"))
