@@ -417,7 +417,7 @@ def _build_base(spec: DemoSpec, tokenizer: PreTrainedTokenizerFast, documents: l
 def score_test_split(out: Path, paths: dict[str, Path], limit: int, device: str) -> dict[str, Any]:
     """Test-split scores on the unquantized base (as the CPU serves it): each adapter, and the base alone."""
     tokenizer = AutoTokenizer.from_pretrained(out / "base")
-    base = AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32).to(device)
+    base = AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32, use_kernels=False).to(device)
     model = PeftModel.from_pretrained(base, out / "kev", adapter_name="kev")
     model.load_adapter(out / "laya", adapter_name="laya")
     scores: dict[str, Any] = {}
@@ -507,7 +507,7 @@ def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool =
         "seed": seed, "quick": quick, "device": device,
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "spec": asdict(spec),
-        "parameters": {"base": sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base_dir).parameters())},
+        "parameters": {"base": sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base_dir, use_kernels=False).parameters())},
         "bytes": {name: _dir_bytes(out / name) for name in ("base", "kev", "laya")},
         "stage_seconds": stages.seconds, "total_seconds": round(time.perf_counter() - started, 2),
         "token_coverage": coverage,

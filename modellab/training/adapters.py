@@ -40,11 +40,11 @@ log = logging.getLogger("kevlaya.training")
 
 def _load_trainable_base(path: Path, device: str, gradient_checkpointing: bool) -> PreTrainedModel:
     if device == "cpu":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=False)
     from peft import prepare_model_for_kbit_training
 
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=nf4_config(torch.float16),
-                                                 dtype=torch.float16, device_map={"": 0})
+                                                 dtype=torch.float16, device_map={"": 0}, use_kernels=False)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
 
 

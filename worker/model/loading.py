@@ -87,9 +87,10 @@ def load_base(path: str, device: str, vram_budget_gb: float, quantization: str =
     if device == "cuda":
         cap_process_memory(vram_budget_gb)
     if not nf4:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=placement)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=placement, use_kernels=False)
     return AutoModelForCausalLM.from_pretrained(
         path, quantization_config=nf4_config(compute_dtype), dtype=compute_dtype, device_map=placement,
+        use_kernels=False,
     )
 
 
