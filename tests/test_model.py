@@ -112,6 +112,15 @@ def test_runtime_loads_both_adapters(runtime: ReferenceRuntime) -> None:
     assert runtime.tokenizer.padding_side == "left"
 
 
+def test_models_load_without_hub_kernels(runtime: ReferenceRuntime, model_dirs: dict[str, Path]) -> None:
+    """transformers kernelizes a loaded model by default, which fetches kernels from the Hub: the worker and
+    the trainer serve offline and with their own fused operators, so each loads with it off."""
+    from modellab.training.adapters import _load_trainable_base
+
+    assert runtime.model.get_base_model().use_kernels is False
+    assert _load_trainable_base(model_dirs["base"], "cpu", gradient_checkpointing=False).use_kernels is False
+
+
 def test_adapters_change_the_output(runtime: ReferenceRuntime) -> None:
     kev, laya = runtime.run_batch([request("kev", max_new_tokens=10), request("laya", max_new_tokens=10)]).results
     assert kev.error_code is None and laya.error_code is None
