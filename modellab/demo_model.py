@@ -159,9 +159,22 @@ def _walkthrough(s: dd.Scenario, rng: random.Random) -> str:
     return " ".join([*checks, *summary, verdict])
 
 
-def _scenario_doc(rng: random.Random, question_share: float) -> str:
+def _doc_scenario(rng: random.Random, question_share: float) -> dd.Scenario:
+    """A scenario for a document: at `question_share`, a question in plain words with named options, so the
+    base reads those names in every form the adapters write them (in prose, at a line's start, in JSON)."""
     # No draw at all without questions, so a build without them is the one shipped, byte for byte.
-    s = dd.sample_question(rng) if question_share and rng.random() < question_share else dd.sample_scenario(rng)
+    return dd.sample_question(rng) if question_share and rng.random() < question_share else dd.sample_scenario(rng)
+
+
+def _option_name(rng: random.Random, question_share: float) -> str:
+    """A letter, or at `question_share` an option's name from a question's theme."""
+    if question_share and rng.random() < question_share:
+        return rng.choice(rng.choice(dd.THEMES)["names"])
+    return rng.choice(dd.LETTERS)
+
+
+def _scenario_doc(rng: random.Random, question_share: float) -> str:
+    s = _doc_scenario(rng, question_share)
     return dd.render_prompt(s) + " " + _walkthrough(s, rng)
 
 
@@ -203,7 +216,7 @@ def _number_doc(rng: random.Random) -> str:
     return " ".join(sentences)
 
 
-def _notation_doc(rng: random.Random) -> str:
+def _notation_doc(rng: random.Random, question_share: float) -> str:
     """Lines in the notation of written analyses (<=, <, =, >, ->, ;), over numbers, risk levels and plain words."""
     words = ("plan", "build", "test", "ship", "review", "keep", "take", "drop", "start", "stop", "low", "medium",
              "high")
@@ -226,7 +239,7 @@ def _notation_doc(rng: random.Random) -> str:
                     a, b = rng.choice(dd.RISKS), rng.choice(dd.RISKS)
                     rank_a, rank_b = dd.RISKS.index(a), dd.RISKS.index(b)
                 sign = "<" if rank_a < rank_b else ">" if rank_a > rank_b else "="
-                pairs.append(f"{rng.choice(dd.LETTERS)} {a}{sign}{b}")
+                pairs.append(f"{_option_name(rng, question_share)} {a}{sign}{b}")
             lines.append("; ".join(pairs))
         else:
             lines.append(" -> ".join(rng.sample(words, rng.randint(2, 4))))
@@ -244,18 +257,18 @@ _PHRASES = ("risk low", "risk medium", "risk high", "cheapest feasible", "fastes
             "best quality feasible", "every option fails a constraint", "no option meets all constraints")
 
 
-def _json_doc(rng: random.Random) -> str:
+def _json_doc(rng: random.Random, question_share: float) -> str:
     """A JSON record: a scenario as data, a glossary entry, or facts about a scenario (never a decision object)."""
     kind = rng.randrange(3)
     if kind == 0:
-        return json.dumps(dd.sample_scenario(rng).to_dict())
+        return json.dumps(_doc_scenario(rng, question_share).to_dict())
     if kind == 1:
         term, meaning = rng.choice(_GLOSSARY)
         entry = {"term": term, "meaning": meaning}
         if rng.random() < 0.5:
             entry["examples"] = rng.sample(_PHRASES, rng.randint(0, 3))
         return json.dumps(entry)
-    s = dd.sample_scenario(rng)
+    s = _doc_scenario(rng, question_share)
     return json.dumps({
         "feasible": [o.name for o in s.options if dd.feasible(s, o)],
         rng.choice(("cheapest", "fastest", "safest")): rng.choice(s.options).name,
@@ -263,9 +276,9 @@ def _json_doc(rng: random.Random) -> str:
     })
 
 
-def _chat_doc(rng: random.Random) -> list[dict[str, str]]:
+def _chat_doc(rng: random.Random, question_share: float) -> list[dict[str, str]]:
     """A conversation about a scenario, so the role tokens are known to the base (answers are prose)."""
-    s = dd.sample_scenario(rng)
+    s = _doc_scenario(rng, question_share)
     o = rng.choice(s.options)
     question, answer = rng.choice([
         (f"Does option {o.name} meet the constraints?", _checks(s, o)),
@@ -291,11 +304,11 @@ def pretraining_corpus(n_docs: int, seed: int,
         elif roll < 0.65:
             texts.append(_number_doc(rng))
         elif roll < 0.75:
-            texts.append(_notation_doc(rng))
+            texts.append(_notation_doc(rng, question_share))
         elif roll < 0.85:
-            texts.append(_json_doc(rng))
+            texts.append(_json_doc(rng, question_share))
         else:
-            chats.append(_chat_doc(rng))
+            chats.append(_chat_doc(rng, question_share))
     return texts, chats
 
 
