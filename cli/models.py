@@ -75,6 +75,9 @@ def models_build_demo(
     question_share: Annotated[Optional[float], typer.Option(
         min=0.0, max=1.0, help="share of the training prompts asked as questions in plain words (none of the "
         "held-out questions); default: the build's own (0 for the shipped model)")] = None,
+    resume: Annotated[bool, typer.Option(
+        help="keep the base and adapters a cut build with the same settings finished in --out, and build the "
+             "rest")] = False,
 ) -> None:
     """Build the demo model reproducibly: data, BPE tokenizer, pretrained base, Kev and Laya adapters, manifests."""
     import logging
@@ -88,7 +91,7 @@ def models_build_demo(
     command = shlex.join(["kevlaya", *sys.argv[1:]])
     try:
         build = build_demo(out, data_dir=data_dir, device=device, quick=quick, seed=seed, command=command,
-                           question_share=question_share)
+                           question_share=question_share, resume=resume)
     except ValueError as exc:
         fail(str(exc))
     for name, seconds in build["stage_seconds"].items():

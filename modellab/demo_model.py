@@ -37,7 +37,7 @@ from modellab.training import (
     train_adapter,
 )
 from shared.calibration import write_calibration
-from shared.manifest import MANIFEST_NAME, write_manifest
+from shared.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 from shared.settings import ADAPTERS, Settings
 from worker.model.loading import load_model, resolve_device
 
@@ -45,7 +45,8 @@ log = logging.getLogger("kevlaya.training")
 
 SCENARIOS = "test_scenarios.jsonl"  # the held-out split, beside the models for `kevlaya eval`
 VAL_SCENARIOS = "val_scenarios.jsonl"  # the validation split, for `kevlaya models calibrate`
-OUTPUTS = ("base", "kev", "laya", SCENARIOS, VAL_SCENARIOS, "BUILD.json", MANIFEST_NAME)
+PROGRESS = "BUILD.progress.json"  # the trained stages finished so far, for `build-demo --resume`
+OUTPUTS = ("base", "kev", "laya", SCENARIOS, VAL_SCENARIOS, "BUILD.json", MANIFEST_NAME, PROGRESS)
 
 
 @dataclass(frozen=True)
@@ -343,14 +344,14 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _prepare_out(out: Path) -> None:
-    """Start from an empty output: remove a previous build's outputs, refuse to touch anything else."""
+def _prepare_out(out: Path, keep: bool = False) -> None:
+    """Start from an empty output (`keep`: from the earlier build's outputs); refuse to touch anything else."""
     if out.exists():
         other = sorted(p.name for p in out.iterdir() if p.name not in OUTPUTS)
         if other:
             raise ValueError(f"{out} holds files that are not a demo build ({', '.join(other[:5])}); "
                              "choose another --out")
-        for name in OUTPUTS:
+        for name in () if keep else OUTPUTS:
             path = out / name
             if path.is_dir():
                 shutil.rmtree(path)
@@ -361,9 +362,25 @@ def _prepare_out(out: Path) -> None:
 
 @dataclass
 class _Stages:
-    """Runs the build's stages, logging and keeping how long each took."""
+    """Runs the build's stages, logging and keeping how long each took. The trained stages (`run_kept`) are
+    recorded in `progress` as they finish, so a build cut short can resume after the last of them."""
 
+    progress: Path
+    settings: dict[str, Any]  # what the build is made of: a resumed stage must come from the same
     seconds: dict[str, float] = field(default_factory=dict)
+    finished: dict[str, dict[str, Any]] = field(default_factory=dict)
+    resumed: list[str] = field(default_factory=list)
+
+    def resume(self) -> None:
+        """Take the stages an earlier build with the same settings finished (none when it left no record)."""
+        if not self.progress.exists():
+            log.info("no earlier build to resume in %s: building everything", self.progress.parent)
+            return
+        earlier = json.loads(self.progress.read_text(encoding="utf-8"))
+        if earlier["settings"] != json.loads(json.dumps(self.settings, default=str)):
+            raise ValueError(f"the build in {self.progress.parent} was made with other settings (seed, device, "
+                             "spec or question share): build it again without --resume, or choose another --out")
+        self.finished = earlier["finished"]
 
     def run(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -372,6 +389,31 @@ class _Stages:
         self.seconds[name] = round(time.perf_counter() - started, 2)
         log.info("stage %s done in %.1fs", name, self.seconds[name])
         return result
+
+    def kept(self, name: str, output: Path) -> bool:
+        """Whether stage `name` finished in the resumed build and its output still verifies."""
+        return name in self.finished and verify_manifest(output) == []
+
+    def run_kept(self, name: str, output: Path, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
+        """A trained stage writing `output` (with its manifest): its report as a dict, taken from the resumed build
+        where `kept`, else run and recorded."""
+        if self.kept(name, output):
+            log.info("stage %s: kept from the earlier build (%s verifies)", name, output)
+            self.seconds[name], self.resumed = self.finished[name]["seconds"], [*self.resumed, name]
+            return self.finished[name]["report"]
+        report = asdict(self.run(name, fn, *args))
+        self.finished[name] = {"seconds": self.seconds[name], "report": report}
+        self._save()
+        return report
+
+    def forget(self) -> None:
+        """Keep nothing of the earlier build (its base is trained again, so its adapters do not fit it)."""
+        self.finished.clear()
+        self._save()
+
+    def _save(self) -> None:
+        record = {"settings": self.settings, "finished": self.finished}
+        self.progress.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
 
 
 def _tokenizer_for(spec: DemoSpec, texts: list[str], chats: list[list[dict[str, str]]]) -> PreTrainedTokenizerFast:
@@ -475,29 +517,38 @@ def calibrate_adapters(out: Path, device: str) -> dict[str, Any]:
 
 def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool = False, seed: int = 0,
                progress: bool = True, command: str | None = None,
-               question_share: float | None = None) -> dict[str, Any]:
+               question_share: float | None = None, resume: bool = False) -> dict[str, Any]:
     """Build base/, kev/ and laya/ (each with a manifest), the test scenarios and BUILD.json in `out`.
 
-    The generated train/val/test data goes to `data_dir`. Returns BUILD.json's content."""
+    The generated train/val/test data goes to `data_dir`. `resume`: keep the base and adapters an earlier build
+    of the same settings finished in `out` (the other stages are cheap and run again, the same for the same
+    seed). Returns BUILD.json's content."""
     out, data_dir = Path(out), Path(data_dir)
     spec = QUICK if quick else FULL
     if question_share is not None:
         spec = replace(spec, question_share=question_share)
     device = resolve_device(device)
     started = time.perf_counter()
-    stages = _Stages()
-    _prepare_out(out)
+    stages = _Stages(out / PROGRESS, {"seed": seed, "quick": quick, "device": device, "spec": asdict(spec)})
+    _prepare_out(out, keep=resume)
+    if resume:
+        stages.resume()
 
     paths = stages.run("data", dd.write_dataset, data_dir, spec.n_train, spec.n_val, spec.n_test, seed,
                        question_share=spec.question_share)
     shutil.copyfile(paths["test_scenarios"], out / SCENARIOS)
     shutil.copyfile(paths["val_scenarios"], out / VAL_SCENARIOS)
     texts, chats = stages.run("corpus", pretraining_corpus, spec.pretrain_docs, seed, spec.question_share)
-    tokenizer = stages.run("tokenizer", _tokenizer_for, spec, texts, chats)
+    base_dir = out / "base"
+    if stages.kept("base", base_dir):  # the adapters were trained on this base's tokens
+        tokenizer = stages.run("tokenizer", AutoTokenizer.from_pretrained, base_dir)
+    else:
+        stages.forget()
+        tokenizer = stages.run("tokenizer", _tokenizer_for, spec, texts, chats)
     documents = stages.run("documents", _documents, tokenizer, texts, chats, seed)
     coverage = stages.run("coverage", token_coverage, tokenizer, documents[:20_000], paths)  # every type is frequent
-    base_dir = out / "base"
-    pretrain_report = stages.run("base", _build_base, spec, tokenizer, documents, base_dir, device, seed, progress)
+    pretrain_report = stages.run_kept("base", base_dir, _build_base, spec, tokenizer, documents, base_dir, device,
+                                      seed, progress)
 
     reports = {}
     for index, adapter in enumerate(ADAPTERS, start=1):
@@ -511,7 +562,7 @@ def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool =
             eval_file=paths[f"{adapter}/val"], eval_samples=spec.eval_samples, eval_batch_size=256, progress=progress,
             log_every=100, checkpoint_every=100,
         )
-        reports[adapter] = stages.run(f"adapter {adapter}", train_adapter, config)
+        reports[adapter] = stages.run_kept(f"adapter {adapter}", out / adapter, train_adapter, config)
     test = stages.run("test", score_test_split, out, paths, spec.test_samples, device)
     calibrations = stages.run("calibrate", calibrate_adapters, out, device)
 
@@ -523,9 +574,10 @@ def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool =
         "parameters": {"base": sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base_dir, use_kernels=False).parameters())},
         "bytes": {name: _dir_bytes(out / name) for name in ("base", "kev", "laya")},
         "stage_seconds": stages.seconds, "total_seconds": round(time.perf_counter() - started, 2),
+        "resumed": stages.resumed,  # stages kept from an earlier, cut build (their seconds are that build's)
         "token_coverage": coverage,
-        "pretrain": asdict(pretrain_report),
-        "adapters": {name: asdict(report) for name, report in reports.items()},
+        "pretrain": pretrain_report,
+        "adapters": reports,
         "test": test,
         "calibration": calibrations,
         "versions": {"torch": torch.__version__},

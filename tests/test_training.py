@@ -275,3 +275,37 @@ def test_named_options_are_balanced_by_their_place_with_the_letters() -> None:
     assert balance_class(question, "none") == "none"
     assert balance_class("no options line here", "XPS") == "XPS"
     assert balance_class(question, None) is None
+
+
+def test_a_cut_demo_build_resumes_after_its_last_trained_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build cut in Laya's training keeps its base and Kev: `--resume` trains Laya alone and the result verifies;
+    a resume with other settings is refused before anything is built."""
+    from modellab import demo_model
+
+    out, data = tmp_path / "demo", tmp_path / "data"
+    real_train, trained = demo_model.train_adapter, []
+
+    def cut_in_laya(config):  # noqa: ANN001, ANN202
+        if config.adapter == "laya":
+            raise KeyboardInterrupt  # as a call's time limit would
+        return real_train(config)
+
+    monkeypatch.setattr(demo_model, "train_adapter", cut_in_laya)
+    with pytest.raises(KeyboardInterrupt):
+        demo_model.build_demo(out, data_dir=data, device="cpu", quick=True, progress=False)
+    kev_weights = (out / "kev" / "adapter_model.safetensors").read_bytes()
+
+    def counted(config):  # noqa: ANN001, ANN202
+        trained.append(config.adapter)
+        return real_train(config)
+
+    monkeypatch.setattr(demo_model, "train_adapter", counted)
+    monkeypatch.setattr(demo_model, "_build_base", lambda *a: pytest.fail("the finished base was trained again"))
+    with pytest.raises(ValueError, match="other settings"):
+        demo_model.build_demo(out, data_dir=data, device="cpu", quick=True, progress=False, seed=1, resume=True)
+    build = demo_model.build_demo(out, data_dir=data, device="cpu", quick=True, progress=False, resume=True)
+    assert trained == ["laya"]
+    assert build["resumed"] == ["base", "adapter kev"] and build["adapters"].keys() == {"kev", "laya"}
+    assert build["pretrain"]["steps"] > 0 and "seconds" in build["adapters"]["kev"]
+    assert verify_manifest(out) == [] and verify_manifest(out / "laya") == []
+    assert (out / "kev" / "adapter_model.safetensors").read_bytes() == kev_weights and verify_manifest(out / "kev") == []
