@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import bindparam, select, text
+from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.orm import Session
 
-from shared.models import ClaimGroup, JobStatus, UTCDateTime
+from shared.models import ClaimGroup, Job, JobStatus, UTCDateTime
 from shared.settings import ADAPTERS
 
 PERCENTILES = (0.5, 0.95, 0.99)
@@ -223,12 +223,29 @@ def queue_depth(session: Session) -> dict[str, int]:
 
 
 def recent_batches(session: Session, since: datetime, limit: int = 200) -> list[dict[str, Any]]:
-    """Batches started since `since`, oldest first: what the status page draws as a timeline."""
+    """Batches started since `since`, oldest first: what the status page draws as a timeline.
+
+    A batch closes in the commit of its last job, so one whose worker was killed never closes. An unfinished
+    batch none of whose jobs still runs in it is `abandoned` (its jobs were stored, or given back to the queue
+    by the lease sweeper); `last_stored_at` is when it stored its last job, if it stored any."""
     rows = session.scalars(select(ClaimGroup).where(ClaimGroup.started_at >= since)
                            .order_by(ClaimGroup.started_at.desc()).limit(limit)).all()
+    open_ids = [b.id for b in rows if b.finished_at is None]
+    running: set[Any] = set()
+    last_stored: dict[Any, datetime | None] = {}
+    if open_ids:
+        in_open = Job.batch_id.in_(open_ids)
+        running = set(session.scalars(select(Job.batch_id).where(in_open, Job.status == JobStatus.RUNNING)))
+        last_stored = dict(session.execute(select(Job.batch_id, func.max(Job.finished_at)).where(in_open)
+                                           .group_by(Job.batch_id)).tuples().all())
+
+    def iso(moment: datetime | None) -> str | None:
+        return moment.isoformat() if moment else None
+
     return [{
         "id": str(b.id), "adapters": b.adapters, "size": b.size, "mixed": b.mixed, "worker": b.worker,
-        "started_at": b.started_at.isoformat(), "finished_at": b.finished_at.isoformat() if b.finished_at else None,
+        "started_at": b.started_at.isoformat(), "finished_at": iso(b.finished_at),
+        "abandoned": b.finished_at is None and b.id not in running, "last_stored_at": iso(last_stored.get(b.id)),
         "switch_ms": b.switch_ms, "prefill_ms": b.prefill_ms, "decode_ms": b.decode_ms, "tokens": b.tokens,
         "peak_vram_bytes": b.peak_vram_bytes, "oom_splits": b.oom_splits,
     } for b in reversed(rows)]

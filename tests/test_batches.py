@@ -228,6 +228,7 @@ def test_lines_unfinished_at_the_end_of_the_completion_window_expire_into_the_er
     assert api.get(f"/v1/files/{expired.error_file_id}/content").status_code == 404
     assert not (Path(env["KEVLAYA_FILES_DIR"]) / expired.error_file_id.removeprefix("file-")).exists()
     assert client.files.retrieve(file_id).id == file_id  # the upload stays
+    wait_for(client, running.id, ("in_progress",))  # its lines are jobs once it is in progress, not at creation
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Job).where(Job.file_batch_id.is_not(None))) == 2
 

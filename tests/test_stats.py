@@ -153,3 +153,29 @@ def test_stats_need_an_admin_key_and_a_valid_window(client):
 @pytest.mark.parametrize(("text", "seconds"), [("30s", 30), ("15m", 900), ("2h", 7200), ("1d", 86400)])
 def test_parse_window(text, seconds):
     assert parse_window(text).total_seconds() == seconds
+
+
+def test_a_batch_whose_worker_stopped_is_shown_as_abandoned_where_it_stored_its_last_job(client, database_url):
+    """A batch closes with its last job, so one cut by a killed worker stays open for good; the timeline must not
+    draw it as running until it scrolls away. Open with a job still running: running. Open with nothing running
+    in it (one job stored before the kill, one given back to the queue): abandoned, ending at the stored one."""
+    now = datetime.now(timezone.utc)
+    closed, running, cut = (ClaimGroup(id=uuid.uuid4(), adapters="kev", size=2, mixed=False, worker=f"w:{i}",
+                                       started_at=now - timedelta(seconds=60 - i)) for i in range(3))
+    closed.finished_at = now - timedelta(seconds=50)
+    stored_at = now - timedelta(seconds=40)
+
+    def job(group: ClaimGroup, status: str, finished_at: datetime | None = None) -> Job:
+        return Job(adapter="kev", requested_adapter="kev", status=status, input="x", params={}, batch_id=group.id,
+                   created_at=now - timedelta(seconds=70), finished_at=finished_at)
+
+    with session_scope() as session:
+        session.add_all([closed, running, cut])
+        session.flush()
+        session.add_all([job(closed, "succeeded", closed.finished_at), job(running, "running"),
+                         job(running, "succeeded", stored_at), job(cut, "succeeded", stored_at), job(cut, "queued")])
+
+    batches = {b["worker"]: b for b in client.get("/v1/stats/live", headers=AUTH).json()["batches"]}
+    assert [batches[w]["abandoned"] for w in ("w:0", "w:1", "w:2")] == [False, False, True]
+    assert batches["w:2"]["finished_at"] is None
+    assert datetime.fromisoformat(batches["w:2"]["last_stored_at"]) == stored_at

@@ -289,8 +289,12 @@ def test_the_status_page_shows_a_running_jobs_text_growing_as_characters(env, ap
         page.fill("#key", env["KEVLAYA_API_KEY"])
         page.click("#login button[type=submit]")
         page.wait_for_selector("body[data-loaded=true]", timeout=30000)  # logged in and polling
-        # Submitted once the page watches: the job runs for seconds, less than a browser takes to start.
-        job_id = submit(api, "kev", LONG, max_new_tokens=500,
+        # Submitted once the page watches (a browser takes longer to start than the job to run), beside four other
+        # rows that slow each step: alone on an idle machine it could end before the page's 3-second look for
+        # running jobs saw it.
+        for _ in range(4):
+            submit(api, "kev", LONG, max_new_tokens=900)
+        job_id = submit(api, "kev", LONG, max_new_tokens=900,
                         response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": schema}})
         box = page.locator(f"#running [data-job='{job_id}']")
         expect(box.locator("pre")).to_contain_text("<script>", timeout=30000)
