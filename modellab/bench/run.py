@@ -318,17 +318,6 @@ def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob]
         log.info("service: %.3f jobs/s, %d claim groups", figures["jobs_per_s"], len(groups))
         save()
 
-        # Laya's latency, idle and under Kev load, before the pairs: a run cut short keeps it
-        laya_latencies(service, laya_jobs, rng, figures, "idle")
-        save()
-        kev = next(j for j in jobs if j.adapter == "kev")
-        with KevLoad(service, kev, depth=2 * config.max_batch):
-            time.sleep(2.0)  # let the first Kev rows start
-            phases = service.engine_phases()
-            laya_latencies(service, laya_jobs, rng, figures, "under_kev_load")
-            figures["engine_phases_under_kev_load"] = engine_phases(phases, service.engine_phases())
-            save()
-
         figures["decision_grammar"] = grammar_pairs(service, jobs, config.pair_rounds)
         log.info("service under the decision grammar: %s", figures["decision_grammar"])
         save()
@@ -337,6 +326,16 @@ def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob]
             figures["streaming"] = stream_pairs(service, stream_jobs, config.pair_rounds)
             log.info("service streaming to SSE clients: %s", {k: v for k, v in figures["streaming"].items()
                                                               if k not in ("runs", "first_delta_method")})
+            save()
+
+        laya_latencies(service, laya_jobs, rng, figures, "idle")
+        save()
+        kev = next(j for j in jobs if j.adapter == "kev")
+        with KevLoad(service, kev, depth=2 * config.max_batch):
+            time.sleep(2.0)  # let the first Kev rows start
+            phases = service.engine_phases()
+            laya_latencies(service, laya_jobs, rng, figures, "under_kev_load")
+            figures["engine_phases_under_kev_load"] = engine_phases(phases, service.engine_phases())
             save()
 
         figures["fit"] = []
