@@ -39,7 +39,7 @@ from modellab.training import (
 from shared.calibration import write_calibration
 from shared.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 from shared.settings import ADAPTERS, Settings
-from worker.model.loading import load_model, resolve_device
+from worker.model.loading import load_causal_lm, load_model, resolve_device
 
 log = logging.getLogger("kevlaya.training")
 
@@ -399,7 +399,8 @@ class _Stages:
         where `kept`, else run and recorded."""
         if self.kept(name, output):
             log.info("stage %s: kept from the earlier build (%s verifies)", name, output)
-            self.seconds[name], self.resumed = self.finished[name]["seconds"], [*self.resumed, name]
+            self.seconds[name] = self.finished[name]["seconds"]
+            self.resumed.append(name)
             return self.finished[name]["report"]
         report = asdict(self.run(name, fn, *args))
         self.finished[name] = {"seconds": self.seconds[name], "report": report}
@@ -472,7 +473,7 @@ def _build_base(spec: DemoSpec, tokenizer: PreTrainedTokenizerFast, documents: l
 def score_test_split(out: Path, paths: dict[str, Path], limit: int, device: str) -> dict[str, Any]:
     """Test-split scores on the unquantized base (as the CPU serves it): each adapter, and the base alone."""
     tokenizer = AutoTokenizer.from_pretrained(out / "base")
-    base = AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32, use_kernels=False).to(device)
+    base = load_causal_lm(out / "base", dtype=torch.float32).to(device)
     model = PeftModel.from_pretrained(base, out / "kev", adapter_name="kev")
     model.load_adapter(out / "laya", adapter_name="laya")
     scores: dict[str, Any] = {}
@@ -571,7 +572,7 @@ def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool =
         "seed": seed, "quick": quick, "device": device,
         "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "spec": asdict(spec),
-        "parameters": {"base": sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(base_dir, use_kernels=False).parameters())},
+        "parameters": {"base": sum(p.numel() for p in load_causal_lm(base_dir).parameters())},
         "bytes": {name: _dir_bytes(out / name) for name in ("base", "kev", "laya")},
         "stage_seconds": stages.seconds, "total_seconds": round(time.perf_counter() - started, 2),
         "resumed": stages.resumed,  # stages kept from an earlier, cut build (their seconds are that build's)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from modellab.training.config import (
     ADAPTER_FILES,
@@ -32,7 +32,7 @@ from modellab.training.loop import LoopSettings, make_report, run_loop, seed_eve
 from modellab.training.scoring import score_decisions
 from shared.base_match import record_base
 from shared.manifest import write_manifest
-from worker.model.loading import resolve_device
+from worker.model.loading import load_causal_lm, resolve_device
 from worker.model.quantization import nf4_config
 
 log = logging.getLogger("kevlaya.training")
@@ -40,11 +40,11 @@ log = logging.getLogger("kevlaya.training")
 
 def _load_trainable_base(path: Path, device: str, gradient_checkpointing: bool) -> PreTrainedModel:
     if device == "cpu":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=False)
+        return load_causal_lm(path, dtype=torch.float32)
     from peft import prepare_model_for_kbit_training
 
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=nf4_config(torch.float16),
-                                                 dtype=torch.float16, device_map={"": 0}, use_kernels=False)
+    model = load_causal_lm(path, quantization_config=nf4_config(torch.float16), dtype=torch.float16,
+                           device_map={"": 0})
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
 
 

@@ -80,6 +80,12 @@ def uses_nf4(device: str, quantization: str) -> bool:
     return quantization == "nf4" or (quantization == "auto" and device == "cuda")
 
 
+def load_causal_lm(path: str | Path, **kwargs: object) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained` as every part of the project loads a model: without transformers'
+    default kernelizing, which fetches kernels from the Hub (the project runs offline, with its own operators)."""
+    return AutoModelForCausalLM.from_pretrained(path, use_kernels=False, **kwargs)
+
+
 def load_base(path: str, device: str, vram_budget_gb: float, quantization: str = "auto") -> PreTrainedModel:
     nf4 = uses_nf4(device, quantization)
     compute_dtype = torch.float16 if device == "cuda" else torch.float32
@@ -87,11 +93,8 @@ def load_base(path: str, device: str, vram_budget_gb: float, quantization: str =
     if device == "cuda":
         cap_process_memory(vram_budget_gb)
     if not nf4:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=placement, use_kernels=False)
-    return AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=nf4_config(compute_dtype), dtype=compute_dtype, device_map=placement,
-        use_kernels=False,
-    )
+        return load_causal_lm(path, dtype=compute_dtype, device_map=placement)
+    return load_causal_lm(path, quantization_config=nf4_config(compute_dtype), dtype=compute_dtype, device_map=placement)
 
 
 def load_model(settings: Settings) -> LoadedModel:
