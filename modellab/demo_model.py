@@ -351,7 +351,9 @@ def _prepare_out(out: Path, keep: bool = False) -> None:
         if other:
             raise ValueError(f"{out} holds files that are not a demo build ({', '.join(other[:5])}); "
                              "choose another --out")
-        for name in () if keep else OUTPUTS:
+        # A resumed build keeps its trained stages, not the finished build's record: that describes stages
+        # which may be trained again.
+        for name in ("BUILD.json", MANIFEST_NAME) if keep else OUTPUTS:
             path = out / name
             if path.is_dir():
                 shutil.rmtree(path)
@@ -402,6 +404,8 @@ class _Stages:
             self.seconds[name] = self.finished[name]["seconds"]
             self.resumed.append(name)
             return self.finished[name]["report"]
+        if output.exists():  # what an earlier build left there no longer verifies, or came from another base
+            shutil.rmtree(output)
         report = asdict(self.run(name, fn, *args))
         self.finished[name] = {"seconds": self.seconds[name], "report": report}
         self._save()

@@ -309,3 +309,26 @@ def test_a_cut_demo_build_resumes_after_its_last_trained_stage(tmp_path: Path, m
     assert build["pretrain"]["steps"] > 0 and "seconds" in build["adapters"]["kev"]
     assert verify_manifest(out) == [] and verify_manifest(out / "laya") == []
     assert (out / "kev" / "adapter_model.safetensors").read_bytes() == kev_weights and verify_manifest(out / "kev") == []
+
+
+def test_a_finished_demo_build_resumes_after_one_of_its_adapters_changed(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished build whose Laya no longer verifies: `--resume` keeps the base and Kev, trains Laya again and
+    ends with a build that verifies, calibrated (the finished build's manifest described the old Laya, and a
+    calibration refuses to vouch for a directory that does not match its manifest)."""
+    from modellab import demo_model, evaluation
+    from shared.calibration import Calibration, read_calibration
+
+    def fitted(loaded, settings, scenarios, adapters, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        # a quick build's adapters decide nothing, so there is nothing to fit: a fixed exponent stands in
+        return {adapter: (Calibration(exponent=0.5), {"ece_before": 0.1, "ece_after": 0.05}) for adapter in adapters}
+
+    monkeypatch.setattr(evaluation, "fit_adapter_calibrations", fitted)
+    out, data = tmp_path / "demo", tmp_path / "data"
+    demo_model.build_demo(out, data_dir=data, device="cpu", quick=True, progress=False)
+    with (out / "laya" / "adapter_model.safetensors").open("ab") as weights:
+        weights.write(b"\0")  # as a copy cut short would leave it
+    build = demo_model.build_demo(out, data_dir=data, device="cpu", quick=True, progress=False, resume=True)
+    assert build["resumed"] == ["base", "adapter kev"]
+    assert verify_manifest(out) == [] and verify_manifest(out / "laya") == []
+    assert read_calibration(out / "laya").exponent == 0.5
