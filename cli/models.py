@@ -75,9 +75,15 @@ def models_build_demo(
     question_share: Annotated[Optional[float], typer.Option(
         min=0.0, max=1.0, help="share of the training prompts asked as questions in plain words (none of the "
         "held-out questions); default: the build's own (0 for the shipped model)")] = None,
+    train_examples: Annotated[Optional[int], typer.Option(
+        min=1, help="training prompts generated for the adapters; default: the build's own (40,000)")] = None,
+    kev_epochs: Annotated[Optional[float], typer.Option(
+        min=0.01, help="epochs of Kev's training; default: the build's own (2.0)")] = None,
+    laya_epochs: Annotated[Optional[float], typer.Option(
+        min=0.01, help="epochs of Laya's training; default: the build's own (3.0)")] = None,
     resume: Annotated[bool, typer.Option(
         help="keep the base and adapters a cut build with the same settings finished in --out, and build the "
-             "rest")] = False,
+             "rest; an adapter whose epochs changed is trained again")] = False,
 ) -> None:
     """Build the demo model reproducibly: data, BPE tokenizer, pretrained base, Kev and Laya adapters, manifests."""
     import logging
@@ -91,7 +97,9 @@ def models_build_demo(
     command = shlex.join(["kevlaya", *sys.argv[1:]])
     try:
         build = build_demo(out, data_dir=data_dir, device=device, quick=quick, seed=seed, command=command,
-                           question_share=question_share, resume=resume)
+                           question_share=question_share, train_examples=train_examples,
+                           epochs={name: value for name, value in (("kev", kev_epochs), ("laya", laya_epochs))
+                                   if value is not None}, resume=resume)
     except ValueError as exc:
         fail(str(exc))
     for name, seconds in build["stage_seconds"].items():

@@ -368,7 +368,7 @@ class _Stages:
     recorded in `progress` as they finish, so a build cut short can resume after the last of them."""
 
     progress: Path
-    settings: dict[str, Any]  # what the build is made of: a resumed stage must come from the same
+    settings: dict[str, Any]  # what the base is made of: a resumed build must have the same
     seconds: dict[str, float] = field(default_factory=dict)
     finished: dict[str, dict[str, Any]] = field(default_factory=dict)
     resumed: list[str] = field(default_factory=list)
@@ -379,9 +379,10 @@ class _Stages:
             log.info("no earlier build to resume in %s: building everything", self.progress.parent)
             return
         earlier = json.loads(self.progress.read_text(encoding="utf-8"))
-        if earlier["settings"] != json.loads(json.dumps(self.settings, default=str)):
+        if earlier["settings"] != _plain(self.settings):
             raise ValueError(f"the build in {self.progress.parent} was made with other settings (seed, device, "
-                             "spec or question share): build it again without --resume, or choose another --out")
+                             "data, base or question share): build it again without --resume, or choose "
+                             "another --out")
         self.finished = earlier["finished"]
 
     def run(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -392,14 +393,24 @@ class _Stages:
         log.info("stage %s done in %.1fs", name, self.seconds[name])
         return result
 
-    def kept(self, name: str, output: Path) -> bool:
-        """Whether stage `name` finished in the resumed build and its output still verifies."""
-        return name in self.finished and verify_manifest(output) == []
+    def kept(self, name: str, output: Path, plan: Any = None) -> bool:
+        """Whether stage `name` finished in the resumed build, with the same `plan`, and still verifies."""
+        finished = self.finished.get(name)
+        if finished is None:
+            return False
+        earlier, now = finished.get("plan") or {}, _plain(plan) or {}
+        if earlier != now:
+            changed = {key: f"{earlier.get(key)} -> {now.get(key)}" for key in sorted(earlier.keys() | now.keys())
+                       if earlier.get(key) != now.get(key)}
+            log.info("stage %s: trained again, its plan changed (%s)", name, changed)
+            return False
+        return verify_manifest(output) == []
 
-    def run_kept(self, name: str, output: Path, fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    def run_kept(self, name: str, output: Path, fn: Callable[..., Any], *args: Any, plan: Any = None) -> dict[str, Any]:
         """A trained stage writing `output` (with its manifest): its report as a dict, taken from the resumed build
-        where `kept`, else run and recorded."""
-        if self.kept(name, output):
+        where `kept` with the same `plan` (what the stage alone is made of: an adapter's epochs), else run and
+        recorded."""
+        if self.kept(name, output, plan):
             log.info("stage %s: kept from the earlier build (%s verifies)", name, output)
             self.seconds[name] = self.finished[name]["seconds"]
             self.resumed.append(name)
@@ -407,7 +418,7 @@ class _Stages:
         if output.exists():  # what an earlier build left there no longer verifies, or came from another base
             shutil.rmtree(output)
         report = asdict(self.run(name, fn, *args))
-        self.finished[name] = {"seconds": self.seconds[name], "report": report}
+        self.finished[name] = {"seconds": self.seconds[name], "report": report, "plan": _plain(plan)}
         self._save()
         return report
 
@@ -419,6 +430,11 @@ class _Stages:
     def _save(self) -> None:
         record = {"settings": self.settings, "finished": self.finished}
         self.progress.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
+
+
+def _plain(value: Any) -> Any:
+    """`value` as it reads back from JSON (tuples as lists, paths as strings), to compare with a recorded one."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def _tokenizer_for(spec: DemoSpec, texts: list[str], chats: list[list[dict[str, str]]]) -> PreTrainedTokenizerFast:
@@ -522,22 +538,31 @@ def calibrate_adapters(out: Path, device: str) -> dict[str, Any]:
 
 def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool = False, seed: int = 0,
                progress: bool = True, command: str | None = None,
-               question_share: float | None = None, resume: bool = False) -> dict[str, Any]:
+               question_share: float | None = None, train_examples: int | None = None,
+               epochs: dict[str, float] | None = None, resume: bool = False) -> dict[str, Any]:
     """Build base/, kev/ and laya/ (each with a manifest), the test scenarios and BUILD.json in `out`.
 
-    The generated train/val/test data goes to `data_dir`. `resume`: keep the base and adapters an earlier build
-    of the same settings finished in `out` (the other stages are cheap and run again, the same for the same
-    seed). Returns BUILD.json's content."""
+    The generated train/val/test data goes to `data_dir`. `question_share`, `train_examples` and `epochs` (per
+    adapter) replace the spec's. `resume`: keep the base and adapters an earlier build of the same settings
+    finished in `out`; an adapter whose plan changed (its epochs) is trained again, any other change is refused
+    (the other stages are cheap and run again, the same for the same seed). Returns BUILD.json's content."""
     out, data_dir = Path(out), Path(data_dir)
     spec = QUICK if quick else FULL
-    if question_share is not None:
-        spec = replace(spec, question_share=question_share)
+    if unknown := set(epochs or {}) - set(ADAPTERS):
+        raise ValueError(f"epochs for unknown adapter(s) {', '.join(sorted(unknown))}: the adapters are "
+                         f"{', '.join(ADAPTERS)}")
+    spec = replace(spec, question_share=spec.question_share if question_share is None else question_share,
+                   n_train=train_examples or spec.n_train,
+                   adapters={name: replace(plan, epochs=(epochs or {}).get(name, plan.epochs))
+                             for name, plan in spec.adapters.items()})
     device = resolve_device(device)
     started = time.perf_counter()
-    stages = _Stages(out / PROGRESS, {"seed": seed, "quick": quick, "device": device, "spec": asdict(spec)})
-    _prepare_out(out, keep=resume)
-    if resume:
+    # What the base and the data are made of; each adapter's own plan is compared when its stage runs.
+    made_of = {key: value for key, value in asdict(spec).items() if key != "adapters"}
+    stages = _Stages(out / PROGRESS, {"seed": seed, "quick": quick, "device": device, "spec": made_of})
+    if resume:  # refused before anything in `out` is touched
         stages.resume()
+    _prepare_out(out, keep=resume)
 
     paths = stages.run("data", dd.write_dataset, data_dir, spec.n_train, spec.n_val, spec.n_test, seed,
                        question_share=spec.question_share)
@@ -567,7 +592,8 @@ def build_demo(out: Path, *, data_dir: Path, device: str = "auto", quick: bool =
             eval_file=paths[f"{adapter}/val"], eval_samples=spec.eval_samples, eval_batch_size=256, progress=progress,
             log_every=100, checkpoint_every=100,
         )
-        reports[adapter] = stages.run_kept(f"adapter {adapter}", out / adapter, train_adapter, config)
+        reports[adapter] = stages.run_kept(f"adapter {adapter}", out / adapter, train_adapter, config,
+                                           plan=asdict(plan))
     test = stages.run("test", score_test_split, out, paths, spec.test_samples, device)
     calibrations = stages.run("calibrate", calibrate_adapters, out, device)
 

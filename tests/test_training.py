@@ -332,3 +332,48 @@ def test_a_finished_demo_build_resumes_after_one_of_its_adapters_changed(tmp_pat
     assert build["resumed"] == ["base", "adapter kev"]
     assert verify_manifest(out) == [] and verify_manifest(out / "laya") == []
     assert read_calibration(out / "laya").exponent == 0.5
+
+
+def test_a_resumed_demo_build_trains_again_only_the_adapter_whose_epochs_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sweeping one adapter's epochs keeps the base and the other adapter; a change to what the base is made of
+    is still refused, and epochs for an adapter the build does not have are refused before anything is built."""
+    from modellab import demo_model
+
+    out, data = tmp_path / "demo", tmp_path / "data"
+    first = demo_model.build_demo(out, data_dir=data, device="cpu", quick=True, progress=False)
+    kev_weights = (out / "kev" / "adapter_model.safetensors").read_bytes()
+    real_train, trained = demo_model.train_adapter, []
+
+    def counted(config):  # noqa: ANN001, ANN202
+        trained.append((config.adapter, config.epochs))
+        return real_train(config)
+
+    monkeypatch.setattr(demo_model, "train_adapter", counted)
+    monkeypatch.setattr(demo_model, "_build_base", lambda *a: pytest.fail("the finished base was trained again"))
+    laya_epochs = first["spec"]["adapters"]["laya"]["epochs"] + 1
+    build = demo_model.build_demo(out, data_dir=data, device="cpu", quick=True, progress=False, resume=True,
+                                  epochs={"laya": laya_epochs})
+    assert trained == [("laya", laya_epochs)] and build["resumed"] == ["base", "adapter kev"]
+    assert build["spec"]["adapters"]["laya"]["epochs"] == laya_epochs
+    assert build["spec"]["adapters"]["kev"] == first["spec"]["adapters"]["kev"]
+    assert (out / "kev" / "adapter_model.safetensors").read_bytes() == kev_weights and verify_manifest(out) == []
+    with pytest.raises(ValueError, match="other settings"):
+        demo_model.build_demo(out, data_dir=data, device="cpu", quick=True, progress=False, resume=True,
+                              train_examples=first["spec"]["n_train"] + 1)
+    assert verify_manifest(out) == [] and (out / "BUILD.json").is_file()  # the refusal left the build whole
+    with pytest.raises(ValueError, match="unknown adapter"):
+        demo_model.build_demo(tmp_path / "other", data_dir=data, device="cpu", quick=True, progress=False,
+                              epochs={"kevin": 1.0})
+    assert not (tmp_path / "other").exists()
+
+
+def test_build_demo_help_gives_the_builds_own_defaults() -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from modellab.demo_model import FULL
+
+    shown = CliRunner().invoke(app, ["models", "build-demo", "--help"], env={"COLUMNS": "240"}).output
+    assert f"({FULL.n_train:,})" in shown
+    assert f"({FULL.adapters['kev'].epochs})" in shown and f"({FULL.adapters['laya'].epochs})" in shown
