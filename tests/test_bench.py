@@ -38,6 +38,8 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     for when in ("idle", "under_kev_load"):  # each Laya sample's wait for a slot and for its first token
         ttft, total = service[f"laya_ttft_ms_{when}"], service[f"laya_ms_{when}"]
         assert all(0 <= q <= t <= e for q, t, e in zip(service[f"laya_queue_ms_{when}"], ttft, total))
+        later = service[f"laya_ms_per_later_token_{when}"]  # what each token after the first took
+        assert len(later) == 2 and all(ms > 0 for ms in later)
     # where the engine's time went while Laya ran under Kev load, from the worker's /metrics
     phases = service["engine_phases_under_kev_load"]
     assert phases["step"]["count"] > 0 and phases["step"]["mean_ms"] > 0 and phases["store"]["count"] > 0

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from modellab.bench.load import percentile
 from modellab.bench.pairs import PAIRS
 
 
@@ -27,6 +28,14 @@ def _streaming(engine: dict[str, Any]) -> str:
     if not streaming:
         return "—"
     return f"{streaming['jobs_per_s_vs_free']:.3f}×, {streaming['step_ms_vs_free']:.3f}×"
+
+
+def _laya_parts(engine: dict[str, Any], when: str) -> str:
+    """A Laya job's two parts: its first token (the wait for a slot and a prefill) and each later token (a step)."""
+    first, later = engine.get(f"laya_ttft_ms_{when}"), engine.get(f"laya_ms_per_later_token_{when}")
+    if not first or not later:
+        return "—"
+    return f"{_fmt(percentile(first, 95), '.0f')} / {_fmt(percentile(later, 50), '.2f')}"
 
 
 def _first_delta(engine: dict[str, Any]) -> str:
@@ -67,6 +76,9 @@ def table(result: dict[str, Any]) -> str:
         row("Laya p50 / p95 ms, under Kev load", "",
             lambda e: f"{_fmt(e.get('laya_p50_ms_under_kev_load'), '.0f')} / "
                       f"{_fmt(e.get('laya_p95_ms_under_kev_load'), '.0f')}"),
+        row("Laya first token p95 / ms per later token p50, idle", "", lambda e: _laya_parts(e, "idle")),
+        row("Laya first token p95 / ms per later token p50, under Kev load", "",
+            lambda e: _laya_parts(e, "under_kev_load")),
         row("GPU busy during decode", _fmt((seed.get("profile") or {}).get("busy_fraction"), ".1%"),
             lambda e: _fmt(e["gpu_busy_fraction"], ".1%")),
         row("peak allocated GiB", "", lambda e: _fmt(e["peak_allocated_gib"])),

@@ -249,7 +249,8 @@ class KevLoad:
 def laya_latencies(service: Service, jobs: list[BenchJob], rng: random.Random, figures: dict[str, Any],
                    when: str) -> None:
     """Laya jobs one at a time (each submitted after the previous finished, after a short random pause); their
-    end-to-end p50 / p95 and each one's queue wait (submission to claim) and time to first token go in `figures`."""
+    end-to-end p50 / p95, each one's queue wait (submission to claim) and time to first token, and the time each of
+    its later tokens took (what a step shared with Kev rows costs it) go in `figures`."""
     rows = []
     for job in jobs:
         time.sleep(rng.uniform(0.2, 1.0))
@@ -260,7 +261,9 @@ def laya_latencies(service: Service, jobs: list[BenchJob], rng: random.Random, f
     latencies = [row.total_ms for row in rows]
     figures.update({f"laya_p50_ms_{when}": percentile(latencies, 50), f"laya_p95_ms_{when}": percentile(latencies, 95),
                     f"laya_ms_{when}": latencies, f"laya_queue_ms_{when}": [row.queue_ms for row in rows],
-                    f"laya_ttft_ms_{when}": [row.ttft_ms for row in rows]})
+                    f"laya_ttft_ms_{when}": [row.ttft_ms for row in rows],
+                    f"laya_ms_per_later_token_{when}": [(row.total_ms - row.ttft_ms) / (row.completion_tokens - 1)
+                                                        for row in rows if row.completion_tokens > 1]})
 
 
 def engine_phases(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class JobRow:
     ttft_ms: float | None
     queue_ms: float | None
     batch_id: str | None
+    completion_tokens: int | None = None
 
 
 @dataclass
@@ -211,7 +212,8 @@ class Service:
             found = {str(j.id): j for j in session.scalars(select(Job).where(Job.id.in_(wanted)))}
         return [JobRow(id=i, adapter=(j := found[i]).adapter, status=j.status, error_code=j.error_code,
                        created_at=j.created_at, started_at=j.started_at, finished_at=j.finished_at,
-                       total_ms=j.total_ms, ttft_ms=j.ttft_ms, queue_ms=j.queue_ms, batch_id=str(j.batch_id) if j.batch_id else None)
+                       total_ms=j.total_ms, ttft_ms=j.ttft_ms, queue_ms=j.queue_ms,
+                       batch_id=str(j.batch_id) if j.batch_id else None, completion_tokens=j.completion_tokens)
                 for i in ids]
 
     def batches(self, since: datetime | None = None) -> list[BatchRow]:
