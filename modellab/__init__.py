@@ -5,3 +5,7 @@ evaluation through the serving runtime (`evaluation.py`), random-weight models o
 (`model_factory.py`) and the benchmarks (`bench/`). It stands on `worker/` (the runtime) and `shared/`;
 nothing in `api/`, `worker/` or `shared/` imports it.
 """
+
+from shared.logs import drop_misleading_library_lines
+
+drop_misleading_library_lines()  # before any model library is imported below this package

@@ -10,6 +10,12 @@ from typing import Any
 
 FIELDS = "fields"  # the LogRecord attribute that holds a line's structured fields
 
+# Library lines that say something untrue of this project, by logger: the start of the message dropped. Imported on a
+# CPU with AVX512-BF16, bitsandbytes tries to fetch a CPU kernel from the Hugging Face Hub and, failing, asks for
+# `pip install kernels` (installed); it then runs its own kernel, as intended: hub kernels stay off here
+# (worker/model/loading.py: load_causal_lm).
+MISLEADING = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community"}
+
 
 def _value(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
@@ -44,6 +50,23 @@ class TextFormatter(logging.Formatter):
         head, sep, tail = text.partition("\n")  # fields stay on the first line, before any traceback
         pairs = " ".join(f"{key}={_value(value)}" for key, value in fields.items() if value is not None)
         return f"{head} {pairs}{sep}{tail}"
+
+
+class _Dropped(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+def drop_misleading_library_lines() -> None:
+    """Filter the MISLEADING lines out at their loggers: before the library is imported, since it logs then."""
+    for name, start in MISLEADING.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Dropped) for f in logger.filters):
+            logger.addFilter(_Dropped(start))
 
 
 def configure_logging(log_format: str, level: int | str = logging.INFO) -> None:

@@ -4,3 +4,7 @@ outcomes), `decoder/` (the slot decoder), `model/` (loading), `memory.py` (the V
 
 Only the serving path lives here; offline model work (training, evaluation, benchmarks, the reference runtime) is
 in `modellab/`."""
+
+from shared.logs import drop_misleading_library_lines
+
+drop_misleading_library_lines()  # before any model library is imported below this package
