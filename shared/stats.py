@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, text
+from sqlalchemy import bindparam, case, func, select, text
 from sqlalchemy.orm import Session
 
 from shared.models import ClaimGroup, Job, JobStatus, UTCDateTime
@@ -233,11 +233,14 @@ def recent_batches(session: Session, since: datetime, limit: int = 200) -> list[
     open_ids = [b.id for b in rows if b.finished_at is None]
     running: set[Any] = set()
     last_stored: dict[Any, datetime | None] = {}
-    if open_ids:
-        in_open = Job.batch_id.in_(open_ids)
-        running = set(session.scalars(select(Job.batch_id).where(in_open, Job.status == JobStatus.RUNNING)))
-        last_stored = dict(session.execute(select(Job.batch_id, func.max(Job.finished_at)).where(in_open)
-                                           .group_by(Job.batch_id)).tuples().all())
+    if open_ids:  # one pass over the open batches' jobs: whether any still runs, and the last one stored
+        still_running = func.sum(case((Job.status == JobStatus.RUNNING, 1), else_=0))
+        for batch_id, stored, runs in session.execute(
+                select(Job.batch_id, func.max(Job.finished_at), still_running)
+                .where(Job.batch_id.in_(open_ids)).group_by(Job.batch_id)):
+            last_stored[batch_id] = stored
+            if runs:
+                running.add(batch_id)
 
     def iso(moment: datetime | None) -> str | None:
         return moment.isoformat() if moment else None
