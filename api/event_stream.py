@@ -53,10 +53,10 @@ def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settin
 
     async def events() -> AsyncIterator[str]:
         yield "retry: 1000\n\n"
-        if job.status in JobStatus.FINISHED:
-            yield sse("done", _stored(job))
-            return
         if last_event_id is None:
+            if job.status in JobStatus.FINISHED:  # a new client of an ended job: the job is its whole story
+                yield sse("done", _stored(job))
+                return
             yield sse("status", {"status": job.status, "attempt": job.attempts})
         # The text the client has built from this connection, as it builds it (README: deltas appended, `running`
         # restarting it, `resync` setting it); None where it resumed and its text so far is not known here (its

@@ -229,15 +229,18 @@ reader = StreamReader()
 
 async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], position: str,
                      heartbeat_s: float) -> AsyncIterator[list[StreamEvent] | JobOut | Gap | None]:
-    """What a client following `job` (not finished when it was read) is told, in order: stream entries after
-    `position` (as many at once as were there), a Gap where the stream cannot continue (then all it holds; or,
-    once the job ended and its stream cannot be read, nothing more: the stored text is the text), None when
-    `heartbeat_s` passed in silence, and last the finished job, as stored."""
+    """What a client following `job` from `position` is told, in order: stream entries after `position` (as many
+    at once as were there), a Gap where the stream cannot continue (then all it holds; or, once the job ended and
+    its stream cannot be read, nothing more: the stored text is the text), None when `heartbeat_s` passed in
+    silence, and last the finished job, as stored. A job that ended before it was followed is told the same way:
+    what its stream holds after `position` (a client that reconnects after the end), then the job."""
     with reader.follow(job.id, position) as follower:
         await notices.subscribed(timeout_s=1.0)
         job = await read_job()  # followed first, read second: a notice in between is not missed
+        # Already ended: as after a finished notice, the rest of the stream is read before the end is told.
+        follower.finished = ending = job.status in JobStatus.FINISHED
         client = reader.client()
-        while job.status not in JobStatus.FINISHED:
+        while ending or job.status not in JobStatus.FINISHED:
             try:
                 events = await follower.events(client, heartbeat_s)
             except Gap as gap:
@@ -259,7 +262,7 @@ async def follow_job(job: JobOut, read_job: Callable[[], Awaitable[JobOut]], pos
             if events:
                 yield events
             if follower.finished and not follower.behind:  # everything written before it ended is handed out
-                follower.finished = False
+                follower.finished = ending = False
                 job = await read_job()
             elif not events:
                 yield None

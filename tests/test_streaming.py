@@ -13,7 +13,7 @@ from openai import OpenAI
 
 from modellab.bench.sse import streamed_text
 from shared.settings import DEFAULT_MODEL_DIR
-from tests.conftest import AUTH, start_worker, submit, wait_until
+from tests.conftest import AUTH, start_worker, submit, wait_finished, wait_until
 
 # The shipped demo model writes text (random weights write bytes that are not UTF-8, whose rows stream nothing until
 # their stored text comes whole), and with end-of-sequence ignored every job writes all its max_new_tokens: long
@@ -80,6 +80,21 @@ def test_a_client_watches_the_text_grow_and_ends_with_the_stored_job(env, api, s
     assert len(ids) == len(set(ids)) == len(deltas) + kinds[1:].count("status")
     # connecting after the end: `done` at once
     assert [e["event"] for e in follow(api, job_id)] == ["done"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("env", [SLOW], indirect=True)
+def test_a_client_that_reconnects_after_its_job_ended_gets_the_rest_of_the_text(env, api, start_process):
+    """The job ends while its client is away: reconnecting with Last-Event-ID brings the deltas it missed, then
+    `done`, never `done` alone (its text would stop where the connection dropped)."""
+    start_worker(start_process, env, api)
+    job_id = submit(api, "kev", "Options: A cost 10; B cost 20. Objective: lowest cost.", max_new_tokens=120)
+    first = follow(api, job_id, stop_after=3)
+    assert first[-1]["event"] == "delta"
+    [stored] = wait_finished(api, [job_id])
+    rest = follow(api, job_id, first[-1]["id"])
+    assert rest[-1]["event"] == "done" and any(e["event"] == "delta" for e in rest)
+    assert streamed_text(first + rest) == stored["result"]["text"]
 
 
 @pytest.mark.integration
