@@ -35,7 +35,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                     "job_time_limit_s", "drain_seconds", "sweep_interval_s", "heartbeat_ttl_s", "publish_retries"),
     "Request limits": ("max_prompt_chars", "max_new_tokens_limit", "max_batch_submit", "max_body_bytes",
                        "max_header_bytes", "max_wait_timeout_s", "wait_recheck_s", "chat_timeout_s"),
-    "Live job streams": ("stream_max_events", "stream_keep_s", "stream_heartbeat_s"),
+    "Live job streams": ("stream_max_events", "stream_keep_s", "stream_interval_ms", "stream_heartbeat_s"),
     "Batch API": ("files_dir", "files_max_bytes", "files_max_lines", "files_per_key_bytes",
                   "batch_check_interval_s", "batch_lease_s"),
     "VRAM": ("vram_budget_gb",),
@@ -266,6 +266,10 @@ class Settings(BaseSettings):
         "decode step it wrote text in); a client further behind is told to `resync`")
     stream_keep_s: int = Field(default=600, ge=1, description="a job's stream of live events is kept this long "
                                "after it ends (the stored row stays the truth)")
+    stream_interval_ms: float = Field(
+        default=25, ge=0, le=1000, description="a running job's new text goes to its stream at most this often (one "
+        "entry for every step since the last): the worker's Python thread that writes streams then competes less "
+        "with its decode loop; status changes and a finished job's text are written at once")
     stream_heartbeat_s: float = Field(
         default=15, gt=0, description="an event stream with nothing new sends a comment this often, so proxies keep "
         "it open; a client whose job's \"finished\" notice was lost finds it then")

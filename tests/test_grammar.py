@@ -4,7 +4,9 @@ parameters the API honours or refuses."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import uuid
 
 import jsonschema
@@ -19,9 +21,11 @@ from shared.decision import offered_options
 from shared.schemas import answer_grammar
 from shared.settings import Settings
 from tests.conftest import AUTH
+from worker.decoder.grammar import RowGrammars
 from worker.decoder.slot_decoder import SlotDecoder
 from worker.generation import GenerationRequest
 from worker.ledger.outcomes import job_outcome
+from worker.model.tokens import decode_with_spans
 
 SETTINGS = Settings(_env_file=None, device="cpu")
 SCHEMA = {
@@ -185,6 +189,41 @@ def test_a_stop_string_that_spans_tokens_cuts_the_answer_before_it(demo):
     [cut] = run(demo, [text_request("kev", prompt, 60, stop=["never written", stop])])
     assert cut.text == free.text[:start] and cut.stop == stop and cut.finish_reason == "stop"
     assert len(cut.token_ids) < len(free.token_ids)
+
+
+def test_a_token_adds_to_the_live_text_the_bytes_it_adds_to_the_stored_text(demo):
+    """Special tokens and ids past the tokenizer (a model's padded vocabulary) add nothing, as the stored text skips
+    them: the library names such an id `<[id]>`, which the stream then published and the stop strings searched."""
+    tokenizer = demo.tokenizer
+    grammars = RowGrammars(tokenizer, len(tokenizer) + 8, demo.eos_ids, 2, torch.device("cpu"))
+    for token in range(len(tokenizer) + 8):
+        text = tokenizer.decode([token], skip_special_tokens=True)
+        if "\ufffd" not in text:  # a byte-level token that ends inside a character has no text of its own
+            assert grammars.token_bytes(token) == text.encode(), token
+    assert grammars.token_bytes(len(tokenizer) + 3) == b"" and grammars.token_bytes(demo.eos_ids[0]) == b""
+
+
+def test_a_row_without_a_grammar_allows_every_token_where_a_constrained_row_was(demo):
+    grammars = RowGrammars(demo.tokenizer, len(demo.tokenizer), demo.eos_ids, 2, torch.device("cpu"))
+    json_grammar = grammar.json_grammar(SCHEMA)
+    first = grammars.allowed([grammars.matcher(json_grammar), None])
+    assert first[1].all() and not first[0].all()
+    second = grammars.allowed([None, grammars.matcher(json_grammar)])
+    assert second[0].all() and torch.equal(second[1], first[0])
+
+
+def test_token_spans_are_those_of_decoding_each_prefix(demo):
+    """A token's span ends where the text of the tokens up to it ends (never before the last one's)."""
+    tokenizer, rng = demo.tokenizer, random.Random(0)
+    words = tokenizer.encode('Kev: café naïve 日本語 🙂 {"decision": "B"}')
+    for _ in range(50):
+        tokens = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(0, 30))] + words[:rng.randint(0, 20)]
+        rng.shuffle(tokens)
+        ends = [len(tokenizer.decode(tokens[:end], skip_special_tokens=True)) for end in range(1, len(tokens) + 1)]
+        text, spans = decode_with_spans(tokenizer, tokens)
+        assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+        assert [b for _a, b in spans] == list(itertools.accumulate(ends, max))
+        assert [a for a, _b in spans] == [0] + [b for _a, b in spans[:-1]]
 
 
 def test_log_probabilities_are_the_models_own_with_the_likeliest_alternatives(demo):

@@ -351,6 +351,45 @@ def test_a_piece_that_is_not_utf8_stops_the_live_text_until_the_stored_text():
 
 
 @pytest.mark.integration
+def test_steps_in_quick_succession_are_published_together_and_a_finished_job_at_once(redis_server, monkeypatch):
+    """The publisher's work holds the interpreter's lock the decode loop launches steps with: new tokens go out at
+    most every `stream_interval_ms`, one entry for all the steps since; the text is whole all the same, and a
+    finished job's text does not wait for the interval (its result is committed only once the stream holds it)."""
+    import time
+    import uuid
+    from types import SimpleNamespace
+
+    import redis as sync_redis
+
+    from shared.job_stream import read_entry, stream_key
+    from shared.models import Job
+    from shared.settings import Settings
+    from tests.conftest import reset_process_state
+    from worker.engine.token_stream import TokenPublisher
+
+    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    reset_process_state()
+    job = Job(id=uuid.uuid4(), adapter="kev", requested_adapter="kev", input="x", params={}, attempts=1)
+    row = SimpleNamespace(request=SimpleNamespace(job_id=job.id), tokens=[], first_token_at=None)
+    publisher = TokenPublisher(Settings(_env_file=None, stream_interval_ms=300), lambda: [row],
+                               lambda token: bytes([token]))
+    publisher.started([job])
+    text = "twenty steps of text"
+    for character in text.encode():  # a step every 10 ms: 200 ms in all
+        row.tokens.append(character)
+        publisher.tick()
+        time.sleep(0.01)
+    started = time.monotonic()
+    publisher.finish([(job.id, text, len(text))])
+    assert time.monotonic() - started < 0.2
+    entries = [read_entry(fields) for _id, fields in sync_redis.Redis.from_url(redis_server.url).xrange(
+        stream_key(job.id))]
+    deltas = [data["text"] for event, data in entries if event == "delta"]
+    assert "".join(deltas) == text
+    assert len(deltas) <= 3  # the first step's text, the rest after the interval, the finished tail
+
+
+@pytest.mark.integration
 def test_hundreds_of_followers_catching_up_at_once_all_read_the_stream(redis_server, monkeypatch):
     """Every follower starts behind and reads what came before itself: 300 at once wait for a connection of the
     pool rather than fail (redis-py's own pool refused the 101st: "Too many connections")."""

@@ -69,7 +69,8 @@ class RowGrammars:
         if not pairs:
             return None
         words = self.words[:len(matchers)]
-        words.fill_(-1)
+        if len(pairs) < len(matchers):  # the library writes the rows it is given; the others allow every token
+            words[[row for row, matcher in enumerate(matchers) if matcher is None]] = -1
         fill_next_token_bitmask_par(self.executor, pairs, words)
         on_device = words.to(self.device, non_blocking=True)
         return ((on_device[:, :, None] >> self.bit) & 1).bool().flatten(1)[:, :self.vocab_size]
@@ -82,7 +83,9 @@ class RowGrammars:
         return matcher.is_stopped()
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes a token stands for (a stop string is searched in bytes: a token can end inside a character)."""
+        """The bytes a token adds to the answer's text (a stop string is searched in bytes: a token can end inside a
+        character). A special token adds none, as the stored text skips it; so does an id past the tokenizer's
+        vocabulary, which the library names `<[id]>`."""
         if token not in self._bytes:
-            self._bytes[token] = self.tokenizer.decode_bytes([token])
+            self._bytes[token] = b"" if self.tokenizer.is_special_token(token) else self.tokenizer.decode_bytes([token])
         return self._bytes[token]

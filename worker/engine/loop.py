@@ -128,8 +128,7 @@ class Engine:
         self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
         self.pacer = PrefillPacer(settings.engine_prefill_share)
         self.interactive_at = -INTERACTIVE_QUIET_S  # time.monotonic() of the last interactive job claimed
-        self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes,
-                                     loaded.tokenizer.all_special_ids)
+        self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes)
         self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
         # The writer's work must not hold the decode loop at each lock hand-back (settings: engine_switch_interval_ms).
         sys.setswitchinterval(settings.engine_switch_interval_ms / 1000)

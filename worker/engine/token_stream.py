@@ -3,7 +3,8 @@ clients watch a job think while the decode loop never waits on Redis (docs/archi
 
 The decode loop only says that a step is done (`tick`); the thread reads the new tokens of every row in flight,
 turns them into text (whole characters only, and never the start of a stop string), and writes one entry per job
-for all the steps it has not published yet. The result writer hands over each finished job's stored text before
+for all the steps it has not published yet, at most every `stream_interval_ms` (its work is Python that holds the
+interpreter's lock, which the decode loop needs to launch each step). The result writer hands over each finished job's stored text before
 it commits it (`finish`), so a stream holds every character of the answer before the job is announced finished.
 
 Redis being away costs nothing but the live view: a stream found missing (Redis restarted, or it expired) is
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import logging
+import math
 import threading
 import time
 import uuid
@@ -83,10 +85,9 @@ def _first_text(fields: dict[str, str], live: LiveJob) -> dict[str, str]:
 
 
 class TokenPublisher:
-    def __init__(self, settings: Settings, rows: Callable[[], list[Row]], token_bytes: Callable[[int], bytes],
-                 special_ids: Iterable[int]):
+    def __init__(self, settings: Settings, rows: Callable[[], list[Row]], token_bytes: Callable[[int], bytes]):
+        """`token_bytes`: the bytes a token adds to the stored text (none for a special token)."""
         self.settings, self._rows, self._token_bytes = settings, rows, token_bytes
-        self._special = frozenset(special_ids)
         self._live: dict[uuid.UUID, LiveJob] = {}
         self._entries: list[tuple[str, dict[str, str]]] = []  # status entries to write, in order
         self._finals: list[tuple[uuid.UUID, str | None, int]] = []
@@ -151,9 +152,14 @@ class TokenPublisher:
         self._changed.notify_all()
 
     def _run(self) -> None:
+        interval, published = self.settings.stream_interval_ms / 1000, -math.inf
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._ticked or self._entries or self._finals)
+                # new tokens alone wait out the interval; a status or a finished job's text goes at once
+                self._changed.wait_for(lambda: self._entries or self._finals,
+                                       published + interval - time.monotonic())
+                published = time.monotonic()
                 ticked, self._ticked = self._ticked, False
                 statuses, self._entries = self._entries, []
                 finals, self._finals, handed = self._finals, [], self._handed
@@ -177,7 +183,7 @@ class TokenPublisher:
                 live.first_token_at = (row.first_token_at or time.perf_counter()) + wall
             new = row.tokens[live.tokens:count]
             live.tokens = count
-            piece = live.utf8.decode(b"".join(self._token_bytes(t) for t in new if t not in self._special))
+            piece = live.utf8.decode(b"".join(self._token_bytes(t) for t in new))
             if text := live.take(piece):
                 out.append((live, text))
         return out

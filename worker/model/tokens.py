@@ -43,12 +43,19 @@ def check_request(tokenizer: PreTrainedTokenizerBase, context: int | None, reque
 def decode_with_spans(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> tuple[str, list[tuple[int, int]]]:
     """The text of `tokens` and the character span of each token in it (decoding prefixes, because a byte-level
     token can end inside a multi-byte character)."""
+    prefixes = [tokens[:end] for end in range(1, len(tokens) + 1)]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not tokenizer.clean_up_tokenization_spaces:
+        # what `decode` does for such a tokenizer, in one call that leaves the interpreter's lock to the threads
+        # beside it (the result writer runs this while the decode loop launches steps)
+        texts = backend.decode_batch([tokens] + prefixes, skip_special_tokens=True)
+    else:
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in [tokens] + prefixes]
     spans, previous = [], 0
-    for end in range(1, len(tokens) + 1):
-        length = len(tokenizer.decode(tokens[:end], skip_special_tokens=True))
-        spans.append((previous, max(previous, length)))
-        previous = max(previous, length)
-    return tokenizer.decode(tokens, skip_special_tokens=True), spans
+    for text in texts[1:]:
+        spans.append((previous, max(previous, len(text))))
+        previous = max(previous, len(text))
+    return texts[0], spans
 
 
 def result_text(tokenizer: PreTrainedTokenizerBase, result: GenerationResult) -> None:
