@@ -74,13 +74,13 @@ def models_build_demo(
     seed: Annotated[int, typer.Option(help="the one seed every stage derives its randomness from")] = 0,
     question_share: Annotated[Optional[float], typer.Option(
         min=0.0, max=1.0, help="share of the training prompts asked as questions in plain words (none of the "
-        "held-out questions); default: the build's own (0 for the shipped model)")] = None,
+        "held-out questions); default: the build's own (0.25)")] = None,
     train_examples: Annotated[Optional[int], typer.Option(
-        min=1, help="training prompts generated for the adapters; default: the build's own (40,000)")] = None,
+        min=1, help="training prompts generated for the adapters; default: the build's own (60,000)")] = None,
     kev_epochs: Annotated[Optional[float], typer.Option(
-        min=0.01, help="epochs of Kev's training; default: the build's own (2.0)")] = None,
+        min=0.01, help="epochs of Kev's training; default: the build's own (2.2)")] = None,
     laya_epochs: Annotated[Optional[float], typer.Option(
-        min=0.01, help="epochs of Laya's training; default: the build's own (3.0)")] = None,
+        min=0.01, help="epochs of Laya's training; default: the build's own (4.6)")] = None,
     resume: Annotated[bool, typer.Option(
         help="keep the base and adapters a cut build with the same settings finished in --out, and build the "
              "rest; an adapter whose epochs changed is trained again")] = False,

@@ -87,14 +87,14 @@ class DemoSpec:
 # (1e-4 / 2e-4) a LoRA on a 4M-parameter base learns too slowly for that budget, so the demo trains at 10x
 # (kev 1e-3, laya 2e-3).
 FULL = DemoSpec(
-    n_train=40_000, n_val=1_000, n_test=1_000, vocab_size=1024,
+    n_train=60_000, n_val=1_000, n_test=1_000, vocab_size=1024,
     hidden_size=256, layers=6, heads=8, kv_heads=4, intermediate_size=640,
     pretrain_docs=120_000,
     pretrain=PretrainConfig(seq_len=256, batch_size=128, lr=2e-3, epochs=3.0, warmup_steps=100,
                             log_every=100, checkpoint_every=200),
-    adapters={"kev": AdapterPlan(epochs=2.0, batch_size=64, lr_scale=10.0),
-              "laya": AdapterPlan(epochs=3.0, batch_size=128, lr_scale=10.0)},
-    eval_samples=512, test_samples=1_000,
+    adapters={"kev": AdapterPlan(epochs=2.2, batch_size=64, lr_scale=10.0),
+              "laya": AdapterPlan(epochs=4.6, batch_size=128, lr_scale=10.0)},
+    eval_samples=512, test_samples=1_000, question_share=0.25,
 )
 
 QUICK = DemoSpec(

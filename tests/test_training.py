@@ -375,5 +375,5 @@ def test_build_demo_help_gives_the_builds_own_defaults() -> None:
     from modellab.demo_model import FULL
 
     shown = CliRunner().invoke(app, ["models", "build-demo", "--help"], env={"COLUMNS": "240"}).output
-    assert f"({FULL.n_train:,})" in shown
+    assert f"({FULL.n_train:,})" in shown and f"({FULL.question_share})" in shown
     assert f"({FULL.adapters['kev'].epochs})" in shown and f"({FULL.adapters['laya'].epochs})" in shown
