@@ -33,7 +33,8 @@ log = logging.getLogger("kevlaya.api")
 QUEUE_EVENTS = 256  # per follower; beyond this it reads from the stream itself
 READ_COUNT = 512  # entries per catch-up read
 READ_CONNECTIONS = 32  # Redis connections for the catch-up reads of all followers
-BLOCK_MS = 100  # a reader's XREAD waits this long at most, so a new follower's stream joins the next one
+BLOCK_MS = 100  # a reader's XREAD waits this long at most (a new follower's stream wakes it: `StreamReader.follow`)
+WAKE_KEEP_S = 60  # a reader's wake-up stream outlives its last use this long (an API process that died leaves none)
 # Followers woken between two turns of the event loop: each turn also serves the other requests (a health probe
 # waits for at most one slice of deliveries, not for every client of every job).
 WAKE_SLICE = 32
@@ -123,10 +124,13 @@ async def read_after(client: aioredis.Redis, job_id: uuid.UUID, position: str) -
     return [_event(entry_id, fields) for entry_id, fields in rows]
 
 
+def _entry_id(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
 def _event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> StreamEvent:
     event, data = read_entry(fields)
-    return StreamEvent(entry_id.decode() if isinstance(entry_id, bytes) else entry_id, event, data,
-                       fields[b"data"].decode())
+    return StreamEvent(_entry_id(entry_id), event, data, fields[b"data"].decode())
 
 
 class StreamReader:
@@ -135,6 +139,12 @@ class StreamReader:
     def __init__(self) -> None:
         self._followers: dict[str, set[Follower]] = {}  # by stream key
         self._cursors: dict[str, str] = {}
+        # The XREAD in flight names the streams followed when it began. A stream followed since wakes it through
+        # this reader's own stream, one entry per XREAD at most, so the new one's first text does not wait out
+        # the block.
+        self._wake_key, self._wake_position = f"kevlaya:job-events-reader:{uuid.uuid4().hex}", "0"
+        self._reads = self._woken_read = 0  # XREADs begun; the one a wake-up was sent for
+        self._waking: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: aioredis.Redis | None = None
@@ -154,14 +164,35 @@ class StreamReader:
         """A follower of the job's stream from after `position`, also woken by the job's "finished" notice."""
         self._ensure_reading()
         key = stream_key(job_id)
-        self._cursors.setdefault(key, position)
+        if key not in self._cursors:
+            self._cursors[key] = position
+            self._wake_reader()
         self._joined.set()
         with registered(self._followers, key, Follower(job_id, position),
                         on_last=lambda gone: self._cursors.pop(gone, None)) as follower:
             with notices.watch(job_id, follower):
                 yield follower
 
+    def _wake_reader(self) -> None:
+        if self._reads == self._woken_read:  # this XREAD is already woken: the next one names every stream
+            return
+        self._woken_read = self._reads
+        task = asyncio.get_running_loop().create_task(self._send_wake_up())
+        self._waking.add(task)
+        task.add_done_callback(self._waking.discard)
+
+    async def _send_wake_up(self) -> None:
+        try:
+            async with self.client().pipeline(transaction=False) as pipe:
+                pipe.xadd(self._wake_key, {"wake": "1"}, maxlen=1, approximate=False)
+                pipe.expire(self._wake_key, WAKE_KEEP_S)
+                await pipe.execute()
+        except Exception as exc:  # the XREAD still ends within BLOCK_MS
+            log.debug("could not wake the job stream reader: %s", exc)
+
     async def close(self) -> None:
+        for task in list(self._waking):
+            await stop(task)
         await stop(self._task)
         self._task = None
         if self._client is not None:
@@ -183,8 +214,10 @@ class StreamReader:
                     self._joined.clear()
                     await self._joined.wait()
                     continue
+                self._reads += 1
                 try:
-                    replies = await client.xread(dict(self._cursors), count=READ_COUNT, block=BLOCK_MS)
+                    replies = await client.xread({**self._cursors, self._wake_key: self._wake_position},
+                                                 count=READ_COUNT, block=BLOCK_MS)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # Redis away: every follower reads for itself once it is back
@@ -198,6 +231,9 @@ class StreamReader:
                 woken = 0
                 for key, rows in replies or ():
                     key = key.decode() if isinstance(key, bytes) else key
+                    if key == self._wake_key:
+                        self._wake_position = _entry_id(rows[-1][0])
+                        continue
                     woken = await self._hand_out(key, [_event(entry_id, fields) for entry_id, fields in rows], woken)
         finally:
             await client.aclose()

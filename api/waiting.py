@@ -19,6 +19,7 @@ from shared.notify import FINISHED_CHANNEL
 from shared.settings import get_settings
 
 log = logging.getLogger("kevlaya.api")
+STOP_RETRY_S = 0.1  # a background task not ended this long after its cancellation is cancelled again
 
 
 class Waiter(Protocol):
@@ -47,13 +48,15 @@ def registered(table: dict[str, set[T]], key: str, item: T,
 
 
 async def stop(task: asyncio.Task[None] | None) -> None:
-    """Cancel a background task and wait until it has ended."""
-    if task is not None and not task.done():
+    """Cancel a background task and wait until it has ended. The cancellation is repeated until it takes: one that
+    lands while redis-py's asyncio client starts a command can be swallowed, and a reader would then go on."""
+    if task is None:
+        return
+    while not task.done():
         task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+        await asyncio.wait([task], timeout=STOP_RETRY_S)
+    if not task.cancelled() and (error := task.exception()) is not None:
+        raise error
 
 
 class FinishedJobNotices:

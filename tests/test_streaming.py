@@ -434,6 +434,48 @@ def test_hundreds_of_followers_catching_up_at_once_all_read_the_stream(redis_ser
 
 
 @pytest.mark.integration
+def test_a_job_followed_while_the_reader_waits_gets_its_first_entry_at_once(redis_server, monkeypatch):
+    """The reader's blocking XREAD names the streams followed when it began: a job followed meanwhile is read
+    from the next one on. The reader is woken for it, instead of its first text waiting out the block (the
+    benchmark's first-delta p95 was the reader's 100 ms block)."""
+    import asyncio
+    import time
+    import uuid
+
+    import redis as sync_redis
+
+    import api.job_events as job_events
+    from shared.job_stream import entry, stream_key
+    from tests.conftest import reset_process_state
+
+    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    monkeypatch.setattr(job_events, "BLOCK_MS", 8_000)
+    reset_process_state()
+    writer = sync_redis.Redis.from_url(redis_server.url)
+    first, second = uuid.uuid4(), uuid.uuid4()
+
+    async def main() -> tuple[list, float]:
+        reader = job_events.StreamReader()
+        client = reader.client()
+        try:
+            with reader.follow(first) as one:
+                assert await one.events(client, 0.1) == []  # caught up: from now on the reader feeds it
+                await asyncio.sleep(0.3)  # the reader waits on the first job's stream alone
+                with reader.follow(second) as two:
+                    assert await two.events(client, 0.1) == []
+                    writer.xadd(stream_key(second), entry("delta", text="hi", tokens=1))
+                    started = time.monotonic()
+                    events = await two.events(client, 15.0)
+                    return events, time.monotonic() - started
+        finally:
+            await reader.close()
+
+    events, waited = asyncio.run(main())
+    assert [e.data["text"] for e in events] == ["hi"]
+    assert waited < 4.0  # not the rest of the reader's 8 s block
+
+
+@pytest.mark.integration
 def test_a_follower_woken_while_its_job_runs_and_the_stream_is_unreadable_does_not_end(redis_server, monkeypatch):
     """The notices wake every follower when they (re)subscribe, whether its job ended or not. A follower so woken
     whose stream read then fails goes on following while the row says the job runs, and ends only with the

@@ -139,3 +139,28 @@ def _answers(client: httpx.Client) -> bool:
         return client.get("/healthz").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_stopping_a_background_task_that_swallowed_its_cancellation_still_ends_it():
+    """redis-py's asyncio client can swallow a cancellation that lands while it starts a command (seen with the
+    job stream reader's blocking XREAD): the API's background readers are cancelled until they end."""
+    import asyncio
+
+    from api.waiting import stop
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(20)
+        except asyncio.CancelledError:
+            pass  # swallowed: the task goes on
+        await asyncio.sleep(10)
+
+    async def main() -> tuple[bool, float]:
+        task = asyncio.get_running_loop().create_task(stubborn())
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        await stop(task)
+        return task.cancelled(), time.monotonic() - started
+
+    cancelled, took = asyncio.run(main())
+    assert cancelled and took < 5
