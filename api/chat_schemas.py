@@ -88,7 +88,8 @@ class ChatRequest(RequestModel):
         return JobCreate(
             adapter=self.model,
             input=MessagesInput(messages=self.messages),
-            # Chat clients want the text (under response_format when given); a decision is attached when one parses.
+            # Chat clients want the text (under response_format when given); a decision is attached when one parses
+            # and names an offered option.
             params=JobParams(max_new_tokens=self.max_completion_tokens or self.max_tokens,
                              temperature=self.temperature, top_p=self.top_p, seed=self.seed, output="text",
                              stop=self.stop, response_format=self.response_format, logprobs=self.logprobs,

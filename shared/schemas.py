@@ -228,7 +228,7 @@ class JobParams(RequestModel):
         default="decision",
         description="'decision': the answer is generated under the decision grammar (the job fails with `length` "
         "only if max_new_tokens runs out before its decision object closes); 'text': the raw text is the result, "
-        "a decision is attached when one parses",
+        "a decision is attached when one parses and names an option the input offers (its `Options:` line) or none",
     )
     choices: Annotated[list[Label], Field(min_length=1, max_length=MAX_CHOICES), AfterValidator(check_unique)] | None = (
         Field(default=None, description="the option labels a decision may name (\"none\" is always allowed); "
@@ -292,11 +292,16 @@ def to_messages(stored_input: str | dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in stored_input["messages"]]
 
 
+def job_choices(params: dict[str, Any], messages: list[dict[str, str]]) -> list[str] | None:
+    """The options a job's decision may name besides "none": `params.choices`, else those its question lists on
+    an `Options:` line, else None (any)."""
+    return params.get("choices") or offered_options("\n".join(m["content"] for m in messages if m["role"] == "user"))
+
+
 def answer_grammar(params: dict[str, Any], messages: list[dict[str, str]], analysis: bool) -> str | None:
     """The grammar a stored job's answer is generated under (shared/grammar.py), or None: free text."""
     if params.get("output", "decision") == "decision":
-        offered = offered_options("\n".join(m["content"] for m in messages if m["role"] == "user"))
-        return grammar.decision_grammar(params.get("choices") or offered, analysis)
+        return grammar.decision_grammar(job_choices(params, messages), analysis)
     response_format = params.get("response_format") or {"type": "text"}
     if response_format["type"] == "json_object":
         return grammar.json_grammar(None)

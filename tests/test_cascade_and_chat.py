@@ -53,6 +53,21 @@ def test_unparsable_answers_fail_as_invalid_output_unless_text_was_asked_for():
     assert text.status == "succeeded" and text.decision is None
 
 
+def test_a_decision_naming_an_option_the_job_does_not_offer_is_no_decision():
+    """Under the decision grammar none can be written; free text can name anything, and its object then counts as
+    no decision: a text job keeps the text alone, and an unsure `auto` head escalates."""
+    def answer(label: str, output: str) -> JobOutcome:
+        tokens = ['{"decision": "', label, '"}']
+        return job_outcome(result_for("".join(tokens), tokens, [-0.1, -0.2, -0.1]), output, choices=["train", "flight"])
+
+    for label in ("flight", "none"):
+        assert answer(label, "text").decision["decision"] == label
+    text = answer("car", "text")
+    assert text.status == "succeeded" and text.decision is None and text.result_text == '{"decision": "car"}'
+    assert needs_escalation(text, Settings(_env_file=None).cascade_threshold)
+    assert answer("car", "decision").error_code == "invalid_output"
+
+
 @pytest.mark.parametrize(
     ("laya", "escalate"),
     [
@@ -101,6 +116,26 @@ def test_the_official_openai_client_gets_answers_from_each_model(env, api, start
     with pytest.raises(Exception) as refused:
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
     assert refused.value.status_code == 422 and "model" in str(refused.value)
+
+
+@pytest.mark.integration
+def test_a_text_job_reports_only_a_decision_its_question_offers(env, api, start_process):
+    """The worker holds a text answer's decision to the options on the question's `Options:` line. Each answer is
+    written under a schema that allows one decision, so what the model writes is known."""
+    import json
+
+    start_worker(start_process, env, api)
+
+    def forced(label: str) -> str:
+        schema = {"type": "object", "properties": {"decision": {"enum": [label]}}, "required": ["decision"],
+                  "additionalProperties": False}
+        return submit(api, "kev", "Train or flight to Berlin? Options: train, flight", max_new_tokens=80,
+                      response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": schema}})
+
+    car, flight = wait_finished(api, [forced("car"), forced("flight")])
+    assert car["status"] == flight["status"] == "succeeded"
+    assert json.loads(car["result"]["text"]) == {"decision": "car"} and car["result"]["decision"] is None
+    assert flight["result"]["decision"]["decision"] == "flight"
 
 
 @pytest.mark.integration

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shared.calibration import Calibration
 from shared.decision import FoundDecision, find_decision
+from shared.grammar import NONE
 from shared.lifecycle import JobOutcome
 from shared.models import JobStatus
 from worker.generation import GenerationResult
@@ -21,9 +22,11 @@ def decision_probability(result: GenerationResult, found: FoundDecision | None =
     return result.span_probability(*found.span) if found is not None else None
 
 
-def job_outcome(result: GenerationResult, output: str, calibration: Calibration = Calibration()) -> JobOutcome:
+def job_outcome(result: GenerationResult, output: str, calibration: Calibration = Calibration(),
+                choices: list[str] | None = None) -> JobOutcome:
     """`output` is the job's format: "decision" requires a valid decision object, "text" does not. `calibration` is
-    the adapter's (shared/calibration.py)."""
+    the adapter's (shared/calibration.py). `choices`: the options the job offers (shared/schemas.py: job_choices);
+    an object that names another is no decision (the grammar writes none such; free text can)."""
     text = stored_text(result.text) if result.text is not None else None
     # Slots never switch adapters: a row carries its own (docs/architecture.md §14).
     timings = dict(switch_ms=0.0, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
@@ -33,6 +36,8 @@ def job_outcome(result: GenerationResult, output: str, calibration: Calibration 
         return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code=result.error_code,
                           error_message=result.error_message, **timings)
     found = find_decision(result.text or "")
+    if found is not None and choices is not None and found.value["decision"] not in (*choices, NONE):
+        found = None
     decision = None
     if found is not None:
         # The confidence is the model's own probability of its decision, never a number it wrote, mapped by the

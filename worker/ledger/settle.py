@@ -14,7 +14,7 @@ from shared.calibration import adapter_calibration
 from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus, Priority
 from shared.queue import QueueUnavailable, publish_wakeup
-from shared.schemas import answer_grammar, stop_strings, to_messages, with_system_prompt
+from shared.schemas import answer_grammar, job_choices, stop_strings, to_messages, with_system_prompt
 from shared.settings import Settings
 from worker.generation import GenerationRequest, GenerationResult
 from worker.ledger.cascade import escalate, is_cascade_head, needs_escalation
@@ -65,7 +65,8 @@ def settle_job(session: Session, job: Job, group_id: uuid.UUID, result: Generati
         outcome = result
     else:
         calibration = adapter_calibration(settings.adapter_profile(job.adapter).path)  # type: ignore[arg-type]
-        outcome = job_outcome(result, job.params.get("output", "decision"), calibration)
+        outcome = job_outcome(result, job.params.get("output", "decision"), calibration,
+                              job_choices(job.params, to_messages(job.input)))
     if isinstance(result, GenerationResult) and is_cascade_head(job) and needs_escalation(
             outcome, settings.cascade_threshold):
         child = escalate(session, job, group_id, outcome)
