@@ -124,13 +124,13 @@ async def read_after(client: aioredis.Redis, job_id: uuid.UUID, position: str) -
     return [_event(entry_id, fields) for entry_id, fields in rows]
 
 
-def _entry_id(entry_id: bytes | str) -> str:
-    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> StreamEvent:
     event, data = read_entry(fields)
-    return StreamEvent(_entry_id(entry_id), event, data, fields[b"data"].decode())
+    return StreamEvent(_text(entry_id), event, data, fields[b"data"].decode())
 
 
 class StreamReader:
@@ -230,9 +230,9 @@ class StreamReader:
                     continue
                 woken = 0
                 for key, rows in replies or ():
-                    key = key.decode() if isinstance(key, bytes) else key
+                    key = _text(key)
                     if key == self._wake_key:
-                        self._wake_position = _entry_id(rows[-1][0])
+                        self._wake_position = _text(rows[-1][0])
                         continue
                     woken = await self._hand_out(key, [_event(entry_id, fields) for entry_id, fields in rows], woken)
         finally:

@@ -4,8 +4,9 @@ clients watch a job think while the decode loop never waits on Redis (docs/archi
 The decode loop only says that a step is done (`tick`); the thread reads the new tokens of every row in flight,
 turns them into text (whole characters only, and never the start of a stop string), and writes one entry per job
 for all the steps it has not published yet, at most every `stream_interval_ms` (its work is Python that holds the
-interpreter's lock, which the decode loop needs to launch each step). The result writer hands over each finished job's stored text before
-it commits it (`finish`), so a stream holds every character of the answer before the job is announced finished.
+interpreter's lock, which the decode loop needs to launch each step). The result writer hands over each finished
+job's stored text before it commits it (`finish`), so a stream holds every character of the answer before the job
+is announced finished.
 
 Redis being away costs nothing but the live view: a stream found missing (Redis restarted, or it expired) is
 written again from the start of the run, with its whole text so far.

@@ -48,14 +48,14 @@ def decode_with_spans(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> 
     if backend is not None and not tokenizer.clean_up_tokenization_spaces:
         # what `decode` does for such a tokenizer, in one call that leaves the interpreter's lock to the threads
         # beside it (the result writer runs this while the decode loop launches steps)
-        texts = backend.decode_batch([tokens] + prefixes, skip_special_tokens=True)
+        texts = backend.decode_batch(prefixes, skip_special_tokens=True)
     else:
-        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in [tokens] + prefixes]
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in prefixes]
     spans, previous = [], 0
-    for text in texts[1:]:
+    for text in texts:
         spans.append((previous, max(previous, len(text))))
         previous = max(previous, len(text))
-    return texts[0], spans
+    return (texts[-1] if texts else ""), spans  # the whole text is the last prefix's
 
 
 def result_text(tokenizer: PreTrainedTokenizerBase, result: GenerationResult) -> None:
