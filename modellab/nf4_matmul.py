@@ -1,11 +1,13 @@
-"""An experimental NF4 kernel for the decode step's few rows: not used in serving, because it is not yet faster.
+"""An experimental NF4 kernel for the decode step's few rows: not used in serving, because it is not faster.
 
 bitsandbytes multiplies a 4-bit weight by more than one row as two kernels: it dequantizes the whole weight to
 fp16 in memory, then runs an fp16 GEMM over it, about 4.5 bytes of memory traffic a weight. Here one Triton kernel
-reads the packed 4-bit weight and its block scales, decodes each tile in registers and multiplies it at once:
-0.5 byte a weight. It is correct (tests), but on the H200 it is still several times slower than bitsandbytes'
-path, which runs near the card's bandwidth (modellab/bench/results/README.md, nf4-kernel). The benchmark's
-decoder phase and `python -m modellab.bench.nf4_kernel` measure it; `install_nf4_kernels` puts it on a model.
+reads the packed 4-bit weight and its block scales, decodes each scale block in registers and multiplies it at
+once: 0.5 byte a weight. It is correct (tests) and, on the H200, as fast as bitsandbytes on a 3B model's small
+matmuls and 1.7 times slower on the widest: it is bound by the instructions that decode each weight (a tree of
+selects; a table load is 2-3 times slower), not by memory (modellab/bench/results/README.md, nf4-kernel). The
+benchmark's decoder phase and `python -m modellab.bench.nf4_kernel` measure it; `install_nf4_kernels` puts it on
+a model.
 
 The packed format is bitsandbytes' own (the weight is not copied or converted): row-major, two weights a byte,
 the even one in the high nibble, one absmax per `blocksize` weights; with double quantization (the default) the
@@ -31,6 +33,12 @@ log = logging.getLogger("kevlaya.decoder")
 # dequantized weight over many rows.
 MAX_ROWS = 64
 
+# bitsandbytes' NF4 table (`bitsandbytes.functional.get_4bit_type("nf4")`), which the kernel's select tree holds
+NF4_VALUES = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                           -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                           0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                           0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -43,7 +51,7 @@ class Nf4Weight:
     packed: torch.Tensor  # uint8, (out × in) / 2 bytes
     absmax: torch.Tensor  # float32 per block, or uint8 codes when nested
     code: torch.Tensor  # float32[16]: the 4-bit values
-    pairs: torch.Tensor  # int64[256]: per byte, the float32 bits of its high nibble's value, then its low one's
+    standard: bool  # `code` is NF4_VALUES (the kernel may then decode without loading it)
     out_features: int
     in_features: int
     blocksize: int
@@ -61,21 +69,16 @@ class Nf4Weight:
         if state is None or getattr(state, "quant_type", None) != "nf4":
             return None
         out_features, in_features = state.shape
-        if in_features % 64 or in_features % state.blocksize or state.blocksize % 2:
-            return None  # the kernel's column tiles are 64 or 128 wide, and a block never straddles two rows
-        parts = dict(packed=weight.data.view(-1), code=state.code.float(), pairs=_pairs(state.code),
+        if in_features % state.blocksize or state.blocksize < 32 or state.blocksize & (state.blocksize - 1):
+            return None  # the kernel reads whole scale blocks of 32 columns or more, never across two rows
+        parts = dict(packed=weight.data.view(-1), code=state.code.float(),
+                     standard=torch.equal(state.code.float().cpu(), NF4_VALUES),
                      out_features=out_features,
                      in_features=in_features, blocksize=state.blocksize, nested=bool(state.nested))
         if state.nested:
             return cls(absmax=state.absmax, absmax2=state.state2.absmax.float(), code2=state.state2.code.float(),
                        blocksize2=state.state2.blocksize, offset=float(state.offset), **parts)
         return cls(absmax=state.absmax.float(), **parts)
-
-
-def _pairs(code: torch.Tensor) -> torch.Tensor:
-    byte = torch.arange(256, device=code.device)
-    bits = [code.float()[nibble].view(torch.int32).long() & 0xFFFFFFFF for nibble in (byte >> 4, byte & 15)]
-    return bits[0] | (bits[1] << 32)
 
 
 def dequantize_reference(weight: Nf4Weight) -> torch.Tensor:
@@ -95,52 +98,94 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
-    def _nf4_matmul_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, pairs_ptr, absmax2_ptr, code2_ptr, bias_ptr,
-                           out_ptr,
-                           offset, M, N, K, k_per_split, stride_xm, stride_om,
+    def _nf4_value(codes):
+        # NF4's 16 values by the code's bits, as a tree of selects: no memory access (the table-load variant is
+        # the other side of the bench's sweep)
+        b3, b2, b1, b0 = (codes & 8) != 0, (codes & 4) != 0, (codes & 2) != 0, (codes & 1) != 0
+        high = tl.where(b2, tl.where(b1, tl.where(b0, 1.0, 0.7229568362236023),
+                                     tl.where(b0, 0.5626170039176941, 0.44070982933044434)),
+                        tl.where(b1, tl.where(b0, 0.33791524171829224, 0.24611230194568634),
+                                 tl.where(b0, 0.16093020141124725, 0.07958029955625534)))
+        low = tl.where(b2, tl.where(b1, tl.where(b0, 0.0, -0.09105003625154495),
+                                    tl.where(b0, -0.18477343022823334, -0.28444138169288635)),
+                       tl.where(b1, tl.where(b0, -0.39491748809814453, -0.5250730514526367),
+                                tl.where(b0, -0.6961928009986877, -1.0)))
+        return tl.where(b3, high, low)
+
+    @triton.jit
+    def _nf4_decoded(byte, scale, code_ptr, TREE: tl.constexpr):
+        """The fp16 weights of 4-bit codes `byte` (BLOCK_N × some columns) times their row's scale: bitsandbytes'
+        own rounding (the value times the scale in float32, then rounded once)."""
+        if TREE:
+            value = _nf4_value(byte.to(tl.int32))
+        else:
+            value = tl.load(code_ptr + byte.to(tl.int32))
+        return (value * scale[:, None]).to(tl.float16)
+
+    @triton.jit
+    def _nf4_matmul_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, bias_ptr, out_ptr,
+                           offset, M, N, K, blocks_per_split, stride_xm, stride_om,
                            BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # out[m, n] = sum_k x[m, k] * w[n, k]. Each weight row's bytes are read contiguously (the tile is n × bytes);
-        # a byte's high nibble is an even column and its low nibble the next one, so x is read as its even and odd
-        # columns and the weight tile is never interleaved. With SPLIT, each program sums one range of k and adds
-        # it into a float32 output.
-        BYTES: tl.constexpr = BLOCK_K // 2
-        SCALES: tl.constexpr = BLOCK_K // BLOCKSIZE
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+                           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, TREE: tl.constexpr, SUB: tl.constexpr,
+                           SWAP: tl.constexpr, PAIRWISE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+        # out[m, n] = sum_k x[m, k] * w[n, k], one scale block (BLOCKSIZE columns of k) at a time: the block's bytes
+        # are read row by row as they lie (contiguous in k) and decoded with their row's scale. PAIRWISE: a byte's
+        # high codes (even columns) and low codes (odd columns) each multiply x's even or odd columns, else they
+        # are joined back in column order. SWAP: the product is computed transposed (w @ x.T), the weights being
+        # the wide operand. SUB blocks per iteration; program (i, j, s) computes column tile i, row tile j, over the
+        # s-th range of scale blocks; with SPLIT the ranges are summed into a float32 output.
+        HALF: tl.constexpr = BLOCKSIZE // 2
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        split = tl.program_id(2)
-        byte_in_tile = tl.arange(0, BYTES)
-        row_in = rm < M
-        col_in = rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_start = split * k_per_split
-        for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-            byte = tl.load(packed_ptr + (rn[:, None] * K + k0) // 2 + byte_in_tile[None, :], mask=col_in[:, None],
-                           other=0).to(tl.int32)
-            block = (rn[:, None] * K + k0) // BLOCKSIZE + tl.arange(0, SCALES)[None, :]  # (BLOCK_N, SCALES)
-            if NESTED:
-                scale_code = tl.load(absmax_ptr + block, mask=col_in[:, None], other=0).to(tl.int32)
-                scale = (tl.load(code2_ptr + scale_code) * tl.load(absmax2_ptr + block // BLOCKSIZE2,
-                                                                   mask=col_in[:, None], other=0.0) + offset)
-            else:
-                scale = tl.load(absmax_ptr + block, mask=col_in[:, None], other=0.0)
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, SCALES, BLOCKSIZE // 2)),
-                               (BLOCK_N, BYTES))
-            if PAIRS:  # one load a byte for both of its values
-                pair = tl.load(pairs_ptr + byte)
-                high = ((pair & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True) * scale).to(tl.float16)
-                low = ((pair >> 32).to(tl.int32).to(tl.float32, bitcast=True) * scale).to(tl.float16)
-            else:
-                high = (tl.load(code_ptr + (byte >> 4)) * scale).to(tl.float16)
-                low = (tl.load(code_ptr + (byte & 15)) * scale).to(tl.float16)
-            columns = rm[:, None] * stride_xm + k0 + 2 * byte_in_tile[None, :]
-            x_even = tl.load(x_ptr + columns, mask=row_in[:, None], other=0.0).to(tl.float16)
-            x_odd = tl.load(x_ptr + columns + 1, mask=row_in[:, None], other=0.0).to(tl.float16)
-            acc += tl.dot(x_even, tl.trans(high))
-            acc += tl.dot(x_odd, tl.trans(low))
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_in, row_in = rn < N, rm < M
+        blocks_per_row = K // BLOCKSIZE
+        first = tl.program_id(2) * blocks_per_split
+        last = tl.minimum(first + blocks_per_split, blocks_per_row)
+        byte_in_block = tl.arange(0, HALF)
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for b0 in range(first, last, SUB):
+            for j in tl.static_range(SUB):
+                b = b0 + j
+                cols = col_in & (rn * 0 + b < last)  # a range's last iteration may run past its end
+                rows = row_in & (rm * 0 + b < last)
+                byte = tl.load(packed_ptr + rn[:, None] * (K // 2) + b * HALF + byte_in_block[None, :],
+                               mask=cols[:, None], other=0)
+                block = rn * blocks_per_row + b
+                if NESTED:
+                    scale_code = tl.load(absmax_ptr + block, mask=cols, other=0).to(tl.int32)
+                    scale = tl.load(code2_ptr + scale_code) * tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=cols,
+                                                                      other=0.0) + offset
+                else:
+                    scale = tl.load(absmax_ptr + block, mask=cols, other=0.0)
+                x_row = x_ptr + rm[:, None] * stride_xm + b * BLOCKSIZE
+                if PAIRWISE:
+                    high = _nf4_decoded(byte >> 4, scale, code_ptr, TREE)
+                    low = _nf4_decoded(byte & 15, scale, code_ptr, TREE)
+                    x_even = tl.load(x_row + 2 * byte_in_block[None, :], mask=rows[:, None], other=0.0)
+                    x_odd = tl.load(x_row + 2 * byte_in_block[None, :] + 1, mask=rows[:, None], other=0.0)
+                    if SWAP:
+                        acc = tl.dot(high, tl.trans(x_even), acc)
+                        acc = tl.dot(low, tl.trans(x_odd), acc)
+                    else:
+                        acc = tl.dot(x_even, tl.trans(high), acc)
+                        acc = tl.dot(x_odd, tl.trans(low), acc)
+                else:
+                    codes = tl.reshape(tl.join(byte >> 4, byte & 15), (BLOCK_N, BLOCKSIZE))
+                    w = _nf4_decoded(codes, scale, code_ptr, TREE)
+                    x = tl.load(x_row + tl.arange(0, BLOCKSIZE)[None, :], mask=rows[:, None], other=0.0)
+                    if SWAP:
+                        acc = tl.dot(w, tl.trans(x), acc)
+                    else:
+                        acc = tl.dot(x, tl.trans(w), acc)
+        if SWAP:
+            acc = tl.trans(acc)
         if HAS_BIAS:
-            acc += tl.where(split == 0, tl.load(bias_ptr + rn, mask=col_in, other=0.0).to(tl.float32), 0.0)[None, :]
+            acc += tl.where(tl.program_id(2) == 0, tl.load(bias_ptr + rn, mask=col_in, other=0.0).to(tl.float32),
+                            0.0)[None, :]
         where = out_ptr + rm[:, None] * stride_om + rn[None, :]
         if SPLIT:
             tl.atomic_add(where, acc, mask=row_in[:, None] & col_in[None, :])
@@ -157,53 +202,51 @@ def _multiprocessors(device: torch.device) -> int:
 class Launch:
     block_m: int
     block_n: int
-    block_k: int
-    split: int  # ranges of k summed apart, each by its own programs
+    split: int  # ranges of scale blocks summed apart, each by its own programs
+    sub: int = 2  # scale blocks an iteration reads
+    tree: bool = True  # NF4 values from a tree of selects (else loaded from the 16-value table)
+    swap: bool = False  # the product computed transposed, the weights as the wide operand
+    pairwise: bool = False  # even and odd columns multiplied apart (else a byte's codes joined in column order)
     num_warps: int = 4
     num_stages: int = 3
 
 
-def plan(rows: int, weight: Nf4Weight, device: torch.device, block_n: int | None = None,
-         block_k: int | None = None) -> Launch:
-    """Tiles for `rows` rows (`block_n` and `block_k` given: those) and the ranges of k that fill the GPU."""
+def plan(rows: int, weight: Nf4Weight, device: torch.device, block_n: int | None = None) -> Launch:
+    """Tiles for `rows` rows (`block_n` given: that) and the ranges of k that fill the GPU."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    # Narrow column tiles: a decode step's GEMM is a few rows by thousands of columns, and a memory-bound kernel
-    # needs programs on every multiprocessor. A tile's k is whole absmax blocks and divides the input.
-    block_n = block_n or (16 if weight.out_features <= 4096 else 32)
-    block_k = block_k or next(k for k in (256, 128, 64, weight.blocksize)
-                              if k % weight.blocksize == 0 and weight.in_features % k == 0)
-    # Then k in ranges (a power of two, each at least four tiles long) until about two programs run per
-    # multiprocessor: a weight with few column tiles and a long k (down_proj) would otherwise leave most idle.
+    block_n = block_n or 64
+    # A memory-bound kernel needs bytes in flight on every multiprocessor: k in ranges (each at least eight scale
+    # blocks long) until about two programs run per multiprocessor; the outputs are few and wide, the inputs long.
     programs = -(-weight.out_features // block_n) * -(-rows // block_m)
-    k_tiles, split = weight.in_features // block_k, 1
-    while programs * split * 2 <= 2 * _multiprocessors(device) and split * 2 <= k_tiles // 4:
+    blocks, split = weight.in_features // weight.blocksize, 1
+    while programs * split < 2 * _multiprocessors(device) and blocks // (split * 2) >= 8:
         split *= 2
-    return Launch(block_m, block_n, block_k, split)
+    return Launch(block_m, block_n, split, tree=weight.standard)
 
 
 def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = None,
-               launch: Launch | None = None, pairs: bool = True) -> torch.Tensor:
+               launch: Launch | None = None) -> torch.Tensor:
     """x (… × in, fp16) times the NF4 weight transposed, plus bias: (… × out) in x's dtype. `launch`: tiles and
-    ranges of k (default: `plan`'s); `pairs`: decode a byte's two values with one table load (else one each)."""
+    ranges of k (default: `plan`'s)."""
     flat = x.reshape(-1, weight.in_features).contiguous()
     rows = flat.shape[0]
     launch = launch or plan(rows, weight, x.device)
-    block_m, block_n, block_k, split = launch.block_m, launch.block_n, launch.block_k, launch.split
-    k_tiles = weight.in_features // block_k
+    blocks = weight.in_features // weight.blocksize
+    split = min(launch.split, blocks)
     if split > 1:
         out = torch.zeros(rows, weight.out_features, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(rows, weight.out_features, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(weight.out_features, block_n), triton.cdiv(rows, block_m), split)
+    grid = (triton.cdiv(weight.out_features, launch.block_n), triton.cdiv(rows, launch.block_m), split)
     nested = weight.nested
     _nf4_matmul_kernel[grid](
-        flat, weight.packed, weight.absmax, weight.code, weight.pairs,
+        flat, weight.packed, weight.absmax, weight.code,
         weight.absmax2 if nested else weight.absmax, weight.code2 if nested else weight.code,
         bias if bias is not None else out, out, weight.offset, rows, weight.out_features, weight.in_features,
-        triton.cdiv(k_tiles, split) * block_k, flat.stride(0), out.stride(0), BLOCKSIZE=weight.blocksize,
-        BLOCKSIZE2=weight.blocksize2, NESTED=nested, HAS_BIAS=bias is not None, SPLIT=split > 1, PAIRS=pairs,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages)
+        triton.cdiv(blocks, split), flat.stride(0), out.stride(0), BLOCKSIZE=weight.blocksize,
+        BLOCKSIZE2=weight.blocksize2, NESTED=nested, HAS_BIAS=bias is not None, SPLIT=split > 1,
+        TREE=launch.tree, SUB=launch.sub, SWAP=launch.swap, PAIRWISE=launch.pairwise, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 
 

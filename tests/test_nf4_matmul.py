@@ -37,7 +37,7 @@ def test_the_reference_dequantizes_as_bitsandbytes_does(nested: bool) -> None:
 
     layer = nf4_linear(96, 320, nested)
     weight = Nf4Weight.of(layer)
-    assert weight is not None and weight.nested is nested
+    assert weight is not None and weight.nested is nested and weight.standard
     theirs = F.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
     ours = dequantize_reference(weight)
     # bitsandbytes returns fp16: ours, in fp32, agrees to fp16's rounding
@@ -75,11 +75,15 @@ INTERPRETED = textwrap.dedent("""
             for rows in (1, 17, 40):
                 x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).half()
                 expected = x.float() @ reference.T + (layer.bias.float() if bias else 0)
-                # k in one range, and in ranges summed apart (more ranges than 128-column tiles: some are empty);
-                # a byte's two values from one pair-table load, or from two loads of the 16 values
-                for split, pairs in ((1, True), (2, True), (4, True), (1, False), (2, False)):
-                    launch = dataclasses.replace(plan(rows, weight, x.device), split=split)
-                    got = nf4_matmul(x, weight, layer.bias if bias else None, launch=launch, pairs=pairs)
+                # k in one range, and in ranges summed apart (more ranges than scale blocks: some are empty, and
+                # a range's last iteration runs past its end); values from the select tree or the table; the
+                # product transposed or not; even and odd columns apart or joined
+                for split, sub, tree, swap, pairwise in ((1, 2, True, False, False), (2, 1, True, True, False),
+                                                         (4, 2, False, False, True), (3, 4, False, True, True),
+                                                         (8, 2, True, True, True)):
+                    launch = dataclasses.replace(plan(rows, weight, x.device), block_n=32, split=split, sub=sub,
+                                                 tree=tree, swap=swap, pairwise=pairwise)
+                    got = nf4_matmul(x, weight, layer.bias if bias else None, launch=launch)
                     assert got.dtype == torch.float16 and got.shape == expected.shape
                     worst = max(worst, ((got.float() - expected).abs().max() / expected.abs().max()).item())
 

@@ -21,15 +21,16 @@ from modellab.bench.cli import SHAPES
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
-    """(out, in) of each distinct linear layer of one decoder layer of `shape`."""
+    """(out, in) of each matmul of one decoder layer of `shape` as the decoder runs it: q/k/v joined, o, gate/up
+    joined, down (worker/decoder/fused_projections.py)."""
     from modellab.model_factory import SHAPES as CONFIGS
 
     config = CONFIGS[shape][1]
     hidden, intermediate = config["hidden_size"], config["intermediate_size"]
     head_dim = hidden // config["num_attention_heads"]
     kv = head_dim * config.get("num_key_value_heads", config["num_attention_heads"])
-    return {"q_proj, o_proj": (hidden, hidden), "k_proj, v_proj": (kv, hidden),
-            "gate_proj, up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
+    return {"q_proj+k_proj+v_proj": (hidden + 2 * kv, hidden), "o_proj": (hidden, hidden),
+            "gate_proj+up_proj": (2 * intermediate, hidden), "down_proj": (hidden, intermediate)}
 
 
 def _graph_ms(run, repeats: int) -> float:  # noqa: ANN001
@@ -51,8 +52,11 @@ def _graph_ms(run, repeats: int) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
-# Tiles and warps tried by --sweep (each with the ranges of k `plan` would give its tiles).
-SWEEP = [(block_n, 256, warps, stages) for block_n in (16, 32, 64) for warps, stages in ((2, 3), (4, 3), (8, 4))]
+# Tried by --sweep for 32 rows: column tiles, scale blocks an iteration, the product transposed or not, even and
+# odd columns apart or joined; then warps and stages, and half or twice `plan`'s ranges of k, around the best.
+SHAPE_SWEEP = [dict(block_n=n, sub=s, swap=w, pairwise=p) for n in (32, 64, 128) for s in (1, 2)
+               for w in (False, True) for p in (False, True)]
+RUN_SWEEP = [dict(num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 3), (8, 4), (2, 3))]
 
 
 def main(
@@ -69,7 +73,7 @@ def main(
     if shape not in SHAPES or shape == "tiny":
         raise typer.BadParameter(f"must be one of {', '.join(s for s in SHAPES if s != 'tiny')}",
                                  param_hint="--shape")
-    from modellab.nf4_matmul import MAX_ROWS, Nf4Weight, nf4_matmul, plan
+    from modellab.nf4_matmul import MAX_ROWS, Launch, Nf4Weight, nf4_matmul, plan
 
     try:
         counts = [int(r) for r in rows.split(",") if r.strip()]
@@ -97,25 +101,25 @@ def main(
                 error = ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
                 bnb_ms = _graph_ms(lambda: bnb.matmul_4bit(x, packed, quant_state=state), repeats)
                 kernel_ms = _graph_ms(lambda: nf4_matmul(x, weight), repeats)
-                launch = plan(count, weight, x.device)
-                one_range = dataclasses.replace(launch, split=1)
-                one_range_ms = _graph_ms(lambda: nf4_matmul(x, weight, launch=one_range), repeats)
-                no_pairs_ms = _graph_ms(lambda: nf4_matmul(x, weight, pairs=False), repeats)
+            launch = plan(count, weight, x.device)
             results.append({"projection": name, "out": out_features, "in": in_features, "rows": count,
                             "bitsandbytes_ms": bnb_ms, "kernel_ms": kernel_ms, "speedup": bnb_ms / kernel_ms,
-                            "launch": dataclasses.asdict(launch), "kernel_one_k_range_ms": one_range_ms,
-                            "kernel_two_table_loads_ms": no_pairs_ms,
+                            "launch": dataclasses.asdict(launch),
                             "kernel_gb_per_s": weight.packed.numel() / kernel_ms / 1e6, "relative_error": error})
         if sweep:
             x = torch.randn(32, in_features, device="cuda", dtype=torch.float16)
-            for block_n, block_k, warps, stages in SWEEP:
-                if in_features % block_k:
-                    continue
-                launch = dataclasses.replace(plan(32, weight, x.device, block_n, block_k), num_warps=warps,
-                                             num_stages=stages)
+            base = plan(32, weight, x.device)
+
+            def timed(launch: Launch) -> float:
                 with torch.inference_mode():
                     ms = _graph_ms(lambda: nf4_matmul(x, weight, launch=launch), repeats)
                 swept.append({"projection": name, "rows": 32, "launch": dataclasses.asdict(launch), "kernel_ms": ms})
+                return ms
+
+            best = min((dataclasses.replace(base, **tiles) for tiles in SHAPE_SWEEP), key=timed)
+            best = min((dataclasses.replace(best, **run) for run in RUN_SWEEP), key=timed)
+            for split in {max(1, best.split // 2), best.split * 2}:
+                timed(dataclasses.replace(best, split=split))
         torch.cuda.empty_cache()
     command = shlex.join(["python", "-m", "modellab.bench.nf4_kernel", *sys.argv[1:]])
     if out is not None:
@@ -124,13 +128,12 @@ def main(
                                    "versions": {"torch": torch.__version__, "bitsandbytes": bnb.__version__},
                                    "results": results, "sweep": swept}, indent=2) + "\n")
     typer.echo(f"{command}\n{shape} on {torch.cuda.get_device_name(0)}: GPU ms per product, captured as a graph")
-    typer.echo("| projection (out × in) | rows | bitsandbytes | kernel (k ranges) | speedup | kernel, one k range | "
-               "kernel, two table loads a byte | kernel GB/s (packed) | error |")
-    typer.echo("|---|---|---|---|---|---|---|---|---|")
+    typer.echo("| matmul (out × in) | rows | bitsandbytes | kernel (k ranges) | speedup | kernel GB/s (packed) | error |")
+    typer.echo("|---|---|---|---|---|---|---|")
     for r in results:
         typer.echo(f"| {r['projection']} ({r['out']} × {r['in']}) | {r['rows']} | {r['bitsandbytes_ms']:.4f} | "
-                   f"{r['kernel_ms']:.4f} ({r['launch']['split']}) | {r['speedup']:.2f}× | {r['kernel_one_k_range_ms']:.4f} | "
-                   f"{r['kernel_two_table_loads_ms']:.4f} | {r['kernel_gb_per_s']:.0f} | {r['relative_error']:.1e} |")
+                   f"{r['kernel_ms']:.4f} ({r['launch']['split']}) | {r['speedup']:.2f}× | "
+                   f"{r['kernel_gb_per_s']:.0f} | {r['relative_error']:.1e} |")
 
     if swept:
         typer.echo("\nsweep, 32 rows: the fastest tiles per projection (ms; bitsandbytes for comparison)")
