@@ -7,9 +7,11 @@ import uuid
 
 import pytest
 import torch
+import transformers.models.llama.modeling_llama as modeling_llama
 
 from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
+from worker.decoder.fused_rotary import NAME, FusedRotary
 from worker.decoder.sampling import RowSampling, choose, nucleus
 from worker.decoder.slot_decoder import SlotDecoder
 from worker.generation import GenerationRequest, GenerationResult
@@ -148,6 +150,31 @@ def test_rms_norms_as_one_operator_answer_as_generate_does(runtime: ReferenceRun
     assert_same_answers(expected, fused.run(requests))
     fused.close()
     assert all("forward" not in vars(norm) for norm in norms)
+
+
+def test_installed_by_decoders_it_stays_until_the_last_one_removes_it(runtime: ReferenceRuntime) -> None:
+    """The modeling module's function is replaced while any decoder holds it, and given back after the last;
+    on the CPU the replacement hands every call to transformers' own, so answers are generate's."""
+    pytest.importorskip("triton", reason="the kernel is Triton's; without it nothing is installed")
+    original = getattr(modeling_llama, NAME)
+    first, second = FusedRotary(runtime.model), FusedRotary(runtime.model)
+    assert first.installed and getattr(modeling_llama, NAME).original is original
+    first.remove()
+    assert getattr(modeling_llama, NAME) is not original  # the second still holds it
+    second.remove()
+    second.remove()  # twice is harmless
+    assert getattr(modeling_llama, NAME) is original
+
+
+def test_a_decoder_with_the_rotary_kernel_answers_as_generate_on_the_cpu(runtime: ReferenceRuntime, decoder) -> None:
+    pytest.importorskip("triton", reason="the kernel is Triton's; without it nothing is installed")
+    requests = mixed_requests()[:4]
+    expected = [runtime.run_batch([r]).results[0] for r in requests]
+    fused = decoder(slots=2, window=256, static_steps=True, fused_rotary=True)
+    assert fused.rotary.installed
+    assert_same_answers(expected, fused.run(requests))
+    fused.close()
+    assert not hasattr(getattr(modeling_llama, NAME), "original")
 
 
 def test_a_model_serves_one_decoder_at_a_time(runtime: ReferenceRuntime, decoder) -> None:

@@ -212,26 +212,48 @@ def test_the_worker_recovers_after_its_child_is_killed(env, api, start_process) 
     assert api.get("/readyz", headers=AUTH).status_code == 200
 
 
-@pytest.mark.parametrize("graphs, fused_norms", [(False, False), (True, False), (True, True)],
-                         ids=["eager-steps", "cuda-graphs", "cuda-graphs-fused-norms"])
+@pytest.mark.parametrize("graphs, fused", [(False, False), (True, False), (True, True)],
+                         ids=["eager-steps", "cuda-graphs", "cuda-graphs-fused-norms-rotary"])
 def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime, graphs: bool,
-                                                          fused_norms: bool) -> None:
+                                                          fused: bool) -> None:
     """The slot decoder on the NF4 base: Kev and Laya rows in the same steps, captured or not, with RMSNorm as one
-    operator (as served on CUDA) or not, give the per-adapter `generate` answers (greedy; fp16, so one answer in
-    eight may part at a near tie)."""
+    operator and the rotary embedding as one kernel (as served on CUDA) or not, give the per-adapter `generate`
+    answers (greedy; fp16, so one answer in eight may part at a near tie)."""
     from worker.decoder.slot_decoder import SlotDecoder
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4)
     expected = [demo.run_batch([r]).results[0] for r in requests]
     decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
-                          graphs=graphs, fused_norms=fused_norms)
+                          graphs=graphs, fused_norms=fused, fused_rotary=fused)
     try:
+        assert (decoder.rotary is not None and decoder.rotary.installed) is fused
         got = decoder.run(requests)
     finally:
         decoder.close()
     agree = sum(g.token_ids == e.token_ids for g, e in zip(got, expected))
     assert agree >= len(requests) - 1, [(e.text, g.text) for g, e in zip(got, expected) if g.token_ids != e.token_ids]
     assert all(g.error_code is None for g in got)
+
+
+def test_the_rotary_kernel_on_cuda_rotates_as_transformers_does() -> None:
+    """worker/decoder/fused_rotary.py compiled: on a 3B model's heads (16 query, 2 key/value, 128 wide), for a
+    decode step's rows and a prefill's tokens, its queries and keys are transformers' to within one rounding."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    from worker.decoder.fused_rotary import rotary, takes
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for batch, seq in ((32, 1), (4, 200)):
+            joined = torch.randn(batch, seq, 20 * 128, device="cuda", dtype=dtype)
+            q, k, _ = joined.split([16 * 128, 2 * 128, 2 * 128], dim=-1)
+            q, k = q.view(batch, seq, -1, 128).transpose(1, 2), k.view(batch, seq, -1, 128).transpose(1, 2)
+            angles = torch.randn(1, seq, 64, device="cuda") * 100
+            cos, sin = (f(torch.cat([angles, angles], -1)).to(dtype) for f in (torch.cos, torch.sin))
+            assert takes(q, k, cos, sin, 1)
+            expected = apply_rotary_pos_emb(q.float(), k.float(), cos.float(), sin.float())
+            for e, g in zip(expected, rotary(q, k, cos, sin)):
+                # one rounding of values below about 6: 2^-8 of them in bfloat16
+                assert (g.float() - e).abs().max().item() <= 6 * torch.finfo(dtype).eps, (dtype, batch, seq)
 
 
 def assert_agree(expected: list, got: list, what: str) -> None:

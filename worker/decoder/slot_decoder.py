@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from worker.decoder.fused_norms import FusedNorms
 from worker.decoder.fused_projections import FusedProjections
+from worker.decoder.fused_rotary import FusedRotary
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_prefill import CapturedPrefill
 from worker.decoder.graph_step import CapturedStep
@@ -76,7 +77,7 @@ class SlotDecoder:
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool | None = None,
-                 static_prefill: bool = True, launch_ahead: bool = True):
+                 fused_rotary: bool | None = None, static_prefill: bool = True, launch_ahead: bool = True):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -116,6 +117,9 @@ class SlotDecoder:
         # formula, whose greedy answers the shipped model's tests hold token for token
         self.norms: FusedNorms | None = None
         fused_norms = self.device.type == "cuda" if fused_norms is None else fused_norms
+        # the rotary embedding of queries and keys as one kernel, likewise (it computes only on CUDA)
+        self.rotary: FusedRotary | None = None
+        fused_rotary = self.device.type == "cuda" if fused_rotary is None else fused_rotary
         # Static steps come with fixed-shape prefill passes, captured with them (False: eager prefills, to compare).
         self._static_prefill: CapturedPrefill | None = None
         try:
@@ -124,6 +128,8 @@ class SlotDecoder:
                 self.fused = FusedProjections(model, self.lora)
             if fused_norms:
                 self.norms = FusedNorms(model)
+            if fused_rotary:
+                self.rotary = FusedRotary(model)
             if self.static:
                 self._static = CapturedStep(self, capture=graphs)
                 if static_prefill:
@@ -144,6 +150,8 @@ class SlotDecoder:
         """Give the model back its own projections and PEFT adapters (the decoder's cache is freed with it)."""
         if self.norms is not None:
             self.norms.remove()
+        if self.rotary is not None:
+            self.rotary.remove()
         if self.fused is not None:
             self.fused.remove()
         self.lora.remove()

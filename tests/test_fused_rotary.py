@@ -1,0 +1,50 @@
+"""The rotary kernel (worker/decoder/fused_rotary.py) run by Triton's interpreter on the CPU against transformers'
+own `apply_rotary_pos_emb` (tests/test_decoder.py installs it under a decoder; the GPU suite runs the compiled kernel
+under captured steps)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# In a process of its own: Triton reads TRITON_INTERPRET when the kernel is defined, at import.
+INTERPRETED = textwrap.dedent("""
+    import torch
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+    from worker.decoder.fused_rotary import rotary, takes
+
+    for dtype in (torch.float32, torch.float16):
+        # a decode step's one token and a prefill's several; head counts that are and are not powers of two
+        for batch, q_heads, k_heads, seq, dim in ((3, 16, 2, 1, 128), (2, 8, 4, 5, 32), (1, 6, 3, 7, 64)):
+            generator = torch.Generator().manual_seed(batch * seq)
+            # queries and keys as the joined q/k/v projection gives them: strided views into one output
+            joined = torch.randn(batch, seq, (q_heads + 2 * k_heads) * dim, generator=generator).to(dtype)
+            q, k, _ = joined.split([q_heads * dim, k_heads * dim, k_heads * dim], dim=-1)
+            q = q.view(batch, seq, -1, dim).transpose(1, 2)
+            k = k.view(batch, seq, -1, dim).transpose(1, 2)
+            angles = torch.randn(batch, seq, dim // 2, generator=generator) * 3
+            cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+            assert takes(q, k, cos, sin, 1)
+            expected = apply_rotary_pos_emb(q.float(), k.float(), cos.float(), sin.float())
+            got = rotary(q, k, cos, sin)
+            for e, g, source in zip(expected, got, (q, k)):
+                assert g.shape == source.shape and g.dtype == dtype and g.is_contiguous()
+                error = (g.float() - e).abs().max().item()
+                # float32: the same arithmetic; float16: one rounding of values up to about 4 (a unit in the last
+                # place there is 0.002), where a wrong half or sign would be off by the values themselves
+                assert error <= (1e-6 if dtype == torch.float32 else 4e-3), (dtype, batch, seq, error)
+    x = torch.randn(1, 2, 3, 24)  # a half dimension of 12 is not a power of two: left to transformers
+    assert not takes(x, x, torch.randn(1, 3, 24), torch.randn(1, 3, 24), 1)
+    print("agreed")
+""")
+
+
+def test_the_kernel_run_by_tritons_interpreter_rotates_as_transformers_does() -> None:
+    pytest.importorskip("triton", reason="Triton is a development dependency on Linux x86-64 (pyproject.toml)")
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "agreed" in done.stdout, done.stderr[-4000:]
