@@ -166,12 +166,15 @@ def test_installed_by_decoders_it_stays_until_the_last_one_removes_it(runtime: R
     assert getattr(modeling_llama, NAME) is original
 
 
-def test_a_decoder_with_the_rotary_kernel_answers_as_generate_on_the_cpu(runtime: ReferenceRuntime, decoder) -> None:
+def test_a_decoder_with_its_cuda_kernels_asked_for_answers_as_generate_on_the_cpu(runtime: ReferenceRuntime,
+                                                                                   decoder) -> None:
+    """The rotary and LoRA-expand kernels compute on CUDA only: asked for on the CPU, every call they cannot take
+    goes to the operations they replace, and the answers are generate's."""
     pytest.importorskip("triton", reason="the kernel is Triton's; without it nothing is installed")
     requests = mixed_requests()[:4]
     expected = [runtime.run_batch([r]).results[0] for r in requests]
-    fused = decoder(slots=2, window=256, static_steps=True, fused_rotary=True)
-    assert fused.rotary.installed
+    fused = decoder(slots=2, window=256, static_steps=True, fused_rotary=True, fused_lora=True)
+    assert fused.rotary.installed and fused.lora.masked_expand
     assert_same_answers(expected, fused.run(requests))
     fused.close()
     assert not hasattr(getattr(modeling_llama, NAME), "original")

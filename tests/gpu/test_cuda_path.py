@@ -213,20 +213,22 @@ def test_the_worker_recovers_after_its_child_is_killed(env, api, start_process) 
 
 
 @pytest.mark.parametrize("graphs, fused", [(False, False), (True, False), (True, True)],
-                         ids=["eager-steps", "cuda-graphs", "cuda-graphs-fused-norms-rotary"])
+                         ids=["eager-steps", "cuda-graphs", "cuda-graphs-fused-norms-rotary-lora"])
 def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime, graphs: bool,
                                                           fused: bool) -> None:
     """The slot decoder on the NF4 base: Kev and Laya rows in the same steps, captured or not, with RMSNorm as one
-    operator and the rotary embedding as one kernel (as served on CUDA) or not, give the per-adapter `generate`
-    answers (greedy; fp16, so one answer in eight may part at a near tie)."""
+    operator, the rotary embedding and each LoRA product's mask and expand as one kernel each (as served on CUDA)
+    or not, give the per-adapter `generate` answers (greedy; fp16, so one answer in eight may part at a near
+    tie)."""
     from worker.decoder.slot_decoder import SlotDecoder
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4)
     expected = [demo.run_batch([r]).results[0] for r in requests]
     decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
-                          graphs=graphs, fused_norms=fused, fused_rotary=fused)
+                          graphs=graphs, fused_norms=fused, fused_rotary=fused, fused_lora=fused)
     try:
         assert (decoder.rotary is not None and decoder.rotary.installed) is fused
+        assert decoder.lora.masked_expand is fused
         got = decoder.run(requests)
     finally:
         decoder.close()
@@ -254,6 +256,27 @@ def test_the_rotary_kernel_on_cuda_rotates_as_transformers_does() -> None:
             for e, g in zip(expected, rotary(q, k, cos, sin)):
                 # one rounding of values below about 6: 2^-8 of them in bfloat16
                 assert (g.float() - e).abs().max().item() <= 6 * torch.finfo(dtype).eps, (dtype, batch, seq)
+
+
+def test_the_lora_expand_kernel_on_cuda_adds_as_the_three_operations_do() -> None:
+    """worker/decoder/lora_expand.py compiled: a 3B layer's joined q/k/v and gate/up LoRA expands (Kev r16, Laya
+    r8), for a step's rows and a prefill pass's tokens, add into the output what mask-then-addmm adds, to within
+    fp16 rounding."""
+    from worker.decoder.lora_expand import masked_expand, takes
+
+    width, table = 24, torch.zeros(3, 24, device="cuda", dtype=torch.float16)
+    table[0, :16], table[1, 16:] = 1, 1
+    for rows, tokens, layers, out in ((32, 1, 3, 2560), (36, 1, 2, 22016), (4, 128, 1, 2048)):
+        mask = table[torch.arange(rows, device="cuda") % 3][:, None, :]
+        shrunk = torch.randn(rows, tokens, layers * width, device="cuda", dtype=torch.float16)
+        b = torch.randn(out, layers * width, device="cuda", dtype=torch.float16) * 0.1
+        output = torch.randn(rows, tokens, out, device="cuda", dtype=torch.float16)
+        assert takes(output, shrunk, mask, b)
+        masked = (shrunk.unflatten(-1, (layers, width)) * mask.unsqueeze(-2)).flatten(-2)
+        expected = output.clone().view(-1, out).addmm_(masked.view(-1, layers * width), b.T).view(output.shape)
+        masked_expand(output, shrunk, mask, b)
+        error = (output.float() - expected.float()).abs().max() / expected.float().abs().max()
+        assert error.item() < 2e-3, (rows, tokens, layers, error.item())
 
 
 def assert_agree(expected: list, got: list, what: str) -> None:

@@ -18,6 +18,8 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
+from worker.decoder import lora_expand
+
 NO_ADAPTER = -1  # a row index that selects no adapter (the bare base model)
 
 
@@ -36,13 +38,15 @@ class RowLoRA:
     # Set by a profiler's user (the benchmark's kernel census): each LoRA product then runs in a range so named.
     profile_label: str | None = None
 
-    def __init__(self, model: PeftModel, adapters: list[str], dtype: torch.dtype | None = None):
+    def __init__(self, model: PeftModel, adapters: list[str], dtype: torch.dtype | None = None,
+                 masked_expand: bool = False):
         """`dtype`: the LoRA products' dtype, by default the dtype the base layers compute in. PEFT keeps adapter
-        weights in fp32 beside a 4-bit base, which costs a cast each way and fp32 (SIMT) matmuls per layer."""
+        weights in fp32 beside a 4-bit base, which costs a cast each way and fp32 (SIMT) matmuls per layer.
+        `masked_expand`: the mask and the expand as one kernel where it applies (worker/decoder/lora_expand.py)."""
         if getattr(model, "_row_lora", None) is not None:  # its hooks and the other's would both add a delta
             raise RuntimeError("this model already serves a decoder: close that decoder first")
         self.model, self.adapters = model, list(adapters)
-        self.dtype = dtype
+        self.dtype, self.masked_expand = dtype, masked_expand
         self.layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
         if not self.layers:
             raise ValueError("the model has no LoRA layers")
@@ -120,6 +124,9 @@ class RowLoRA:
 
     def _add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         shrunk = x.to(a.dtype) @ a.T
+        if self.masked_expand and lora_expand.takes(output, shrunk, self.mask, b):
+            lora_expand.masked_expand(output, shrunk, self.mask, b)
+            return output
         layers = a.shape[0] // self.width
         if layers == 1:
             shrunk = shrunk * self.mask

@@ -77,7 +77,8 @@ class SlotDecoder:
                  graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool | None = None,
-                 fused_rotary: bool | None = None, static_prefill: bool = True, launch_ahead: bool = True):
+                 fused_rotary: bool | None = None, fused_lora: bool | None = None, static_prefill: bool = True,
+                 launch_ahead: bool = True):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -110,8 +111,10 @@ class SlotDecoder:
         self.limit = slots  # rows admitted at most; the engine lowers it after an out-of-memory (worker/memory.py)
         self._order = itertools.count()
         self.static = static_steps or graphs
-        # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare).
-        self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype)
+        # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare);
+        # on CUDA each product's row mask and expand as one kernel (`fused_lora`: False, three kernels, to compare)
+        fused_lora = self.device.type == "cuda" if fused_lora is None else fused_lora
+        self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype, masked_expand=fused_lora)
         self.fused: FusedProjections | None = None
         # RMSNorm as PyTorch's one operator where that was measured (None: on CUDA); the CPU keeps transformers'
         # formula, whose greedy answers the shipped model's tests hold token for token

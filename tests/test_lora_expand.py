@@ -1,0 +1,51 @@
+"""The LoRA masked-expand kernel (worker/decoder/lora_expand.py) run by Triton's interpreter on the CPU against the
+three operations it replaces in worker/decoder/row_lora.py (the GPU suite runs it compiled, under the decoder)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# In a process of its own: Triton reads TRITON_INTERPRET when the kernel is defined, at import.
+INTERPRETED = textwrap.dedent("""
+    import torch
+    from worker.decoder.lora_expand import masked_expand
+
+    generator = torch.Generator().manual_seed(0)
+    # a decode step (one token a row) and a prefill pass (several); one layer's rank blocks and three side by side
+    # (joined q/k/v); rows with each adapter and with none; more rows and columns than one tile holds
+    for dtype in (torch.float32, torch.float16):
+        for rows, tokens, layers, out in ((5, 1, 1, 70), (3, 7, 3, 40), (40, 1, 2, 130)):
+            width = 24  # Kev's 16 and Laya's 8
+            table = torch.zeros(3, width)
+            table[0, :16], table[1, 16:] = 1, 1
+            mask = table[torch.arange(rows) % 3][:, None, :].to(dtype)
+            shrunk = torch.randn(rows, tokens, layers * width, generator=generator).to(dtype)
+            b = torch.randn(out, layers * width, generator=generator).to(dtype)
+            output = torch.randn(rows, tokens, out, generator=generator).to(dtype)
+            masked = (shrunk.float().unflatten(-1, (layers, width)) * mask.float().unsqueeze(-2)).flatten(-2)
+            expected = output.float() + masked @ b.float().T
+            masked_expand(output, shrunk, mask, b)
+            error = ((output.float() - expected).abs().max() / expected.abs().max()).item()
+            # float32: the same sums in another order; float16: the inputs' and one result's rounding, where a
+            # wrong mask would move the result by whole products
+            assert error < (1e-5 if dtype == torch.float32 else 2e-3), (dtype, rows, tokens, layers, error)
+    try:
+        masked_expand(torch.zeros(2, 1, 8), torch.zeros(2, 1, 20), torch.zeros(2, 1, 24), torch.zeros(8, 20))
+    except ValueError as exc:
+        assert "do not fit" in str(exc)
+    else:
+        raise AssertionError("shapes that do not fit were taken")
+    print("agreed")
+""")
+
+
+def test_the_kernel_run_by_tritons_interpreter_masks_and_expands_as_row_lora_does() -> None:
+    pytest.importorskip("triton", reason="Triton is a development dependency on Linux x86-64 (pyproject.toml)")
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0 and "agreed" in done.stdout, done.stderr[-4000:]
