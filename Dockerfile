@@ -15,6 +15,12 @@ RUN groupadd --system --gid 10001 kevlaya \
  && useradd --system --uid 10001 --gid kevlaya --create-home --home-dir /home/kevlaya \
       --shell /usr/sbin/nologin kevlaya
 
+# Triton (brought by the CUDA build of torch) compiles the decoder's kernels on first use and builds each one's
+# launcher with the C compiler: without one the worker serves through the slower operations those kernels replace.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /app
 
 # Source is root-owned and read-only for the service user. Models are not baked in: compose mounts

@@ -48,3 +48,23 @@ def test_the_kernel_run_by_tritons_interpreter_rotates_as_transformers_does() ->
     done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0 and "agreed" in done.stdout, done.stderr[-4000:]
+
+
+def test_where_the_kernels_cannot_run_the_decoder_is_told_so_and_they_are_not_used(caplog) -> None:
+    """Triton builds each kernel's launcher with the machine's C compiler on first use, so a machine without one
+    (a slim image), or without a device Triton drives, fails there: the probe says no, once, with the reason in
+    the log, and the decoder then serves through the operations the kernels replace. Here the CPU is such a
+    device (no interpreter: Triton finds no GPU driver)."""
+    pytest.importorskip("triton", reason="without Triton the probe says no before trying")
+    import torch
+
+    from worker.decoder import fused_rotary, lora_expand
+
+    cpu = torch.device("cpu")
+    for module in (fused_rotary, lora_expand):
+        module.runs_on.cache_clear()
+        with caplog.at_level("WARNING", logger="kevlaya.decoder"):
+            assert module.runs_on(cpu) is False
+        assert f"does not run on {cpu}" in caplog.text
+        caplog.clear()
+        assert module.runs_on(cpu) is False and not caplog.text  # tried once

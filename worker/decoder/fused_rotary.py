@@ -14,11 +14,15 @@ back on `remove()`. Calls it cannot take (the CPU, another dtype or layout) go t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import sys
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger("kevlaya.decoder")
 
 NAME = "apply_rotary_pos_emb"
 
@@ -89,6 +93,25 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         k.stride(1), k.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
         BLOCK_HQ=triton.next_power_of_2(heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]), HALF=dim // 2)
     return q_out, k_out
+
+
+@functools.cache
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernel compiles and runs on `device`, tried once per process: Triton builds each kernel's
+    launcher with the machine's C compiler, and a machine without one (or a GPU Triton does not support) serves
+    through transformers' rotation instead."""
+    if not triton_available():
+        return False
+    try:
+        x = torch.zeros(1, 2, 1, 32, device=device, dtype=torch.float16)  # one token, two heads of 32
+        rotary(x, x, x[:, 0], x[:, 0])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 (any failure to build or launch means: not here)
+        log.warning("the rotary kernel does not run on %s (%s: %s); the rotary embedding runs as transformers' "
+                    "operations", device, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    return True
 
 
 def _fused(original: Callable) -> Callable:

@@ -18,9 +18,11 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
+from worker.decoder import lora_expand
 from worker.decoder.fused_norms import FusedNorms
 from worker.decoder.fused_projections import FusedProjections
 from worker.decoder.fused_rotary import FusedRotary
+from worker.decoder.fused_rotary import runs_on as fused_rotary_runs_on
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_prefill import CapturedPrefill
 from worker.decoder.graph_step import CapturedStep
@@ -114,6 +116,8 @@ class SlotDecoder:
         # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare);
         # on CUDA each product's row mask and expand as one kernel (`fused_lora`: False, three kernels, to compare)
         fused_lora = self.device.type == "cuda" if fused_lora is None else fused_lora
+        if fused_lora and self.device.type == "cuda":  # the kernel needs Triton able to build it here
+            fused_lora = lora_expand.runs_on(self.device)
         self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype, masked_expand=fused_lora)
         self.fused: FusedProjections | None = None
         # RMSNorm as PyTorch's one operator where that was measured (None: on CUDA); the CPU keeps transformers'
@@ -123,6 +127,8 @@ class SlotDecoder:
         # the rotary embedding of queries and keys as one kernel, likewise (it computes only on CUDA)
         self.rotary: FusedRotary | None = None
         fused_rotary = self.device.type == "cuda" if fused_rotary is None else fused_rotary
+        if fused_rotary and self.device.type == "cuda":
+            fused_rotary = fused_rotary_runs_on(self.device)
         # Static steps come with fixed-shape prefill passes, captured with them (False: eager prefills, to compare).
         self._static_prefill: CapturedPrefill | None = None
         try:
