@@ -69,6 +69,10 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     delays = [ms for run in streaming["runs"]["streamed"] for ms in run["first_delta_ms"]]
     assert len(delays) == 4 and all(ms is not None and ms >= 0 for ms in delays)
     assert streaming["first_delta_ms"]["samples"] == 4 and streaming["first_delta_ms"]["p95"] is not None
+    # and apart, the first deltas that carry the first token alone (the stream's own delay, not more steps)
+    tokens = [n for run in streaming["runs"]["streamed"] for n in run["first_delta_tokens"]]
+    alone = streaming["first_delta_ms_first_token_alone"]
+    assert alone["samples"] == tokens.count(1) and (alone["samples"] == 0 or alone["p95"] is not None)
     assert streaming["jobs_per_s_vs_free"] > 0 and streaming["step_ms_vs_free"] > 0
     table = done.stdout[done.stdout.index("written "):]  # the table, printed last
     assert "recipe" in table and "service" in table and "speedup vs the recipe's scheme" in table

@@ -38,9 +38,9 @@ def _laya_parts(engine: dict[str, Any], when: str) -> str:
     return f"{_fmt(percentile(first, 95), '.0f')} / {_fmt(percentile(later, 50), '.2f')}"
 
 
-def _first_delta(engine: dict[str, Any]) -> str:
-    delay = (engine.get("streaming") or {}).get("first_delta_ms")
-    if not delay:
+def _first_delta(engine: dict[str, Any], figure: str = "first_delta_ms") -> str:
+    delay = (engine.get("streaming") or {}).get(figure)
+    if not delay or not delay.get("samples"):
         return "—"
     return " / ".join(_fmt(delay[key], ".1f") for key in ("p50", "p95", "max"))
 
@@ -89,6 +89,8 @@ def table(result: dict[str, Any]) -> str:
         row("jobs/s, free / decision grammar", "", lambda e: _grammar(e, "jobs_per_s", ".2f")),
         row("SSE client per job vs none: jobs/s, step ms", "", _streaming),
         row("first delta after first token ms p50 / p95 / max", "", _first_delta),
+        row("  of first deltas carrying the first token alone", "",
+            lambda engine: _first_delta(engine, "first_delta_ms_first_token_alone")),
     ]
     loads = [f["load"] for f in next(iter(engines.values())).get("fit", [])]
     for index, load in enumerate(loads):
