@@ -4,14 +4,12 @@ under captured steps)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-# In a process of its own: Triton reads TRITON_INTERPRET when the kernel is defined, at import.
+from tests.interpreted import run_interpreted
+
 INTERPRETED = textwrap.dedent("""
     import torch
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
@@ -44,9 +42,7 @@ INTERPRETED = textwrap.dedent("""
 
 
 def test_the_kernel_run_by_tritons_interpreter_rotates_as_transformers_does() -> None:
-    pytest.importorskip("triton", reason="Triton is a development dependency on Linux x86-64 (pyproject.toml)")
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    done = run_interpreted(INTERPRETED)
     assert done.returncode == 0 and "agreed" in done.stdout, done.stderr[-4000:]
 
 

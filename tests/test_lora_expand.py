@@ -3,14 +3,10 @@ three operations it replaces in worker/decoder/row_lora.py (the GPU suite runs i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from tests.interpreted import run_interpreted
 
-# In a process of its own: Triton reads TRITON_INTERPRET when the kernel is defined, at import.
 INTERPRETED = textwrap.dedent("""
     import torch
     from worker.decoder.lora_expand import masked_expand
@@ -45,7 +41,5 @@ INTERPRETED = textwrap.dedent("""
 
 
 def test_the_kernel_run_by_tritons_interpreter_masks_and_expands_as_row_lora_does() -> None:
-    pytest.importorskip("triton", reason="Triton is a development dependency on Linux x86-64 (pyproject.toml)")
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    done = run_interpreted(INTERPRETED)
     assert done.returncode == 0 and "agreed" in done.stdout, done.stderr[-4000:]

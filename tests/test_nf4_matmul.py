@@ -3,15 +3,13 @@ kernel itself, run by Triton's interpreter, against the reference (the GPU suite
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from modellab.nf4_matmul import Nf4Weight, dequantize_reference
+from tests.interpreted import run_interpreted
 
 
 def nf4_linear(out_features: int, in_features: int, nested: bool, seed: int = 0, bias: bool = True):  # noqa: ANN201
@@ -58,7 +56,6 @@ def test_a_layer_that_is_not_nf4_is_left_alone() -> None:
     assert Nf4Weight.of(fp4) is None
 
 
-# Run in a process of its own: Triton reads TRITON_INTERPRET when the kernel is defined, at import.
 INTERPRETED = textwrap.dedent("""
     import dataclasses
     import torch
@@ -107,9 +104,7 @@ INTERPRETED = textwrap.dedent("""
 
 
 def test_the_kernel_run_by_tritons_interpreter_multiplies_as_the_reference_does() -> None:
-    pytest.importorskip("triton", reason="Triton is a development dependency on Linux x86-64 (pyproject.toml)")
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    done = run_interpreted(INTERPRETED)
     assert done.returncode == 0, done.stderr[-4000:]
     worst = float(done.stdout.split("worst relative error")[1])
     # fp16 products summed in fp32: the error of fp16 inputs, far below a wrong nibble or scale (~10 %)

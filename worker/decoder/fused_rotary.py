@@ -15,21 +15,14 @@ back on `remove()`. Calls it cannot take (the CPU, another dtype or layout) go t
 from __future__ import annotations
 
 import functools
-import importlib.util
-import logging
 import sys
 from collections.abc import Callable
 
 import torch
 
-log = logging.getLogger("kevlaya.decoder")
+from worker.decoder.triton_kernels import runs, triton_available
 
 NAME = "apply_rotary_pos_emb"
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
 
 if triton_available():
     import triton
@@ -97,21 +90,12 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 @functools.cache
 def runs_on(device: torch.device) -> bool:
-    """Whether the kernel compiles and runs on `device`, tried once per process: Triton builds each kernel's
-    launcher with the machine's C compiler, and a machine without one (or a GPU Triton does not support) serves
-    through transformers' rotation instead."""
-    if not triton_available():
-        return False
-    try:
+    """Whether the kernel builds and runs on `device` (worker/decoder/triton_kernels.py), tried once."""
+    def trial(device: torch.device) -> None:
         x = torch.zeros(1, 2, 1, 32, device=device, dtype=torch.float16)  # one token, two heads of 32
         rotary(x, x, x[:, 0], x[:, 0])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001 (any failure to build or launch means: not here)
-        log.warning("the rotary kernel does not run on %s (%s: %s); the rotary embedding runs as transformers' "
-                    "operations", device, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return False
-    return True
+
+    return runs(trial, device, "rotary kernel", "the rotary embedding runs as transformers' operations")
 
 
 def _fused(original: Callable) -> Callable:

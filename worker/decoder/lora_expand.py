@@ -11,17 +11,10 @@ other side. The products are fp16 with float32 sums, added into the output and r
 from __future__ import annotations
 
 import functools
-import importlib.util
-import logging
 
 import torch
 
-log = logging.getLogger("kevlaya.decoder")
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
+from worker.decoder.triton_kernels import runs, triton_available
 
 if triton_available():
     import triton
@@ -70,23 +63,12 @@ def masked_expand(output: torch.Tensor, shrunk: torch.Tensor, mask: torch.Tensor
 
 @functools.cache
 def runs_on(device: torch.device) -> bool:
-    """Whether the kernel compiles and runs on `device`, tried once per process: Triton builds each kernel's
-    launcher with the machine's C compiler, and a machine without one (or a GPU Triton does not support) serves
-    through the three operations instead."""
-    if not triton_available():
-        return False
-    try:
-        masked_expand(torch.zeros(1, 1, 16, device=device, dtype=torch.float16),
-                      torch.zeros(1, 1, 16, device=device, dtype=torch.float16),
-                      torch.zeros(1, 1, 16, device=device, dtype=torch.float16),
-                      torch.zeros(16, 16, device=device, dtype=torch.float16))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as exc:  # noqa: BLE001 (any failure to build or launch means: not here)
-        log.warning("the LoRA expand kernel does not run on %s (%s: %s); each LoRA product's mask and expand run "
-                    "as two operations", device, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return False
-    return True
+    """Whether the kernel builds and runs on `device` (worker/decoder/triton_kernels.py), tried once."""
+    def trial(device: torch.device) -> None:
+        zeros = torch.zeros(1, 1, 16, device=device, dtype=torch.float16)
+        masked_expand(zeros, zeros.clone(), zeros.clone(), torch.zeros(16, 16, device=device, dtype=torch.float16))
+
+    return runs(trial, device, "LoRA expand kernel", "each LoRA product's mask and expand run as two operations")
 
 
 def takes(output: torch.Tensor, shrunk: torch.Tensor, mask: torch.Tensor, b: torch.Tensor) -> bool:
