@@ -23,6 +23,9 @@ import torch
 from worker.decoder.triton_kernels import runs, triton_available
 
 NAME = "apply_rotary_pos_emb"
+# transformers' modeling modules whose function is `q * cos + rotate_half(q) * sin` over the whole head (others
+# rotate interleaved pairs or part of a head under the same name)
+MODULES = frozenset(f"transformers.models.{name}.modeling_{name}" for name in ("llama", "qwen2", "mistral"))
 
 if triton_available():
     import triton
@@ -118,7 +121,7 @@ class FusedRotary:
         if not triton_available():
             return
         names = {type(m).__module__ for m in model.modules() if type(m).__name__.endswith("Attention")}
-        for name in sorted(names):
+        for name in sorted(names & MODULES):
             module = sys.modules.get(name)
             current = getattr(module, NAME, None)
             if current is None:
