@@ -12,6 +12,7 @@ import transformers.models.llama.modeling_llama as modeling_llama
 from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
 from worker.decoder.fused_rotary import NAME, FusedRotary
+from worker.decoder.graph_step import MIN_COLUMNS
 from worker.decoder.sampling import RowSampling, choose, nucleus
 from worker.decoder.slot_decoder import SlotDecoder
 from worker.generation import GenerationRequest, GenerationResult
@@ -76,6 +77,21 @@ def test_greedy_answers_equal_per_adapter_generate(runtime: ReferenceRuntime, de
     expected = [runtime.run_batch([r]).results[0] for r in requests]  # each job alone, on its own adapter
     assert {len(r.token_ids) for r in expected} != {expected[0].completion_tokens}  # lengths really differ
     assert_same_answers(expected, decoder(slots, window, static_steps=static_steps).run(requests))
+
+
+@pytest.mark.parametrize("slots, window", [(3, 256), (2, 128)], ids=["refilled", "compacted"])
+def test_static_steps_that_read_part_of_the_window_answer_as_generate(runtime: ReferenceRuntime, decoder,
+                                                                       slots: int, window: int) -> None:
+    """`column_buckets`: a static step reads only the window's first half or quarter when every row fits there,
+    and the decoder compacts the block when its next column reaches such a size; the answers stay generate's."""
+    requests = mixed_requests()
+    expected = [runtime.run_batch([r]).results[0] for r in requests]
+    static = decoder(slots, window, static_steps=True, column_buckets=3)
+    assert static._static.widths == [w for w in (window // 4, window // 2, window) if w >= MIN_COLUMNS]
+    widths, forward = [], static._static._forward
+    static._static._forward = lambda bucket, width: widths.append(width) or forward(bucket, width)
+    assert_same_answers(expected, static.run(requests))
+    assert min(widths) < window and len(set(widths)) > 1  # steps read less than the window, in several sizes
 
 
 def test_run_prefills_within_the_prefill_budget_as_the_serving_loop_does(runtime: ReferenceRuntime, decoder) -> None:

@@ -47,6 +47,7 @@ PAIR_OPTIONS: dict[str, dict[str, Any]] = {
     "unfused_norms": {"fused_norms": False},
     "unfused_rotary": {"fused_rotary": False},
     "unfused_lora": {"fused_lora": False},
+    "column_buckets": {"column_buckets": 3},
     "nf4_kernel": {"nf4_kernel": True, "fused_projections": False},  # joined projections do not call the kernel
     "eager_prefill": {"static_prefill": False},
     "step_by_step": {"launch_ahead": False},

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kevlaya.decoder")
 
 _capture_stream: torch.cuda.Stream | None = None
+MIN_COLUMNS = 64  # the fewest columns a step reads: fewer would save little and cost a graph more per row bucket
 
 
 def capture_stream() -> torch.cuda.Stream:
@@ -51,14 +52,20 @@ def captured(forward: Callable[[], torch.Tensor], pool: tuple | None) -> tuple[t
 
 
 class CapturedStep:
-    """One decoder's fixed-shape step, one graph per bucket when `capture` (CUDA), else run eagerly."""
+    """One decoder's fixed-shape step, one graph per bucket when `capture` (CUDA), else run eagerly.
 
-    def __init__(self, decoder: SlotDecoder, capture: bool):
+    A bucket is a number of rows and a number of columns read: the whole window, or with `column_buckets` = k
+    also its half, quarter, ... (k sizes in all, none under MIN_COLUMNS). A step reads the smallest that holds
+    its column `t`: columns before it are the rows' own or masked, so a step over short rows reads less of the
+    block. The decoder keeps `t` low by compacting when it reaches a size (SlotDecoder._launch)."""
+
+    def __init__(self, decoder: SlotDecoder, capture: bool, column_buckets: int = 1):
         if decoder.attention != "sdpa":
             raise ValueError("static decode steps need sdpa attention")
         self.decoder = decoder
         slots, window, device = decoder.kv.slots, decoder.window, decoder.device
         self.buckets = sorted({min(2**i, slots) for i in range(slots.bit_length() + 1)})
+        self.widths = sorted({window >> i for i in range(column_buckets) if window >> i >= min(MIN_COLUMNS, window)})
         # per slot: input token, index of its token in the chosen ones (-1: none), position, first column, adapter
         self.inputs = torch.zeros(slots, 5, dtype=torch.long, device=device)
         cuda = device.type == "cuda"
@@ -71,24 +78,24 @@ class CapturedStep:
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.columns = torch.arange(window, device=device)
         self.adapters = decoder.lora.new_buffer(slots)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (rows, columns)
         self.logits: torch.Tensor | None = None  # where a replayed step's logits are kept until read
         self.pool = None  # the graphs' memory pool, which the captured prefill shares
         if capture:
             self._capture()
 
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def _forward(self, bucket: int, width: int) -> torch.Tensor:
         decoder = self.decoder
         view = decoder.kv.view
-        view.rows, view.column = slice(0, bucket), self.column
+        view.rows, view.column, view.columns = slice(0, bucket), self.column, width
         decoder.lora.mask = self.adapters[:bucket]
         try:
             with torch.inference_mode():
-                output = decoder.model(input_ids=self.ids[:bucket], attention_mask=self.mask[:bucket],
+                output = decoder.model(input_ids=self.ids[:bucket], attention_mask=self.mask[:bucket, ..., :width],
                                        position_ids=self.positions[:bucket], cache=decoder.kv.cache, use_cache=True,
                                        logits_to_keep=1)
         finally:
-            view.column = None
+            view.column = view.columns = None
         return output.logits[:, -1]
 
     def _capture(self) -> None:
@@ -97,13 +104,20 @@ class CapturedStep:
             raise ValueError("CUDA graphs need a CUDA device")
         self.mask[:, 0, 0, 0] = True
         for bucket in self.buckets:
-            self.graphs[bucket], self.pool = captured(functools.partial(self._forward, bucket), self.pool)
-        output = self.graphs[self.buckets[-1]][1]
+            for width in self.widths:
+                self.graphs[bucket, width], self.pool = captured(functools.partial(self._forward, bucket, width),
+                                                                 self.pool)
+        output = self.graphs[self.buckets[-1], self.widths[-1]][1]
         self.logits = torch.empty(self.buckets[-1], *output.shape[1:], dtype=output.dtype, device=output.device)
-        log.info("captured the decode step for %s rows", ", ".join(map(str, self.buckets)))
+        log.info("captured the decode step for %s rows, reading %s columns", ", ".join(map(str, self.buckets)),
+                 ", ".join(map(str, self.widths)))
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
+
+    def width(self, t: int) -> int:
+        """The columns a step that writes column `t` reads."""
+        return next(w for w in self.widths if w > t)
 
     def run(self, tokens: list[int], sources: list[int], positions: list[int], starts: list[int],
             adapters: list[int], chosen: Chosen | None) -> torch.Tensor:
@@ -113,7 +127,7 @@ class CapturedStep:
         does not wait for the GPU: the step is queued behind the one in flight."""
         decoder = self.decoder
         t, n = decoder.kv.t, len(tokens)
-        bucket = self.bucket(n)
+        bucket, width = self.bucket(n), self.width(t)
         padding = bucket - n
         staged = self._staging()
         staged[:bucket] = torch.tensor([tokens + [0] * padding, sources + [-1] * padding, positions + [0] * padding,
@@ -130,15 +144,15 @@ class CapturedStep:
         self.mask[:bucket, 0, 0] = (self.columns >= start[:, None]) & (self.columns <= t)
         self.column.fill_(t)
         decoder.lora.select_on_device(adapter, self.adapters[:bucket])
-        if bucket in self.graphs:
-            graph, output = self.graphs[bucket]
+        if (bucket, width) in self.graphs:
+            graph, output = self.graphs[bucket, width]
             graph.replay()
             # Out of the graphs' pool: the step is read after the next call's work, and a captured prefill
             # replayed meanwhile reuses that pool.
             logits = self.logits[:bucket]
             logits.copy_(output)
         else:
-            logits = self._forward(bucket)
+            logits = self._forward(bucket, width)
         return logits[:n]
 
     def _staging(self) -> torch.Tensor:

@@ -25,8 +25,9 @@ STORAGE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.floa
 class View:
     """What the next forward pass reads and writes: rows `rows`, writes columns [write_lo, write_hi), reads
     columns [read_lo, write_hi). A static pass (`column` set) writes the columns that tensor holds and reads the
-    whole window: no shape or Python number changes between passes, so the pass can be a CUDA graph. A static
-    step's rows are `rows`; a static prefill pass's are the slots `slots` holds (they start anywhere)."""
+    whole window, or a static step the first `columns`: no shape or Python number changes between passes of one
+    shape, so the pass can be a CUDA graph. A static step's rows are `rows`; a static prefill pass's are the slots
+    `slots` holds (they start anywhere)."""
 
     rows: slice = field(default_factory=lambda: slice(0, 0))
     read_lo: int = 0
@@ -34,6 +35,7 @@ class View:
     write_hi: int = 0
     column: torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    columns: int | None = None  # a static step reads columns [0, columns) (None: the whole window)
 
 
 class SlotLayer(CacheLayerMixin):
@@ -58,7 +60,7 @@ class SlotLayer(CacheLayerMixin):
             write_slots(self.values, v.slots, v.column, value_states)
             keys, values = self.keys.index_select(0, v.slots), self.values.index_select(0, v.slots)
         elif v.column is not None:
-            keys, values = self.keys[v.rows], self.values[v.rows]
+            keys, values = self.keys[v.rows, :, :v.columns], self.values[v.rows, :, :v.columns]
             write_column(keys, v.column, key_states)
             write_column(values, v.column, value_states)
         else:
@@ -70,7 +72,7 @@ class SlotLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if self.view.column is not None:
-            return self.keys.shape[2], 0
+            return self.view.columns or self.keys.shape[2], 0
         return self.view.write_hi - self.view.read_lo, self.view.read_lo
 
     def get_seq_length(self) -> int:

@@ -80,7 +80,7 @@ class SlotDecoder:
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool | None = None,
                  fused_rotary: bool | None = None, fused_lora: bool | None = None, static_prefill: bool = True,
-                 launch_ahead: bool = True):
+                 launch_ahead: bool = True, column_buckets: int = 1):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -140,7 +140,9 @@ class SlotDecoder:
             if fused_rotary:
                 self.rotary = FusedRotary(model)
             if self.static:
-                self._static = CapturedStep(self, capture=graphs)
+                # column_buckets > 1: static steps also read only the window's first half, quarter, ... when
+                # that holds every row (CapturedStep); 1 reads the whole window, as measured so far
+                self._static = CapturedStep(self, capture=graphs, column_buckets=column_buckets)
                 if static_prefill:
                     self._static_prefill = CapturedPrefill(self, capture=graphs, pool=self._static.pool)
         except BaseException:
@@ -299,8 +301,11 @@ class SlotDecoder:
         pending = {id(row): i for i, row in enumerate(chosen_rows)}
         ends = {id(row) for row in chosen_rows if len(row.tokens) + 1 >= row.request.max_new_tokens}
         slots = [None if id(row) in ends else row for row in self.rows]
+        kept = [row for row in slots if row is not None]
         if self.kv.t == self.window:
-            self._compact([row for row in slots if row is not None])
+            self._compact(kept)
+        elif self.static and self.kv.t in self._static.widths and kept and min(row.start for row in kept) > 0:
+            self._compact(kept)  # back under the columns this step would read next: fewer read, every step
         t = self.kv.t
         # a slot's input: its row's last token, or the index of its token among the chosen ones (-1: none)
         tokens = [row.tokens[-1] if row is not None and id(row) not in pending else 0 for row in slots]
