@@ -463,11 +463,19 @@ class Notices:
         self.pubsub.get_message(timeout=2)  # the subscribe confirmation
         self.seen: Counter[str] = Counter()
 
-    def collect(self, wait_s: float = 0.5) -> Counter[str]:
-        while (message := self.pubsub.get_message(timeout=wait_s)) is not None:
-            if message["type"] == "message":
+    def collect(self, wait_s: float = 0.5, expected: set[str] | None = None, deadline_s: float = 15.0) -> Counter[str]:
+        """The notices so far, read until `wait_s` passes without one; with `expected`, also until each of those
+        job ids has been seen or `deadline_s` has passed: a notice goes out after its row is stored, and on a
+        loaded machine (or after a restart's recovery) it can come more than `wait_s` after the row says
+        finished. A duplicate still shows as a count above 1."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            message = self.pubsub.get_message(timeout=wait_s)
+            if message is None:
+                if expected is None or expected <= set(self.seen) or time.monotonic() > deadline:
+                    return self.seen
+            elif message["type"] == "message":
                 self.seen[message["data"].decode()] += 1
-        return self.seen
 
     def close(self) -> None:
         self.pubsub.close()

@@ -106,9 +106,11 @@ def assert_every_job_ended_once(job_ids: list[str], notices: Notices | None, exp
     is left running or queued; an `auto` job has its Kev stage's answer; each final state was reached (and
     announced) exactly once. With `announced_since` (a Redis restart lost the subscription), only the jobs
     that finished after it must have been announced, and none twice. Returns every row."""
-    seen = notices.collect() if notices is not None else None
     with session_scope() as session:
         rows = session.scalars(select(Job)).all()
+    # every job that is no Kev stage of an `auto` job is announced once it is stored
+    announced = {str(j.id) for j in rows if not is_stage_record(j)}
+    seen = notices.collect(expected=announced if announced_since is None else None) if notices is not None else None
     by_id = {str(j.id): j for j in rows}
     expected = expected or {}
     assert [by_id[i].status for i in job_ids] == [expected.get(i, "succeeded") for i in job_ids], \
@@ -122,7 +124,6 @@ def assert_every_job_ended_once(job_ids: list[str], notices: Notices | None, exp
             assert job.result_text == kev.result_text and job.status == kev.status
     if seen is None:
         return rows
-    announced = {str(j.id) for j in rows if not is_stage_record(j)}
     if announced_since is None:
         assert set(seen) == announced and set(seen.values()) == {1}, seen
     else:
