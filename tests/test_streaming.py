@@ -380,13 +380,42 @@ def test_steps_in_quick_succession_are_published_together_and_a_finished_job_at_
         publisher.tick()
         time.sleep(0.01)
     started = time.monotonic()
-    publisher.finish([(job.id, text, len(text))])
+    publisher.finish([(job.id, text, len(text), None)])
     assert time.monotonic() - started < 0.2
     entries = [read_entry(fields) for _id, fields in sync_redis.Redis.from_url(redis_server.url).xrange(
         stream_key(job.id))]
     deltas = [data["text"] for event, data in entries if event == "delta"]
     assert "".join(deltas) == text
     assert len(deltas) <= 3  # the first step's text, the rest after the interval, the finished tail
+
+
+@pytest.mark.integration
+def test_a_job_that_ends_before_its_tokens_were_published_still_marks_its_first_text(redis_server, monkeypatch):
+    """A short answer can end within one publishing interval: its row is gone before the publisher looks, and its
+    first text goes out with the finished job's. That delta still carries when its first token was made (the
+    bench's first-delta delay read none there on a loaded machine)."""
+    import time
+    import uuid
+
+    import redis as sync_redis
+
+    from shared.job_stream import FIRST_TOKEN_AT, stream_key
+    from shared.models import Job
+    from shared.settings import Settings
+    from tests.conftest import reset_process_state
+    from worker.engine.token_stream import TokenPublisher
+
+    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    reset_process_state()
+    job = Job(id=uuid.uuid4(), adapter="laya", requested_adapter="laya", input="x", params={}, attempts=1)
+    publisher = TokenPublisher(Settings(_env_file=None), lambda: [], lambda token: bytes([token]))
+    publisher.started([job])
+    made = time.perf_counter() - 0.05  # its first token, 50 ms ago
+    publisher.finish([(job.id, "short", 5, made)])
+    deltas = [fields for _id, fields in sync_redis.Redis.from_url(redis_server.url).xrange(stream_key(job.id))
+              if FIRST_TOKEN_AT.encode() in fields]
+    assert len(deltas) == 1
+    assert abs(float(deltas[0][FIRST_TOKEN_AT.encode()]) - (time.time() - 0.05)) < 0.04
 
 
 @pytest.mark.integration

@@ -42,6 +42,7 @@ class GenerationResult:
     token_logprobs: list[float] = field(default_factory=list)
     token_spans: list[tuple[int, int]] = field(default_factory=list)
     first_token_ms: float | None = None  # from when the row was handed to the decoder to its first token
+    first_token_at: float | None = None  # time.perf_counter() when its first token was chosen (live streams)
     # "stop": it ended (end of sequence, its grammar complete, or a stop string); "length": max_new_tokens ran out.
     finish_reason: str = "stop"
     stop: str | None = None  # the stop string it ended on: the text is cut before it

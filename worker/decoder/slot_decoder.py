@@ -430,6 +430,7 @@ class SlotDecoder:
             completion_tokens=len(row.tokens), prefill_ms=row.prefill_ms,
             decode_ms=((row.last_token_at or 0) - (row.first_token_at or 0)) * 1000,
             first_token_ms=((row.first_token_at or time.perf_counter()) - row.admitted_at) * 1000,
+            first_token_at=row.first_token_at,
             token_ids=list(row.tokens), token_logprobs=list(row.logprobs),
             finish_reason="stop" if row.ended else "length", stop=row.stopped_by,
             top_logprobs=list(row.top_logprobs) if row.request.top_logprobs is not None else None,

@@ -77,6 +77,11 @@ class LiveJob:
         return out
 
 
+def on_wall_clock(instant: float) -> float:
+    """A time.perf_counter() instant (the decoder's) as time.time()."""
+    return instant + time.time() - time.perf_counter()
+
+
 def _first_text(fields: dict[str, str], live: LiveJob) -> dict[str, str]:
     """A delta entry whose text starts the run's: it also holds when the run's first token was made, beside its
     data (clients never see it), so the stream's delay can be measured from the token itself."""
@@ -91,7 +96,7 @@ class TokenPublisher:
         self.settings, self._rows, self._token_bytes = settings, rows, token_bytes
         self._live: dict[uuid.UUID, LiveJob] = {}
         self._entries: list[tuple[str, dict[str, str]]] = []  # status entries to write, in order
-        self._finals: list[tuple[uuid.UUID, str | None, int]] = []
+        self._finals: list[tuple[uuid.UUID, str | None, int, float | None]] = []
         self._expire: list[str] = []
         self._ticked = False
         self._written_up_to = 0  # finals handed over / written: `finish` waits for its own
@@ -134,9 +139,11 @@ class TokenPublisher:
                                                                job_id=str(child_id))))
             self._wake()
 
-    def finish(self, texts: list[tuple[uuid.UUID, str | None, int]]) -> None:
-        """The stored text and token count of finished jobs (None: the job never reached the model); returns once
-        their streams hold it, or after FINISH_WAIT_S (Redis away: the stored row is what readers get)."""
+    def finish(self, texts: list[tuple[uuid.UUID, str | None, int, float | None]]) -> None:
+        """The stored text, token count and first token's perf_counter instant of finished jobs (None: the job
+        never reached the model); returns once their streams hold it, or after FINISH_WAIT_S (Redis away: the
+        stored row is what readers get). A job that ends before the publisher saw its tokens (a short answer
+        within one interval) has its first text go out here, marked with that instant all the same."""
         with self._changed:
             self._finals += texts
             self._handed += 1
@@ -174,14 +181,13 @@ class TokenPublisher:
 
     def _deltas(self) -> list[tuple[LiveJob, str]]:
         out = []
-        wall = time.time() - time.perf_counter()  # the decoder's perf_counter instants onto the wall clock
         for row in self._rows():
             live = self._live.get(row.request.job_id)
             if live is None:
                 continue
             count = len(row.tokens)
             if count and live.first_token_at is None:  # the decode thread sets it just after the token
-                live.first_token_at = (row.first_token_at or time.perf_counter()) + wall
+                live.first_token_at = on_wall_clock(row.first_token_at or time.perf_counter())
             new = row.tokens[live.tokens:count]
             live.tokens = count
             piece = live.utf8.decode(b"".join(self._token_bytes(t) for t in new))
@@ -226,11 +232,13 @@ class TokenPublisher:
                 restart(live)
         for live, text in deltas:
             delta(live, text)
-        for job_id, final, tokens in finals:
+        for job_id, final, tokens, first_token_at in finals:
             live = self._live.pop(job_id, None)
             if live is None:
                 continue
             live.tokens = tokens
+            if live.first_token_at is None and first_token_at is not None:
+                live.first_token_at = on_wall_clock(first_token_at)
             final = stored_text(final) if final is not None else None
             if final is not None and final != live.text:
                 if final.startswith(live.text):

@@ -133,8 +133,9 @@ class ResultWriter:
                 if isinstance(result, GenerationResult) and result.text is None:  # the decoder left it to us
                     result_text(self.tokenizer, result)
             # Streams hold every character before the commit announces the jobs finished.
-            self.stream.finish([(job_id, result.text, result.completion_tokens) if isinstance(result, GenerationResult)
-                                else (job_id, None, 0) for _progress, job_id, result in items])
+            self.stream.finish([(job_id, result.text, result.completion_tokens, result.first_token_at)
+                                if isinstance(result, GenerationResult) else (job_id, None, 0, None)
+                                for _progress, job_id, result in items])
             with session_scope() as session:
                 settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings)
                            for progress, job_id, result in items]
