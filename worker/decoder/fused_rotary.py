@@ -82,8 +82,7 @@ def takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' `apply_rotary_pos_emb(q, k, cos, sin)` as one kernel (`takes` says when it applies)."""
     batch, heads, seq, dim = q.shape
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
-                                                                                     device=k.device)
+    q_out, k_out = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k))
     _rotary_kernel[(batch * seq,)](
         q, k, cos, sin, q_out, k_out, seq, heads, k.shape[1], q.stride(0), q.stride(1), q.stride(2), k.stride(0),
         k.stride(1), k.stride(2), cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),

@@ -38,6 +38,14 @@ GENERATE_DEFAULT_TOP_K = 50
 log = logging.getLogger("kevlaya.decoder")
 
 
+def _served(wanted: bool | None, device: torch.device,
+            runs_on: Callable[[torch.device], bool] | None = None) -> bool:
+    """Whether a fused operation the decoder serves on CUDA by default (`wanted` None) is used here: on CUDA only
+    where its kernel builds and runs (`runs_on`, tried once per device; worker/decoder/triton_kernels.py)."""
+    use = device.type == "cuda" if wanted is None else wanted
+    return use and (runs_on is None or device.type != "cuda" or runs_on(device))
+
+
 @dataclass
 class Row:
     request: GenerationRequest
@@ -115,20 +123,16 @@ class SlotDecoder:
         self.static = static_steps or graphs
         # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare);
         # on CUDA each product's row mask and expand as one kernel (`fused_lora`: False, three kernels, to compare)
-        fused_lora = self.device.type == "cuda" if fused_lora is None else fused_lora
-        if fused_lora and self.device.type == "cuda":  # the kernel needs Triton able to build it here
-            fused_lora = lora_expand.runs_on(self.device)
+        fused_lora = _served(fused_lora, self.device, lora_expand.runs_on)
         self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype, masked_expand=fused_lora)
         self.fused: FusedProjections | None = None
         # RMSNorm as PyTorch's one operator where that was measured (None: on CUDA); the CPU keeps transformers'
         # formula, whose greedy answers the shipped model's tests hold token for token
         self.norms: FusedNorms | None = None
-        fused_norms = self.device.type == "cuda" if fused_norms is None else fused_norms
+        fused_norms = _served(fused_norms, self.device)
         # the rotary embedding of queries and keys as one kernel, likewise (it computes only on CUDA)
         self.rotary: FusedRotary | None = None
-        fused_rotary = self.device.type == "cuda" if fused_rotary is None else fused_rotary
-        if fused_rotary and self.device.type == "cuda":
-            fused_rotary = fused_rotary_runs_on(self.device)
+        fused_rotary = _served(fused_rotary, self.device, fused_rotary_runs_on)
         # Static steps come with fixed-shape prefill passes, captured with them (False: eager prefills, to compare).
         self._static_prefill: CapturedPrefill | None = None
         try:
