@@ -61,6 +61,10 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     census = service["census"]["classes"]
     assert census["lora"]["kernels_per_step"] > 0 and census["attention"]["kernels_per_step"] > 0
     assert service["census"]["ms_per_step"] == sum(c["ms_per_step"] for c in census.values())
+    # and that class by kernel (here: operator) name, dearest first
+    top = service["census"]["elementwise_by_time"]
+    assert top and all(name.startswith("aten::") and kernels > 0 for name, kernels, _ in top)
+    assert [ms for _, _, ms in top] == sorted((ms for _, _, ms in top), reverse=True)
     # the same Kev jobs with no client and with an SSE client each, alternately: every client saw the stored text,
     # and each first delta's delay from the worker's first token was measured
     streaming = service["streaming"]

@@ -12,6 +12,7 @@ from worker.decoder.prefill_budget import prefill_group
 from worker.engine.policy import (
     PrefillPacer,
     apart_from_batch_lines,
+    latency_jobs_apart,
     plan_slots,
     prefill_order,
     reserved_slots,
@@ -172,3 +173,13 @@ def test_a_prefill_never_mixes_interactive_jobs_and_batch_lines_and_lines_go_a_f
     assert apart_from_batch_lines(3, [True] * 8, [50] * 8, 256) == 3  # never more than the decoder's own count
     assert apart_from_batch_lines(8, [True] * 8, [400] * 8, 256) == 1  # one line always goes
     assert apart_from_batch_lines(8, [True] * 8, [400] * 8, None) == 8  # no interactive traffic: no bound
+
+
+def test_a_latency_roles_jobs_that_lead_the_prefill_order_go_without_the_others():
+    # Laya jobs first (prefill order): the Kev prompts claimed with them wait for the next pass
+    assert latency_jobs_apart(5, [True, True, False, False, False]) == 2
+    assert latency_jobs_apart(1, [True, True, False]) == 1  # never more than the budget's count
+    assert latency_jobs_apart(3, [True, True, True]) == 3
+    # no latency job leads (a Kev job held past the fairness bound comes first): the budget decides alone
+    assert latency_jobs_apart(4, [False, True, False, True]) == 4
+    assert latency_jobs_apart(0, []) == 0

@@ -111,8 +111,12 @@ def _frames(event, regions: _Regions) -> list[str]:  # noqa: ANN001 (a profiler 
     return frames + regions.around(event.time_range.start)
 
 
-def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> tuple[dict[str, tuple[int, float]], Counter]:
-    """Per class: (kernels, microseconds) of running `requests` to the end; and the unclassed kernels by name."""
+Profiled = tuple[dict[str, tuple[int, float]], Counter, dict[str, tuple[int, float]]]
+
+
+def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> Profiled:
+    """Per class: (kernels, microseconds) of running `requests` to the end; the unclassed kernels by name; and the
+    norm/rotary/elementwise class's kernels by name, (kernels, microseconds)."""
     if cuda:
         torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -125,6 +129,7 @@ def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> tuple[d
     counts: Counter[str] = Counter()
     micros: Counter[str] = Counter()
     unclassed: Counter[str] = Counter()
+    elementwise: dict[str, list[float]] = {}
     for event in events:
         if cuda:
             launched = [(kernel.name, kernel.duration) for kernel in event.kernels]
@@ -139,7 +144,12 @@ def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> tuple[d
             micros[kind] += duration
             if kind == "other":
                 unclassed[name[:80]] += 1
-    return {kind: (counts[kind], micros[kind]) for kind in CLASSES}, unclassed
+            elif kind == "norm_rotary_elementwise":
+                tally = elementwise.setdefault(name[:100], [0, 0.0])
+                tally[0] += 1
+                tally[1] += duration
+    return ({kind: (counts[kind], micros[kind]) for kind in CLASSES}, unclassed,
+            {name: (n, us) for name, (n, us) in elementwise.items()})
 
 
 def kernel_census(run: Run, device: str, requests: list[GenerationRequest], steps: int = 4) -> dict:
@@ -147,13 +157,20 @@ def kernel_census(run: Run, device: str, requests: list[GenerationRequest], step
     cuda = device == "cuda"
     requests = [dataclasses.replace(r, max_new_tokens=steps + 1) for r in requests]
     run(requests)  # warm-up
-    one, _ = _profile(run, [dataclasses.replace(r, max_new_tokens=1) for r in requests], cuda)
-    full, unclassed = _profile(run, requests, cuda)
-    classes = {kind: {"kernels_per_step": (full[kind][0] - one[kind][0]) / steps,
-                      "ms_per_step": (full[kind][1] - one[kind][1]) / steps / 1000} for kind in CLASSES}
+    one, _, one_elementwise = _profile(run, [dataclasses.replace(r, max_new_tokens=1) for r in requests], cuda)
+    full, unclassed, elementwise = _profile(run, requests, cuda)
+
+    def per_step(full: tuple[int, float], one: tuple[int, float]) -> dict[str, float]:
+        return {"kernels_per_step": (full[0] - one[0]) / steps, "ms_per_step": (full[1] - one[1]) / steps / 1000}
+
+    classes = {kind: per_step(full[kind], one[kind]) for kind in CLASSES}
+    by_name = {name: per_step(tally, one_elementwise.get(name, (0, 0.0))) for name, tally in elementwise.items()}
     return {"rows": len(requests), "steps": steps, "what": "CUDA kernels" if cuda else "CPU operators (own time)",
             "classes": classes,
             "kernels_per_step": sum(c["kernels_per_step"] for c in classes.values()),
             "ms_per_step": sum(c["ms_per_step"] for c in classes.values()),
             "unclassed": unclassed.most_common(8),
+            # what the norm/rotary/elementwise class is made of: the next fusions' candidates
+            "elementwise_by_time": sorted(([name, f["kernels_per_step"], f["ms_per_step"]] for name, f in by_name.items()
+                                           if f["kernels_per_step"] > 0), key=lambda x: -x[2])[:12],
             "python_profiler_left_on": sys.getprofile() is not None}

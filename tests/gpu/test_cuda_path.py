@@ -212,26 +212,35 @@ def test_the_worker_recovers_after_its_child_is_killed(env, api, start_process) 
     assert api.get("/readyz", headers=AUTH).status_code == 200
 
 
-@pytest.mark.parametrize("graphs, fused", [(False, False), (True, False), (True, True)],
-                         ids=["eager-steps", "cuda-graphs", "cuda-graphs-fused-norms-rotary-lora"])
-def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime, graphs: bool,
-                                                          fused: bool) -> None:
+@pytest.mark.parametrize("graphs, fused, column_buckets", [(False, False, 1), (True, False, 1), (True, True, 1),
+                                                            (True, True, 3)],
+                         ids=["eager-steps", "cuda-graphs", "cuda-graphs-fused-norms-rotary-lora",
+                              "cuda-graphs-fused-column-buckets"])
+def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime, graphs: bool, fused: bool,
+                                                          column_buckets: int) -> None:
     """The slot decoder on the NF4 base: Kev and Laya rows in the same steps, captured or not, with RMSNorm as one
     operator, the rotary embedding and each LoRA product's mask and expand as one kernel each (as served on CUDA)
-    or not, give the per-adapter `generate` answers (greedy; fp16, so one answer in eight may part at a near
-    tie)."""
+    or not, and captured steps that read only part of the window, give the per-adapter `generate` answers
+    (greedy; fp16, so one answer in eight may part at a near tie)."""
     from worker.decoder.slot_decoder import SlotDecoder
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4)
     expected = [demo.run_batch([r]).results[0] for r in requests]
     decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
-                          graphs=graphs, fused_norms=fused, fused_rotary=fused, fused_lora=fused)
+                          graphs=graphs, fused_norms=fused, fused_rotary=fused, fused_lora=fused,
+                          column_buckets=column_buckets)
+    widths: list[int] = []
+    if decoder._static is not None:
+        width = decoder._static.width
+        decoder._static.width = lambda t: widths.append(width(t)) or widths[-1]
     try:
         assert (decoder.rotary is not None and decoder.rotary.installed) is fused
         assert decoder.lora.masked_expand is fused
         got = decoder.run(requests)
     finally:
         decoder.close()
+    if column_buckets > 1:  # steps read less than the window, in several sizes
+        assert min(widths) < 1024 and len(set(widths)) > 1, sorted(set(widths))
     agree = sum(g.token_ids == e.token_ids for g, e in zip(got, expected))
     assert agree >= len(requests) - 1, [(e.text, g.text) for g, e in zip(got, expected) if g.token_ids != e.token_ids]
     assert all(g.error_code is None for g in got)

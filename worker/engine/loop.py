@@ -20,6 +20,7 @@ from shared.settings import Settings
 from worker.engine.policy import (
     PrefillPacer,
     apart_from_batch_lines,
+    latency_jobs_apart,
     plan_slots,
     prefill_order,
     reserved_slots,
@@ -274,6 +275,7 @@ class Engine:
         if not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles and not r.request.background
                                           for r in self.decoder.rows)):
             count = min(count, unpaced_prefix(latency, waited, self.settings.max_wait_ms))
+        count = latency_jobs_apart(count, latency)
         chosen = [c.request for c in self.to_prefill[:count]]
         del self.to_prefill[:count]
         if not chosen:

@@ -82,6 +82,15 @@ def apart_from_batch_lines(count: int, background: list[bool], prompt_tokens: li
     return prefill_group(prompt_tokens[:count], count, batch_budget_tokens)
 
 
+def latency_jobs_apart(count: int, latency: list[bool]) -> int:
+    """How many of the first `count` jobs (in prefill order) to prefill now: when a latency role's jobs lead, only
+    them. A prefill pass lasts as long as all its tokens take, and each row's first token waits for the whole
+    pass, so a Laya job prefilled with a wave of Kev prompts would wait for theirs too."""
+    if not latency or not latency[0]:
+        return count
+    return next((i for i, is_latency in enumerate(latency[:count]) if not is_latency), count)
+
+
 @dataclass
 class PrefillPacer:
     """Keeps other roles' prefills to `share` of the engine's time while a row of a latency role (one with reserved
