@@ -93,9 +93,92 @@ def dequantize_reference(weight: Nf4Weight) -> torch.Tensor:
     return values.view(weight.out_features, weight.in_features)
 
 
+def _table_words(values: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The 16 values in fp16, as four 32-bit words of their low bytes and four of their high bytes (value i in byte
+    i % 4 of word i // 4): what a byte permute picks from."""
+    bits = [int(b) & 0xFFFF for b in values.half().view(torch.int16).tolist()]
+    low, high = [b & 0xFF for b in bits], [b >> 8 for b in bits]
+    return ([sum(t[i + j] << (8 * j) for j in range(4)) for i in range(0, 16, 4)] for t in (low, high))
+
+
+def permute_asm(values: torch.Tensor = NF4_VALUES) -> str:
+    """PTX that decodes one 32-bit word of packed codes (four bytes, the even column's code in each high nibble) into
+    the fp16 values of the four high codes ($0, $1) and of the four low ones ($2, $3), two a register, in column
+    order. A byte permute (`prmt`) picks four bytes out of eight by four 3-bit selectors at once, so four codes
+    take two permutes per byte of the value (codes 0-7 and 8-15, merged by each code's top bit with one `lop3`)
+    and two more to interleave low and high bytes: about 4 instructions a weight, against about 20 for the tree of
+    selects. `ptx_emulated` runs it on the CPU for the tests."""
+    low, high = _table_words(values)
+    table = "\n".join(f"mov.b32 {name}{i}, {word:#010x};" for name, words in (("l", low), ("h", high))
+                      for i, word in enumerate(words))
+
+    def lookup(first: str, second: str) -> str:
+        # `sel` holds four codes as nibbles; `big` gets 0xFF in each byte whose code is 8 or more
+        return f"""and.b32 sel7, sel, 0x7777;
+shr.b32 top, sel, 3;
+and.b32 top, top, 0x1111;
+prmt.b32 big, kff, kff, top;
+prmt.b32 x0, l0, l1, sel7;
+prmt.b32 x1, l2, l3, sel7;
+lop3.b32 lob, x0, x1, big, 0xD8;
+prmt.b32 x0, h0, h1, sel7;
+prmt.b32 x1, h2, h3, sel7;
+lop3.b32 hib, x0, x1, big, 0xD8;
+prmt.b32 {first}, lob, hib, 0x5140;
+prmt.b32 {second}, lob, hib, 0x7362;"""
+
+    def codes(which: str) -> str:
+        # the word's four high (or low) codes, one a byte, then as the four nibbles of `sel`
+        return f"""{which}
+and.b32 w, w, 0x0F0F0F0F;
+shr.b32 sel, w, 4;
+or.b32 w, w, sel;
+prmt.b32 sel, w, w, 0x0020;"""
+
+    return f"""{{
+.reg .b32 w, sel, sel7, top, big, x0, x1, lob, hib, kff, l0, l1, l2, l3, h0, h1, h2, h3;
+mov.b32 kff, 0x0000FF00;
+{table}
+{codes("shr.b32 w, $4, 4;")}
+{lookup("$0", "$1")}
+{codes("mov.b32 w, $4;")}
+{lookup("$2", "$3")}
+}}"""
+
+
+def ptx_emulated(asm: str, word: int) -> list[int]:
+    """`asm` (permute_asm's instructions only) run on one input word: the four output registers."""
+    mask = 0xFFFFFFFF
+    regs: dict[str, int] = {"$4": word}
+
+    def value(operand: str) -> int:
+        return regs[operand] if operand in regs else int(operand, 0)
+
+    def prmt(a: int, b: int, selector: int) -> int:
+        pool = (b << 32) | a
+        return sum(((pool >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+    def lop3(a: int, b: int, c: int, lut: int) -> int:
+        return sum(((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i
+                   for i in range(32))
+
+    ops = {"mov": lambda a: a, "and": lambda a, b: a & b, "or": lambda a, b: a | b, "shr": lambda a, b: a >> b,
+           "prmt": prmt, "lop3": lop3}
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, operands = line.split(None, 1)
+        target, *sources = [o.strip() for o in operands.split(",")]
+        regs[target] = ops[op.split(".")[0]](*map(value, sources)) & mask
+    return [regs[f"${i}"] for i in range(4)]
+
+
 if triton_available():
     import triton
     import triton.language as tl
+
+    PERMUTE_ASM = tl.constexpr(permute_asm())
 
     @triton.jit
     def _nf4_value(codes):
@@ -123,10 +206,21 @@ if triton_available():
         return (value * scale[:, None]).to(tl.float16)
 
     @triton.jit
+    def _nf4_permuted(byte, scale):
+        """The fp16 weights of a byte's high codes (even columns) and low codes (odd columns) times their row's
+        scale, the values picked by byte permutes (permute_asm) and scaled in fp16: one rounding more than
+        bitsandbytes' (value × scale in float32, rounded once)."""
+        high, low = tl.inline_asm_elementwise(PERMUTE_ASM, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16),
+                                              is_pure=True, pack=4)
+        scale = scale.to(tl.float16)[:, None]
+        return high * scale, low * scale
+
+    @triton.jit
     def _nf4_matmul_kernel(x_ptr, packed_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, bias_ptr, out_ptr,
                            offset, M, N, K, blocks_per_split, stride_xm, stride_om,
                            BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, TREE: tl.constexpr, SUB: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, TREE: tl.constexpr, PERMUTE: tl.constexpr,
+                           SUB: tl.constexpr,
                            SWAP: tl.constexpr, PAIRWISE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr):
         # out[m, n] = sum_k x[m, k] * w[n, k], one scale block (BLOCKSIZE columns of k) at a time: the block's bytes
@@ -162,9 +256,12 @@ if triton_available():
                 else:
                     scale = tl.load(absmax_ptr + block, mask=cols, other=0.0)
                 x_row = x_ptr + rm[:, None] * stride_xm + b * BLOCKSIZE
-                if PAIRWISE:
+                if PERMUTE:
+                    high, low = _nf4_permuted(byte, scale)
+                else:
                     high = _nf4_decoded(byte >> 4, scale, code_ptr, TREE)
                     low = _nf4_decoded(byte & 15, scale, code_ptr, TREE)
+                if PAIRWISE:
                     x_even = tl.load(x_row + 2 * byte_in_block[None, :], mask=rows[:, None], other=0.0)
                     x_odd = tl.load(x_row + 2 * byte_in_block[None, :] + 1, mask=rows[:, None], other=0.0)
                     if SWAP:
@@ -174,8 +271,7 @@ if triton_available():
                         acc = tl.dot(x_even, tl.trans(high), acc)
                         acc = tl.dot(x_odd, tl.trans(low), acc)
                 else:
-                    codes = tl.reshape(tl.join(byte >> 4, byte & 15), (BLOCK_N, BLOCKSIZE))
-                    w = _nf4_decoded(codes, scale, code_ptr, TREE)
+                    w = tl.reshape(tl.join(high, low), (BLOCK_N, BLOCKSIZE))
                     x = tl.load(x_row + tl.arange(0, BLOCKSIZE)[None, :], mask=rows[:, None], other=0.0)
                     if SWAP:
                         acc = tl.dot(w, tl.trans(x), acc)
@@ -205,6 +301,7 @@ class Launch:
     split: int  # ranges of scale blocks summed apart, each by its own programs
     sub: int = 2  # scale blocks an iteration reads
     tree: bool = True  # NF4 values from a tree of selects (else loaded from the 16-value table)
+    permute: bool = False  # NF4 values by byte permutes (PTX: CUDA only; tree and table then unused)
     swap: bool = False  # the product computed transposed, the weights as the wide operand
     pairwise: bool = False  # even and odd columns multiplied apart (else a byte's codes joined in column order)
     num_warps: int = 4
@@ -221,7 +318,8 @@ def plan(rows: int, weight: Nf4Weight, device: torch.device, block_n: int | None
     blocks, split = weight.in_features // weight.blocksize, 1
     while programs * split < 2 * _multiprocessors(device) and blocks // (split * 2) >= 8:
         split *= 2
-    return Launch(block_m, block_n, split, tree=weight.standard)
+    standard = weight.standard  # the tree and the permutes hold NF4's own values; another table is loaded
+    return Launch(block_m, block_n, split, tree=standard, permute=standard and device.type == "cuda")
 
 
 def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = None,
@@ -245,7 +343,7 @@ def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = N
         bias if bias is not None else out, out, weight.offset, rows, weight.out_features, weight.in_features,
         triton.cdiv(blocks, split), flat.stride(0), out.stride(0), BLOCKSIZE=weight.blocksize,
         BLOCKSIZE2=weight.blocksize2, NESTED=nested, HAS_BIAS=bias is not None, SPLIT=split > 1,
-        TREE=launch.tree, SUB=launch.sub, SWAP=launch.swap, PAIRWISE=launch.pairwise, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        TREE=launch.tree, PERMUTE=launch.permute, SUB=launch.sub, SWAP=launch.swap, PAIRWISE=launch.pairwise, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 

@@ -109,3 +109,22 @@ def test_the_kernel_run_by_tritons_interpreter_multiplies_as_the_reference_does(
     worst = float(done.stdout.split("worst relative error")[1])
     # fp16 products summed in fp32: the error of fp16 inputs, far below a wrong nibble or scale (~10 %)
     assert worst < 2e-3, done.stdout
+
+
+def test_the_byte_permute_decode_picks_each_codes_nf4_value() -> None:
+    """The PTX of the permute decode (the GPU suite runs it compiled), emulated instruction by instruction: every
+    byte value in every position of a word gives its two codes' fp16 NF4 values, high code first."""
+    from modellab.nf4_matmul import NF4_VALUES, permute_asm, ptx_emulated
+
+    asm, values = permute_asm(), NF4_VALUES.half()
+    generator = torch.Generator().manual_seed(0)
+    for byte in range(256):
+        for position in range(4):
+            word = int(torch.randint(0, 2**32, (1,), generator=generator, dtype=torch.int64))
+            word = (word & ~(0xFF << (8 * position))) | (byte << (8 * position))
+            registers = ptx_emulated(asm, word)
+            halves = torch.tensor([(r >> shift) & 0xFFFF for r in registers for shift in (0, 16)],
+                                  dtype=torch.int32).to(torch.int16).view(torch.float16)
+            codes = [(word >> (8 * i)) & 0xFF for i in range(4)]
+            expected = values[[c >> 4 for c in codes] + [c & 15 for c in codes]]
+            assert torch.equal(halves, expected), (hex(word), halves, expected)

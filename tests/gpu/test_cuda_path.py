@@ -5,6 +5,7 @@ them on). The model is the shipped demo model, or a random-weight model of the Q
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import signal
@@ -497,13 +498,14 @@ def test_memory_taken_by_another_process_after_sizing_fails_no_job(env, api, sta
 def test_the_nf4_kernel_multiplies_every_layer_as_bitsandbytes_and_answers_agree(demo: ReferenceRuntime,
                                                                                   qwen: ReferenceRuntime) -> None:
     """The Triton NF4 kernel (modellab/nf4_matmul.py): on every NF4 layer of the demo model and of a real shape,
-    its product for 1 to 64 rows is bitsandbytes' (fp16 rounding); installed under the decoder, graphs captured,
+    its product for 1 to 64 rows, the values decoded by byte permutes or by a tree of selects, is bitsandbytes'
+    (fp16 rounding); installed under the decoder, graphs captured,
     the answers are those through bitsandbytes on at least 99 % of the tokens, and removing it gives bitsandbytes'
     path back."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
-    from modellab.nf4_matmul import Nf4Weight, install_nf4_kernels, nf4_matmul
+    from modellab.nf4_matmul import Nf4Weight, install_nf4_kernels, nf4_matmul, plan
     from worker.decoder.slot_decoder import SlotDecoder
 
     worst, layers = 0.0, 0
@@ -519,8 +521,11 @@ def test_the_nf4_kernel_multiplies_every_layer_as_bitsandbytes_and_answers_agree
             for rows in (1, 7, 32, 64):
                 x = torch.randn(rows, weight.in_features, device="cuda", dtype=torch.float16)
                 expected = x.float() @ dense.T + (0 if bias is None else bias.float())
-                got = nf4_matmul(x, weight, bias).float()
-                worst = max(worst, ((got - expected).abs().max() / expected.abs().max()).item())
+                launch = plan(rows, weight, x.device)
+                assert launch.permute is weight.standard
+                for decode in {launch, dataclasses.replace(launch, permute=False)}:  # byte permutes, select tree
+                    got = nf4_matmul(x, weight, bias, launch=decode).float()
+                    worst = max(worst, ((got - expected).abs().max() / expected.abs().max()).item())
             layers += 1
     print(f"NF4 kernel against bitsandbytes' dequantized weight, {layers} layers: worst relative error {worst:.2e}")
     assert layers > 0 and worst < 5e-3
