@@ -129,3 +129,16 @@ def test_the_nf4_kernel_bench_refuses_what_it_cannot_time_and_writes_nothing(tmp
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 2 and hint in run.stderr, run.stderr
     assert not (tmp_path / "k.json").exists()
+
+
+def test_the_census_classes_the_decoders_own_triton_kernels_by_name() -> None:
+    """Triton kernels are launched from Python, by no operator: the census places them by name alone (the NF4
+    matmul, the LoRA expand, the rotary embedding), and a GEMM by the range it ran in (a LoRA product) or not
+    (the LM head)."""
+    from modellab.bench.census import LORA_RANGE, kernel_class
+
+    assert kernel_class("_nf4_matmul_kernel", []) == "nf4_matmul"
+    assert kernel_class("_masked_expand_kernel", []) == "lora"
+    assert kernel_class("_rotary_kernel", []) == "norm_rotary_elementwise"
+    assert kernel_class("sm90_xmma_gemm_f16f16_f16f32", [LORA_RANGE]) == "lora"
+    assert kernel_class("sm90_xmma_gemm_f16f16_f16f32", ["aten::mm"]) == "other_gemm"

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from modellab.nf4_matmul import Nf4Weight, dequantize_reference
 from tests.interpreted import run_interpreted
+from worker.decoder.nf4_matmul import Nf4Weight, dequantize_reference
 
 
 def nf4_linear(out_features: int, in_features: int, nested: bool, seed: int = 0, bias: bool = True):  # noqa: ANN201
@@ -60,7 +60,7 @@ INTERPRETED = textwrap.dedent("""
     import dataclasses
     import torch
     from tests.test_nf4_matmul import nf4_linear
-    from modellab.nf4_matmul import MAX_ROWS, Nf4Kernels, Nf4Weight, dequantize_reference, nf4_matmul, plan
+    from worker.decoder.nf4_matmul import Nf4Weight, dequantize_reference, nf4_matmul, plan
 
     worst = 0.0
     for nested in (True, False):
@@ -84,21 +84,6 @@ INTERPRETED = textwrap.dedent("""
                     assert got.dtype == torch.float16 and got.shape == expected.shape
                     worst = max(worst, ((got.float() - expected).abs().max() / expected.abs().max()).item())
 
-    # installed on a layer: up to MAX_ROWS rows go through the kernel, more through bitsandbytes' own path
-    layer = nf4_linear(48, 128, True)
-    calls = []
-    kernel = Nf4Kernels([(layer, Nf4Weight.of(layer))])
-    import modellab.nf4_matmul as module
-    real = module.nf4_matmul
-    module.nf4_matmul = lambda *args: calls.append(args[0].shape) or real(*args)
-    with torch.inference_mode():
-        small = layer(torch.randn(2, 3, 128).half())
-        assert small.shape == (2, 3, 48) and calls == [(2, 3, 128)]
-        layer(torch.randn(MAX_ROWS + 1, 128).half())
-        assert len(calls) == 1
-    kernel.remove()
-    layer(torch.randn(2, 128).half())
-    assert len(calls) == 1 and "forward" not in vars(layer)
     print(f"worst relative error {worst:.2e}")
 """)
 
@@ -114,7 +99,7 @@ def test_the_kernel_run_by_tritons_interpreter_multiplies_as_the_reference_does(
 def test_the_byte_permute_decode_picks_each_codes_nf4_value() -> None:
     """The PTX of the permute decode (the GPU suite runs it compiled), emulated instruction by instruction: every
     byte value in every position of a word gives its two codes' fp16 NF4 values, high code first."""
-    from modellab.nf4_matmul import NF4_VALUES, permute_asm, ptx_emulated
+    from worker.decoder.nf4_matmul import NF4_VALUES, permute_asm, ptx_emulated
 
     asm, values = permute_asm(), NF4_VALUES.half()
     generator = torch.Generator().manual_seed(0)

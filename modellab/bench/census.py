@@ -27,7 +27,7 @@ from worker.generation import GenerationRequest
 CLASSES = ("nf4_matmul", "lora", "attention", "other_gemm", "norm_rotary_elementwise", "other")
 _ATTENTION = re.compile(r"fmha|flash|attention|softmax|sdpa|scaled_dot_product", re.I)
 _GEMM = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitk|cublas|\bmm\b|aten::(mm|bmm|addmm|matmul|linear)$", re.I)
-_ELEMENTWISE = re.compile(r"elementwise|vectorized|unrolled|reduce|copy|cat|index|fill|aten::", re.I)
+_ELEMENTWISE = re.compile(r"elementwise|vectorized|unrolled|reduce|copy|cat|index|fill|rotary|aten::", re.I)
 
 
 LORA_RANGE, NF4_RANGE = "kevlaya.row_lora", "kevlaya.nf4_matmul"
@@ -37,7 +37,7 @@ _REGIONS = {"lora": LORA_RANGE, "nf4_matmul": NF4_RANGE}
 def kernel_class(name: str, frames: list[str]) -> str:
     """The class of a kernel (or CPU operator) `name` launched from within Python `frames`."""
     where = " ".join(frames)
-    if _REGIONS["lora"] in where:
+    if _REGIONS["lora"] in where or "masked_expand" in name:  # the LoRA expand kernel (worker/decoder/lora_expand.py)
         return "lora"
     if _REGIONS["nf4_matmul"] in where or re.search(r"4bit|dequantize|nf4", name, re.I):
         return "nf4_matmul"
@@ -78,7 +78,7 @@ class _Regions:
 def _ranges() -> Iterator[None]:
     """Name the LoRA products and the 4-bit matmuls (bitsandbytes' and the NF4 kernel's) as profiler ranges while
     the census runs."""
-    from modellab.nf4_matmul import Nf4Kernels
+    from worker.decoder.nf4_matmul import Nf4Kernels
     from worker.decoder.row_lora import RowLoRA
 
     RowLoRA.profile_label = LORA_RANGE
@@ -130,14 +130,26 @@ def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> Profile
     micros: Counter[str] = Counter()
     unclassed: Counter[str] = Counter()
     elementwise: dict[str, list[float]] = {}
-    for event in events:
+    launches = [(event, [(k.name, k.duration) for k in event.kernels] if cuda else []) for event in events]
+    if cuda:
+        # Kernels no operator launched (Triton's, launched from Python) are linked to no CPU event: they are
+        # counted by name, as what the GPU ran beyond the operators' kernels, with no frames.
+        ran, spent = Counter(), Counter()
+        for kernel in prof.events():
+            if kernel.device_type == torch.autograd.DeviceType.CUDA:
+                ran[kernel.name] += 1
+                spent[kernel.name] += kernel.time_range.elapsed_us()
+        linked = Counter(name for _, kernels in launches for name, _ in kernels)
+        launches.append((None, [(name, spent[name] / ran[name]) for name in ran
+                                for _ in range(ran[name] - linked[name])]))
+    for event, kernels in launches:
         if cuda:
-            launched = [(kernel.name, kernel.duration) for kernel in event.kernels]
+            launched = kernels
         elif event.name.startswith("aten::") and event.self_cpu_time_total > 0:
             launched = [(event.name, event.self_cpu_time_total)]
         else:
             continue
-        frames = _frames(event, regions) if launched else []
+        frames = _frames(event, regions) if launched and event is not None else []
         for name, duration in launched:
             kind = kernel_class(name, frames)
             counts[kind] += 1

@@ -73,7 +73,7 @@ def main(
     if shape not in SHAPES or shape == "tiny":
         raise typer.BadParameter(f"must be one of {', '.join(s for s in SHAPES if s != 'tiny')}",
                                  param_hint="--shape")
-    from modellab.nf4_matmul import MAX_ROWS, Launch, Nf4Weight, nf4_matmul, plan
+    from worker.decoder.nf4_matmul import MAX_ROWS, Launch, Nf4Weight, nf4_matmul, plan
 
     try:
         counts = [int(r) for r in rows.split(",") if r.strip()]

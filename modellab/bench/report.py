@@ -124,7 +124,10 @@ def _censuses(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
              "one per projection": (service.get("unfused") or {}).get("census"),
              "RMSNorm fused": (service.get("fused_norms") or {}).get("census"),
              "RMSNorm unfused": (service.get("unfused_norms") or {}).get("census"),
-             "NF4 Triton kernel": (service.get("nf4_kernel") or {}).get("census")}
+             "NF4 Triton kernel": (service.get("nf4_kernel") or {}).get("census"),
+             "unfused rotary": (service.get("unfused_rotary") or {}).get("census"),
+             "unfused LoRA": (service.get("unfused_lora") or {}).get("census"),
+             "bitsandbytes NF4": (service.get("bitsandbytes_nf4") or {}).get("census")}
     return {label: census for label, census in found.items() if census and "classes" in census}
 
 

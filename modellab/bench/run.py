@@ -47,8 +47,8 @@ PAIR_OPTIONS: dict[str, dict[str, Any]] = {
     "unfused_norms": {"fused_norms": False},
     "unfused_rotary": {"fused_rotary": False},
     "unfused_lora": {"fused_lora": False},
-    "column_buckets": {"column_buckets": 3},
-    "nf4_kernel": {"nf4_kernel": True, "fused_projections": False},  # joined projections do not call the kernel
+    "whole_window": {"column_buckets": 1},
+    "bitsandbytes_nf4": {"nf4_kernel": False},
     "eager_prefill": {"static_prefill": False},
     "step_by_step": {"launch_ahead": False},
 }
@@ -122,7 +122,6 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share, step and prefill
     time (captured, as served), the same under the decision grammar, the A/B pairs of `config.pairs` (CUDA;
     modellab/bench/pairs.py), and a kernel census of eager steps of each that changes the step."""
-    from modellab.nf4_matmul import install_nf4_kernels
     from worker.decoder.kv_block import STORAGE_DTYPES
     from worker.decoder.slot_decoder import SlotDecoder
     from worker.engine.loop import build_decoder
@@ -160,11 +159,6 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
             if pair not in SAME_KERNEL_PAIRS:  # a census counts the kernels of eager decode steps
                 variants[f"census_{pair}"] = ({"graphs": False, **PAIR_OPTIONS[pair]}, kernel_census)
     for name, (options, measure) in variants.items():
-        # installed before the decoder captures its steps, so the graphs hold the kernel
-        kernel = install_nf4_kernels(loaded.model) if options.pop("nf4_kernel", False) else None
-        if "nf4_kernel" in name and kernel is None:  # it would time bitsandbytes' path under the kernel's name
-            figures[name] = {"error": "the NF4 kernel did not install: no NF4 layer on CUDA, or no Triton"}
-            continue
         # as many slots as rows: the fp32 products need more memory than the sizing left spare under the cap
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
                               eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
@@ -175,8 +169,6 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
             figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))
         finally:
             decoder.close()
-            if kernel is not None:
-                kernel.remove()
             del decoder
         _free_cache()
     return figures

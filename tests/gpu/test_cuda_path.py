@@ -220,23 +220,23 @@ def test_the_worker_recovers_after_its_child_is_killed(env, api, start_process) 
 def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime, graphs: bool, fused: bool,
                                                           column_buckets: int) -> None:
     """The slot decoder on the NF4 base: Kev and Laya rows in the same steps, captured or not, with RMSNorm as one
-    operator, the rotary embedding and each LoRA product's mask and expand as one kernel each (as served on CUDA)
-    or not, and captured steps that read only part of the window, give the per-adapter `generate` answers
+    operator, the rotary embedding, each LoRA product's mask and expand and the NF4 matmuls as one kernel each (as
+    served on CUDA) or not, and captured steps that read only part of the window, give the per-adapter `generate` answers
     (greedy; fp16, so one answer in eight may part at a near tie)."""
     from worker.decoder.slot_decoder import SlotDecoder
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4)
     expected = [demo.run_batch([r]).results[0] for r in requests]
     decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
-                          graphs=graphs, fused_norms=fused, fused_rotary=fused, fused_lora=fused,
+                          graphs=graphs, fused_norms=fused, fused_rotary=fused, fused_lora=fused, nf4_kernel=fused,
                           column_buckets=column_buckets)
     widths: list[int] = []
-    if decoder._static is not None:
-        width = decoder._static.width
-        decoder._static.width = lambda t: widths.append(width(t)) or widths[-1]
     try:
+        if decoder.static:
+            width = decoder._static.width
+            decoder._static.width = lambda t: widths.append(width(t)) or widths[-1]
         assert (decoder.rotary is not None and decoder.rotary.installed) is fused
-        assert decoder.lora.masked_expand is fused
+        assert decoder.lora.masked_expand is fused and (decoder.nf4 is not None) is fused
         got = decoder.run(requests)
     finally:
         decoder.close()
@@ -497,15 +497,15 @@ def test_memory_taken_by_another_process_after_sizing_fails_no_job(env, api, sta
 
 def test_the_nf4_kernel_multiplies_every_layer_as_bitsandbytes_and_answers_agree(demo: ReferenceRuntime,
                                                                                   qwen: ReferenceRuntime) -> None:
-    """The Triton NF4 kernel (modellab/nf4_matmul.py): on every NF4 layer of the demo model and of a real shape,
+    """The Triton NF4 kernel (worker/decoder/nf4_matmul.py): on every NF4 layer of the demo model and of a real shape,
     its product for 1 to 64 rows, the values decoded by byte permutes or by a tree of selects, is bitsandbytes'
-    (fp16 rounding); installed under the decoder, graphs captured,
-    the answers are those through bitsandbytes on at least 99 % of the tokens, and removing it gives bitsandbytes'
-    path back."""
+    (fp16 rounding); the decoder (captured steps) serves its matmuls of 2 rows or more through it, with answers that are those through
+    bitsandbytes on at least 99 % of the tokens, and closing gives bitsandbytes' path back."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
-    from modellab.nf4_matmul import Nf4Weight, install_nf4_kernels, nf4_matmul, plan
+    from worker.decoder import nf4_matmul as kernel_module
+    from worker.decoder.nf4_matmul import Nf4Kernels, Nf4Weight, nf4_matmul, plan
     from worker.decoder.slot_decoder import SlotDecoder
 
     worst, layers = 0.0, 0
@@ -531,22 +531,30 @@ def test_the_nf4_kernel_multiplies_every_layer_as_bitsandbytes_and_answers_agree
     assert layers > 0 and worst < 5e-3
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 16)
+    calls = []
+    real = kernel_module.nf4_matmul
 
     def answers(with_kernel: bool) -> list:
-        kernel = install_nf4_kernels(demo.model) if with_kernel else None
-        assert (kernel is not None) == with_kernel
+        calls.clear()
         decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
-                              eos_ids=demo.eos_ids, graphs=True)
+                              eos_ids=demo.eos_ids, graphs=True, nf4_kernel=with_kernel)
         try:
+            assert (decoder.nf4 is not None) is with_kernel
             return decoder.run(requests)
         finally:
             decoder.close()
-            if kernel is not None:
-                kernel.remove()
             del decoder
             _free()
+            # the joined projections and the others, never for one row (bitsandbytes' GEMV is faster there)
+            assert bool(calls) is with_kernel and all(rows >= 2 for rows in calls), sorted(set(calls))
 
-    theirs, ours = answers(False), answers(True)
-    assert not any("forward" in vars(m) for m in demo.model.modules())  # removed: bitsandbytes' own forward again
+    kernel_module.nf4_matmul = lambda x, *args, **kwargs: calls.append(x.numel() // x.shape[-1]) or real(x, *args,
+                                                                                                          **kwargs)
+    try:
+        theirs, ours = answers(False), answers(True)
+    finally:
+        kernel_module.nf4_matmul = real
+    assert Nf4Kernels.holders == 0  # closed: bitsandbytes' own forward again
+    assert not any("forward" in vars(m) for m in demo.model.modules())
     assert all(g.error_code is None for g in ours)
     assert_agree(theirs, ours, "NF4 kernel against bitsandbytes on the demo model, captured steps")

@@ -27,6 +27,8 @@ from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_prefill import CapturedPrefill
 from worker.decoder.graph_step import CapturedStep
 from worker.decoder.kv_block import KVBlock
+from worker.decoder.nf4_matmul import Nf4Kernels, nf4_layers
+from worker.decoder.nf4_matmul import runs_on as nf4_runs_on
 from worker.decoder.prefill_budget import prefill_group
 from worker.decoder.row_lora import NO_ADAPTER, RowLoRA
 from worker.decoder.sampling import Choice, Chosen, RowSampling, choose
@@ -36,6 +38,10 @@ from worker.model.tokens import encode_chats, result_text
 GENERATE_DEFAULT_TOP_K = 50
 
 log = logging.getLogger("kevlaya.decoder")
+
+
+# the window sizes a captured step on CUDA reads: all of it, half, a quarter (modellab/bench/results/README.md)
+COLUMN_BUCKETS = 3
 
 
 def _served(wanted: bool | None, device: torch.device,
@@ -88,7 +94,7 @@ class SlotDecoder:
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool | None = None,
                  fused_rotary: bool | None = None, fused_lora: bool | None = None, static_prefill: bool = True,
-                 launch_ahead: bool = True, column_buckets: int = 1):
+                 launch_ahead: bool = True, column_buckets: int | None = None, nf4_kernel: bool | None = None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -133,6 +139,9 @@ class SlotDecoder:
         # the rotary embedding of queries and keys as one kernel, likewise (it computes only on CUDA)
         self.rotary: FusedRotary | None = None
         fused_rotary = _served(fused_rotary, self.device, fused_rotary_runs_on)
+        # NF4 matmuls of 2 to 64 rows as one Triton kernel, likewise (bitsandbytes' dequantize-then-GEMM otherwise)
+        self.nf4: Nf4Kernels | None = None
+        nf4_kernel = bool(nf4_layers(model)) and _served(nf4_kernel, self.device, nf4_runs_on)
         # Static steps come with fixed-shape prefill passes, captured with them (False: eager prefills, to compare).
         self._static_prefill: CapturedPrefill | None = None
         try:
@@ -143,9 +152,13 @@ class SlotDecoder:
                 self.norms = FusedNorms(model)
             if fused_rotary:
                 self.rotary = FusedRotary(model)
+            if nf4_kernel:  # before the steps are captured, so the graphs hold it
+                self.nf4 = Nf4Kernels(model)
             if self.static:
                 # column_buckets > 1: static steps also read only the window's first half, quarter, ... when
-                # that holds every row (CapturedStep); 1 reads the whole window, as measured so far
+                # that holds every row (CapturedStep); 1 reads the whole window. None: COLUMN_BUCKETS on CUDA.
+                if column_buckets is None:
+                    column_buckets = COLUMN_BUCKETS if self.device.type == "cuda" else 1
                 self._static = CapturedStep(self, capture=graphs, column_buckets=column_buckets)
                 if static_prefill:
                     self._static_prefill = CapturedPrefill(self, capture=graphs, pool=self._static.pool)
@@ -167,6 +180,8 @@ class SlotDecoder:
             self.norms.remove()
         if self.rotary is not None:
             self.rotary.remove()
+        if self.nf4 is not None:
+            self.nf4.remove()
         if self.fused is not None:
             self.fused.remove()
         self.lora.remove()

@@ -1,13 +1,11 @@
-"""An experimental NF4 kernel for the decode step's few rows: not used in serving, because it is not faster.
+"""The NF4 matmul of the decode step's few rows as one Triton kernel (served on CUDA for 2 to MAX_ROWS rows).
 
 bitsandbytes multiplies a 4-bit weight by more than one row as two kernels: it dequantizes the whole weight to
-fp16 in memory, then runs an fp16 GEMM over it, about 4.5 bytes of memory traffic a weight. Here one Triton kernel
-reads the packed 4-bit weight and its block scales, decodes each scale block in registers and multiplies it at
-once: 0.5 byte a weight. It is correct (tests) and, on the H200, as fast as bitsandbytes on a 3B model's small
-matmuls and 1.7 times slower on the widest: it is bound by the instructions that decode each weight (a tree of
-selects; a table load is 2-3 times slower), not by memory (modellab/bench/results/README.md, nf4-kernel). The
-benchmark's decoder phase and `python -m modellab.bench.nf4_kernel` measure it; `install_nf4_kernels` puts it on
-a model.
+fp16 in memory, then runs an fp16 GEMM over it, about 4.5 bytes of memory traffic a weight. Here one kernel reads
+the packed 4-bit weight and its block scales, decodes each scale block in registers and multiplies it at once:
+0.5 byte a weight. Decoding is what bounds it: on CUDA four codes at a time by byte permutes (`permute_asm`, about
+4 instructions a weight); elsewhere (Triton's interpreter in the tests) by a tree of selects. At one row
+bitsandbytes' fused GEMV is faster, so one row keeps its path (modellab/bench/results/README.md, nf4-kernel).
 
 The packed format is bitsandbytes' own (the weight is not copied or converted): row-major, two weights a byte,
 the even one in the high nibble, one absmax per `blocksize` weights; with double quantization (the default) the
@@ -15,33 +13,34 @@ absmaxes are 8-bit codes of a second blockwise quantization plus an offset, deco
 
 `dequantize_reference` is the same arithmetic in plain torch, which tests compare with bitsandbytes' own
 dequantization on the CPU, and the kernel (Triton's interpreter on the CPU, the real kernel on CUDA) with it.
+`Nf4Kernels` puts the kernel on a model's NF4 layers while a decoder serves; worker/decoder/fused_projections.py
+calls it for joined projections (`takes`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 import types
 from dataclasses import dataclass
 
 import torch
 
+from worker.decoder.triton_kernels import runs, triton_available
+
 log = logging.getLogger("kevlaya.decoder")
 
 # Rows beyond which bitsandbytes' dequantize-then-GEMM is the better path (prefill): its GEMM then reuses each
 # dequantized weight over many rows.
 MAX_ROWS = 64
+# Rows below which bitsandbytes' fused one-row GEMV is the better path (twice as fast as the kernel at one row).
+MIN_ROWS = 2
 
 # bitsandbytes' NF4 table (`bitsandbytes.functional.get_4bit_type("nf4")`), which the kernel's select tree holds
 NF4_VALUES = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                            -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
                            0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
                            0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -348,51 +347,78 @@ def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = N
     return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
 
 
+def takes(x: torch.Tensor) -> bool:
+    """Whether the kernel multiplies `x` (… × in): while a decoder serves it, on CUDA, MIN_ROWS to MAX_ROWS rows,
+    no gradient."""
+    return (Nf4Kernels.holders > 0 and x.is_cuda and MIN_ROWS <= x.numel() // x.shape[-1] <= MAX_ROWS
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def kernel_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`nf4_matmul` in fp16 for `x` of any dtype, in a profiler range when one is named."""
+    bias = None if bias is None else bias.to(torch.float16)
+    if Nf4Kernels.profile_label is None:
+        return nf4_matmul(x.to(torch.float16), weight, bias).to(x.dtype)
+    with torch.profiler.record_function(Nf4Kernels.profile_label):
+        return nf4_matmul(x.to(torch.float16), weight, bias).to(x.dtype)
+
+
 class Nf4Kernels:
-    """Installed on a model: its NF4 linear layers multiply up to MAX_ROWS rows with the kernel above, more rows
-    as before, until `remove()`."""
+    """Installed by a decoder: a model's NF4 linear layers (and the joined projections, through `takes`) multiply
+    MIN_ROWS to MAX_ROWS rows with the kernel, other row counts as before. Installs are counted per process, as the
+    layers' forwards are patched once: the last `remove()` gives every layer its own forward back."""
 
     # Set by a profiler's user (the benchmark's kernel census): each kernel then runs in a range so named.
     profile_label: str | None = None
+    holders = 0  # decoders that serve the kernel
+    _patched: list[torch.nn.Module] = []
 
-    def __init__(self, layers: list[tuple[torch.nn.Module, Nf4Weight]]):
-        self.layers = [module for module, _ in layers]
-        for module, weight in layers:
-            module.forward = types.MethodType(_forward_with(weight, type(module).forward), module)
+    def __init__(self, model: torch.nn.Module):
+        for module, weight in nf4_layers(model):
+            if "forward" not in vars(module):
+                module.forward = types.MethodType(_forward_with(weight, type(module).forward), module)
+                Nf4Kernels._patched.append(module)
+        Nf4Kernels.holders += 1
+        self.held = True
 
     def remove(self) -> None:
-        for module in self.layers:
-            del module.forward  # the class's own forward again
-        self.layers.clear()
+        if not self.held:
+            return
+        self.held = False
+        Nf4Kernels.holders -= 1
+        if Nf4Kernels.holders == 0:
+            for module in Nf4Kernels._patched:
+                vars(module).pop("forward", None)  # the class's own forward again
+            Nf4Kernels._patched.clear()
 
 
-def install_nf4_kernels(model: torch.nn.Module) -> Nf4Kernels | None:
-    """The kernel on every NF4 linear layer of `model` on CUDA computing in fp16; None where there is none, or no
-    Triton (bitsandbytes' path then serves, as `KEVLAYA_ENGINE_NF4_KERNEL=bitsandbytes` would)."""
+def nf4_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Nf4Weight]]:
+    """`model`'s bitsandbytes NF4 linear layers on CUDA computing in fp16, with their weights' parts."""
     try:
         from bitsandbytes.nn import Linear4bit
     except ImportError:
-        return None
-    layers = [(module, weight) for module in model.modules()
-              if isinstance(module, Linear4bit) and module.weight.device.type == "cuda"
-              and module.compute_dtype in (None, torch.float16) and (weight := Nf4Weight.of(module)) is not None]
-    if not layers:
-        return None
-    if not triton_available():
-        log.warning("Triton is not installed: the NF4 layers multiply through bitsandbytes' dequantize-then-GEMM")
-        return None
-    log.info("NF4 kernel on %d linear layers for steps of up to %d rows", len(layers), MAX_ROWS)
-    return Nf4Kernels(layers)
+        return []
+    return [(module, weight) for module in model.modules()
+            if isinstance(module, Linear4bit) and module.weight.device.type == "cuda"
+            and module.compute_dtype in (None, torch.float16) and (weight := Nf4Weight.of(module)) is not None]
 
 
 def _forward_with(weight: Nf4Weight, original):  # noqa: ANN001, ANN202
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] > MAX_ROWS or (torch.is_grad_enabled() and x.requires_grad):
+        if not takes(x):
             return original(self, x)
-        bias = None if self.bias is None else self.bias.to(torch.float16)
-        if Nf4Kernels.profile_label is not None:
-            with torch.profiler.record_function(Nf4Kernels.profile_label):
-                return nf4_matmul(x.to(torch.float16), weight, bias).to(x.dtype)
-        return nf4_matmul(x.to(torch.float16), weight, bias).to(x.dtype)
+        return kernel_matmul(x, weight, self.bias)
 
     return forward
+
+
+@functools.cache
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernel builds and runs on `device` (worker/decoder/triton_kernels.py), tried once."""
+    def trial(device: torch.device) -> None:
+        weight = Nf4Weight(packed=torch.zeros(64 * 64 // 2, dtype=torch.uint8, device=device),
+                           absmax=torch.ones(64, device=device), code=NF4_VALUES.to(device), standard=True,
+                           out_features=64, in_features=64, blocksize=64, nested=False)
+        nf4_matmul(torch.zeros(2, 64, dtype=torch.float16, device=device), weight)
+
+    return runs(trial, device, "NF4 kernel", "the NF4 matmuls run through bitsandbytes")
