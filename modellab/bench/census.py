@@ -136,7 +136,8 @@ def _profile(run: Run, requests: list[GenerationRequest], cuda: bool) -> Profile
         # counted by name, as what the GPU ran beyond the operators' kernels, with no frames.
         ran, spent = Counter(), Counter()
         for kernel in prof.events():
-            if kernel.device_type == torch.autograd.DeviceType.CUDA:
+            # the named ranges are mirrored on the GPU's timeline as annotations, not kernels
+            if kernel.device_type == torch.autograd.DeviceType.CUDA and kernel.name not in _REGIONS.values():
                 ran[kernel.name] += 1
                 spent[kernel.name] += kernel.time_range.elapsed_us()
         linked = Counter(name for _, kernels in launches for name, _ in kernels)
