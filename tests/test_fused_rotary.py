@@ -54,10 +54,10 @@ def test_where_the_kernels_cannot_run_the_decoder_is_told_so_and_they_are_not_us
     pytest.importorskip("triton", reason="without Triton the probe says no before trying")
     import torch
 
-    from worker.decoder import fused_rotary, lora_expand
+    from worker.decoder import fused_rotary, lora_expand, nf4_matmul
 
     cpu = torch.device("cpu")
-    for module in (fused_rotary, lora_expand):
+    for module in (fused_rotary, lora_expand, nf4_matmul):
         module.runs_on.cache_clear()
         with caplog.at_level("WARNING", logger="kevlaya.decoder"):
             assert module.runs_on(cpu) is False

@@ -84,6 +84,9 @@ INTERPRETED = textwrap.dedent("""
                     assert got.dtype == torch.float16 and got.shape == expected.shape
                     worst = max(worst, ((got.float() - expected).abs().max() / expected.abs().max()).item())
 
+    # the probe's trial (both scale layouts) runs where the kernel does: here, Triton's interpreter
+    from worker.decoder.nf4_matmul import runs_on
+    assert runs_on(torch.device("cpu"))
     print(f"worst relative error {worst:.2e}")
 """)
 

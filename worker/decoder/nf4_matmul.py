@@ -416,9 +416,13 @@ def _forward_with(weight: Nf4Weight, original):  # noqa: ANN001, ANN202
 def runs_on(device: torch.device) -> bool:
     """Whether the kernel builds and runs on `device` (worker/decoder/triton_kernels.py), tried once."""
     def trial(device: torch.device) -> None:
-        weight = Nf4Weight(packed=torch.zeros(64 * 64 // 2, dtype=torch.uint8, device=device),
-                           absmax=torch.ones(64, device=device), code=NF4_VALUES.to(device), standard=True,
-                           out_features=64, in_features=64, blocksize=64, nested=False)
-        nf4_matmul(torch.zeros(2, 64, dtype=torch.float16, device=device), weight)
+        # both scale layouts the decoder serves: float32 (joined projections) and double-quantized (the others)
+        parts = dict(packed=torch.zeros(64 * 64 // 2, dtype=torch.uint8, device=device), code=NF4_VALUES.to(device),
+                     standard=True, out_features=64, in_features=64, blocksize=64)
+        x = torch.zeros(2, 64, dtype=torch.float16, device=device)
+        nf4_matmul(x, Nf4Weight(absmax=torch.ones(64, device=device), nested=False, **parts))
+        nf4_matmul(x, Nf4Weight(absmax=torch.zeros(64, dtype=torch.uint8, device=device), nested=True,
+                                absmax2=torch.ones(1, device=device), code2=torch.ones(256, device=device),
+                                blocksize2=256, **parts))
 
     return runs(trial, device, "NF4 kernel", "the NF4 matmuls run through bitsandbytes")
