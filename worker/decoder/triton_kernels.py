@@ -1,7 +1,7 @@
-"""What the decoder's Triton kernels (fused_rotary.py, lora_expand.py, nf4_matmul.py) share: whether Triton is installed, and
-whether a kernel builds and runs on a device, tried once per process. Triton builds each kernel's launcher with
-the machine's C compiler on first use, so a machine without one (a slim image), or a GPU Triton does not drive,
-fails there; the decoder then serves through the operations the kernel replaces."""
+"""What the decoder's Triton kernels (fused_rotary.py, lora_expand.py, nf4_matmul.py) share: whether Triton is
+installed, and whether a kernel builds and runs on a device, tried once per process. Triton builds each kernel's
+launcher with the machine's C compiler on first use, so a machine without one (a slim image), or a GPU Triton
+does not drive, fails there; the decoder then serves through the operations the kernel replaces."""
 
 from __future__ import annotations
 
