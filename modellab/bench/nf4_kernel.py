@@ -116,6 +116,7 @@ def main(
                 with torch.inference_mode():
                     ms = _graph_ms(lambda: nf4_matmul(x, weight, launch=launch), repeats)
                 swept.append({"projection": name, "rows": 32, "launch": dataclasses.asdict(launch), "kernel_ms": ms})
+                typer.echo(f"swept {name}: {ms:.4f} ms {dataclasses.asdict(launch)}")  # kept if the run is cut
                 return ms
 
             best = min((dataclasses.replace(base, **tiles) for tiles in SHAPE_SWEEP), key=timed)
