@@ -18,6 +18,7 @@ bitsandbytes decodes itself. The worker takes the first unless its memory would 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from weakref import WeakKeyDictionary
 
@@ -25,7 +26,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from worker.decoder import nf4_matmul as nf4_kernel
-from worker.decoder.nf4_matmul import NF4_VALUES
+from worker.decoder.nf4_matmul import Nf4Weight
 from worker.decoder.row_lora import RowLoRA
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -107,20 +108,16 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
                                blocksize=first.blocksize, quant_type=first.quant_type, dtype=first.dtype)
 
     kept = joined_state() if decoded_scales else None
-    code = first.code.float()
-    standard = torch.equal(code.cpu(), NF4_VALUES)
-    # the kernel reads whole scale blocks of 32 columns or more, never across two rows (nf4_matmul.Nf4Weight.of)
-    blocksize = first.blocksize
-    kernel_fits = (first.quant_type == "nf4" and compute_dtype in (None, torch.float16) and blocksize >= 32
-                   and blocksize & (blocksize - 1) == 0 and shape[1] % blocksize == 0)
+    # the joined weight as the NF4 kernel reads it (None: a weight or dtype it does not take); its scales are the
+    # ones kept, or swapped for each call's
+    kernel_weight = (Nf4Weight.from_state(packed, kept if kept is not None else joined_state())
+                     if compute_dtype in (None, torch.float16) else None)
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         state = kept if kept is not None else joined_state()
-        if kernel_fits and nf4_kernel.takes(x):
-            weight = nf4_kernel.Nf4Weight(packed=packed.view(-1), absmax=state.absmax, code=code, standard=standard,
-                                          out_features=shape[0], in_features=shape[1], blocksize=blocksize,
-                                          nested=False)
+        if kernel_weight is not None and nf4_kernel.takes(x):
+            weight = kernel_weight if kept is not None else dataclasses.replace(kernel_weight, absmax=state.absmax)
             return nf4_kernel.kernel_matmul(x, weight, bias)
         x = x.to(compute_dtype) if compute_dtype is not None else x
         # looked up on the module at each call, so a profiler's wrapper (the bench's census) sees it

@@ -64,13 +64,18 @@ class Nf4Weight:
     def of(cls, module: torch.nn.Module) -> Nf4Weight | None:
         """The parts of a bitsandbytes Linear4bit holding an NF4 weight, or None for anything else."""
         weight = getattr(module, "weight", None)
-        state = getattr(weight, "quant_state", None)
+        return cls.from_state(weight.data, getattr(weight, "quant_state", None)) if weight is not None else None
+
+    @classmethod
+    def from_state(cls, packed: torch.Tensor, state) -> Nf4Weight | None:  # noqa: ANN001 (bitsandbytes' QuantState)
+        """The parts of a packed 4-bit weight and its bitsandbytes quantization state, or None when it is not NF4
+        or has scale blocks the kernel cannot read."""
         if state is None or getattr(state, "quant_type", None) != "nf4":
             return None
         out_features, in_features = state.shape
         if in_features % state.blocksize or state.blocksize < 32 or state.blocksize & (state.blocksize - 1):
             return None  # the kernel reads whole scale blocks of 32 columns or more, never across two rows
-        parts = dict(packed=weight.data.view(-1), code=state.code.float(),
+        parts = dict(packed=packed.view(-1), code=state.code.float(),
                      standard=torch.equal(state.code.float().cpu(), NF4_VALUES),
                      out_features=out_features,
                      in_features=in_features, blocksize=state.blocksize, nested=bool(state.nested))
@@ -364,17 +369,18 @@ def kernel_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None)
 
 
 class Nf4Kernels:
-    """Installed by a decoder: a model's NF4 linear layers (and the joined projections, through `takes`) multiply
-    MIN_ROWS to MAX_ROWS rows with the kernel, other row counts as before. Installs are counted per process, as the
-    layers' forwards are patched once: the last `remove()` gives every layer its own forward back."""
+    """Installed by a decoder on a model's NF4 linear layers (`nf4_layers`): they, and the joined projections
+    through `takes`, multiply MIN_ROWS to MAX_ROWS rows with the kernel, other row counts as before. Installs are
+    counted per process, as the layers' forwards are patched once: the last `remove()` gives every layer its own
+    forward back."""
 
     # Set by a profiler's user (the benchmark's kernel census): each kernel then runs in a range so named.
     profile_label: str | None = None
     holders = 0  # decoders that serve the kernel
     _patched: list[torch.nn.Module] = []
 
-    def __init__(self, model: torch.nn.Module):
-        for module, weight in nf4_layers(model):
+    def __init__(self, layers: list[tuple[torch.nn.Module, Nf4Weight]]):
+        for module, weight in layers:
             if "forward" not in vars(module):
                 module.forward = types.MethodType(_forward_with(weight, type(module).forward), module)
                 Nf4Kernels._patched.append(module)

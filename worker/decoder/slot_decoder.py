@@ -141,7 +141,8 @@ class SlotDecoder:
         fused_rotary = _served(fused_rotary, self.device, fused_rotary_runs_on)
         # NF4 matmuls of 2 to 64 rows as one Triton kernel, likewise (bitsandbytes' dequantize-then-GEMM otherwise)
         self.nf4: Nf4Kernels | None = None
-        nf4_kernel = bool(nf4_layers(model)) and _served(nf4_kernel, self.device, nf4_runs_on)
+        nf4 = nf4_layers(model)
+        nf4_kernel = bool(nf4) and _served(nf4_kernel, self.device, nf4_runs_on)
         # Static steps come with fixed-shape prefill passes, captured with them (False: eager prefills, to compare).
         self._static_prefill: CapturedPrefill | None = None
         try:
@@ -153,7 +154,7 @@ class SlotDecoder:
             if fused_rotary:
                 self.rotary = FusedRotary(model)
             if nf4_kernel:  # before the steps are captured, so the graphs hold it
-                self.nf4 = Nf4Kernels(model)
+                self.nf4 = Nf4Kernels(nf4)
             if self.static:
                 # column_buckets > 1: static steps also read only the window's first half, quarter, ... when
                 # that holds every row (CapturedStep); 1 reads the whole window. None: COLUMN_BUCKETS on CUDA.
