@@ -315,7 +315,10 @@ class Launch:
 def plan(rows: int, weight: Nf4Weight, device: torch.device, block_n: int | None = None) -> Launch:
     """Tiles for `rows` rows (`block_n` given: that) and the ranges of k that fill the GPU."""
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = block_n or 64
+    # The sweep's rule (results README, nf4-permute): the product transposed, one scale block an iteration, narrow
+    # column tiles on weights at most 4,096 both ways (more programs on few outputs), wider ones on the rest.
+    small = weight.out_features <= 4096 and weight.in_features <= 4096
+    block_n = block_n or (32 if small else 64)
     # A memory-bound kernel needs bytes in flight on every multiprocessor: k in ranges (each at least eight scale
     # blocks long) until about two programs run per multiprocessor; the outputs are few and wide, the inputs long.
     programs = -(-weight.out_features // block_n) * -(-rows // block_m)
@@ -323,7 +326,7 @@ def plan(rows: int, weight: Nf4Weight, device: torch.device, block_n: int | None
     while programs * split < 2 * _multiprocessors(device) and blocks // (split * 2) >= 8:
         split *= 2
     standard = weight.standard  # the tree and the permutes hold NF4's own values; another table is loaded
-    return Launch(block_m, block_n, split, tree=standard, permute=standard and device.type == "cuda")
+    return Launch(block_m, block_n, split, sub=1, swap=True, tree=standard, permute=standard and device.type == "cuda")
 
 
 def nf4_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None = None,
