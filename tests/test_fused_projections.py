@@ -26,12 +26,12 @@ from worker.generation import GenerationRequest
 PROMPTS = ["Pick a laptop under 900 EUR.", "Train or plane to Lyon?", "Hire Ana or Ben?", "Rent or buy?", "Go?"]
 
 
-def nf4_layers(sizes: list[int], features: int) -> list[torch.nn.Module]:
+def nf4_layers(sizes: list[int], features: int, compute_dtype: torch.dtype = torch.float32) -> list[torch.nn.Module]:
     import bitsandbytes as bnb
 
     layers = []
     for out in sizes:
-        layer = bnb.nn.Linear4bit(features, out, bias=True, compute_dtype=torch.float32, compress_statistics=True,
+        layer = bnb.nn.Linear4bit(features, out, bias=True, compute_dtype=compute_dtype, compress_statistics=True,
                                   quant_type="nf4")
         layer.weight = bnb.nn.Params4bit(torch.randn(out, features), requires_grad=False, compress_statistics=True,
                                          quant_type="nf4")._quantize("cpu")
@@ -96,6 +96,28 @@ def test_a_join_keeps_the_scales_the_worker_chose() -> None:
         assert _joined(layers) is per_call and torch.equal(per_call(x), expected)
         join_weights(attention, decoded_scales=True)  # asked for the other kind: joined again
         assert _joined(layers) is not per_call and torch.equal(_joined(layers)(x), expected)
+
+
+def test_a_join_that_decodes_scales_per_call_holds_no_decoded_scales() -> None:
+    """Per-call scales exist so that a card short of memory does not pay for float32 scales: nothing the join keeps
+    (the matmul, the NF4 kernel's view of the weight) may hold them between calls; the kept kind must. fp16 compute,
+    as on CUDA, so the kernel's weight is built too."""
+    import gc
+
+    torch.manual_seed(0)
+    sizes, features = [320, 192, 192], 128  # 1,408 scale blocks: a size no other tensor here has
+    blocks = sum(sizes) * features // 64
+
+    def decoded_alive() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dtype == torch.float32
+                   and o.numel() == blocks)
+
+    for kept in (True, False):
+        matmul = _nf4_matmul(nf4_layers(sizes, features, torch.float16), decoded_scales=kept)
+        assert matmul is not None
+        assert decoded_alive() == (1 if kept else 0), f"decoded_scales={kept}"
+        del matmul
 
 
 @pytest.fixture(scope="module")

@@ -109,9 +109,12 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
 
     kept = joined_state() if decoded_scales else None
     # the joined weight as the NF4 kernel reads it (None: a weight or dtype it does not take); its scales are the
-    # ones kept, or swapped for each call's
-    kernel_weight = (Nf4Weight.from_state(packed, kept if kept is not None else joined_state())
-                     if compute_dtype in (None, torch.float16) else None)
+    # ones kept, or, decoded per call, none between calls: each call's go in their place
+    kernel_weight = None
+    if compute_dtype in (None, torch.float16):
+        kernel_weight = Nf4Weight.from_state(packed, kept if kept is not None else joined_state())
+        if kernel_weight is not None and kept is None:
+            kernel_weight = dataclasses.replace(kernel_weight, absmax=kernel_weight.absmax.new_empty(0))
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
