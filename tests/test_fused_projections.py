@@ -65,9 +65,13 @@ def test_joined_weights_multiply_exactly_as_each_projection_alone(kind: str) -> 
     x = torch.randn(3, 5, features)
     with torch.no_grad():
         alone = [product(layer, x) for layer in layers]
-        joined = (_nf4_matmul(layers, kind == "nf4-scales-kept-decoded") if nf4 else _dense_matmul(layers))(x)
-        for expected, got in zip(alone, joined.split(sizes, dim=-1), strict=True):
+        matmul = _nf4_matmul(layers, kind == "nf4-scales-kept-decoded") if nf4 else _dense_matmul(layers)
+        # more rows go member by member on NF4; one row reads the joined weight with the joined scales
+        for expected, got in zip(alone, matmul(x).split(sizes, dim=-1), strict=True):
             assert torch.equal(expected, got)
+        one = x[:1, :1]
+        for layer, got in zip(layers, matmul(one).split(sizes, dim=-1), strict=True):
+            assert torch.equal(product(layer, one), got)
         # each member's weight is now a view into the joined one, and computes as before on its own
         assert layers[1].weight.data_ptr() > layers[0].weight.data_ptr()
         assert all(torch.equal(product(layer, x), expected) for layer, expected in zip(layers, alone))
@@ -118,6 +122,31 @@ def test_a_join_that_decodes_scales_per_call_holds_no_decoded_scales() -> None:
         assert matmul is not None
         assert decoded_alive() == (1 if kept else 0), f"decoded_scales={kept}"
         del matmul
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["scales-kept-decoded", "scales-decoded-per-call"])
+def test_a_joined_nf4_prefill_multiplies_one_members_weight_at_a_time(kept: bool, monkeypatch) -> None:  # noqa: ANN001
+    """bitsandbytes multiplies more than one row by dequantizing the whole weight it is given into fp16 first:
+    given the joined weight, a prefill would hold the whole group's (gate and up: twice the largest member),
+    the largest memory a prefill takes. One row (its GEMV reads the packed weight) may take the joined one."""
+    import bitsandbytes
+
+    torch.manual_seed(0)
+    sizes, features = [256, 128, 64], 128
+    layers = nf4_layers(sizes, features)
+    multiply, weights = bitsandbytes.matmul_4bit, []
+
+    def recorded(x, weight, quant_state, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        weights.append((x.numel() // x.shape[-1], quant_state.shape[0]))
+        return multiply(x, weight, quant_state=quant_state, **kwargs)
+
+    monkeypatch.setattr(bitsandbytes, "matmul_4bit", recorded)
+    matmul = _nf4_matmul(layers, kept)
+    with torch.no_grad():
+        assert matmul(torch.randn(16, features)).shape == (16, sum(sizes))
+        assert matmul(torch.randn(1, features)).shape == (1, sum(sizes))
+    assert [out for rows, out in weights if rows == 16] == sizes
+    assert [out for rows, out in weights if rows == 1] == [sum(sizes)]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@
 A decoder layer calls `q_proj`, `k_proj` and `v_proj` on the same hidden state (and `gate_proj`, `up_proj` on
 the same one), each a small matmul plus its rows' LoRA. While installed, the group's first projection computes
 every member's output at once: one base matmul over the members' weights concatenated by output, and one LoRA
-shrink, mask and expand for all members and both adapters. The others return their slice of that output; called
+shrink, mask and expand for all members and both adapters. (On NF4 a prefill's many rows still multiply member by
+member: bitsandbytes dequantizes a whole weight before it multiplies them, and one member's is the smaller
+transient.) The others return their slice of that output; called
 on any other input they compute their own, as before.
 
 The weights are joined once per model (`join_weights`, which the worker calls before it measures its memory):
@@ -101,7 +103,7 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
     first, compute_dtype = states[0], bases[0].compute_dtype
     shape = torch.Size([sum(s.shape[0] for s in states), first.shape[1]])
     packed = _share_storage([b.weight for b in bases])
-    bias = _joined_bias(bases, compute_dtype)
+    bias, sizes = _joined_bias(bases, compute_dtype), [s.shape[0] for s in states]
 
     def joined_state():  # noqa: ANN202 (bitsandbytes' QuantState)
         return bnbf.QuantState(absmax=torch.cat([_decoded_scales(s) for s in states]), shape=shape, code=first.code,
@@ -118,13 +120,20 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        state = kept if kept is not None else joined_state()
         if kernel_weight is not None and nf4_kernel.takes(x):
-            weight = kernel_weight if kept is not None else dataclasses.replace(kernel_weight, absmax=state.absmax)
+            weight = kernel_weight if kept is not None else dataclasses.replace(kernel_weight,
+                                                                                 absmax=joined_state().absmax)
             return nf4_kernel.kernel_matmul(x, weight, bias)
         x = x.to(compute_dtype) if compute_dtype is not None else x
         # looked up on the module at each call, so a profiler's wrapper (the bench's census) sees it
-        return bitsandbytes.matmul_4bit(x, packed, quant_state=state, bias=bias).to(dtype)
+        if x.numel() == x.shape[-1]:  # one row: bitsandbytes' GEMV reads the packed weight as it is
+            return bitsandbytes.matmul_4bit(x, packed, quant_state=kept if kept is not None else joined_state(),
+                                              bias=bias).to(dtype)
+        # More rows (a prefill): bitsandbytes first dequantizes the whole weight into fp16, so member by member,
+        # each with its own scales: the largest memory a prefill takes is then one member's weight, not the group's.
+        biases = bias.split(sizes) if bias is not None else [None] * len(bases)
+        return torch.cat([bitsandbytes.matmul_4bit(x, b.weight, quant_state=b.weight.quant_state, bias=member_bias)
+                          for b, member_bias in zip(bases, biases)], dim=-1).to(dtype)
 
     return matmul
 
