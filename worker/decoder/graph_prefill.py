@@ -77,9 +77,12 @@ class CapturedPrefill:
             raise ValueError("CUDA graphs need a CUDA device")
         self.mask[:, 0, :, :self.columns] = self.own
         self.written.copy_(torch.arange(self.columns))
+        reserved = torch.cuda.memory_reserved()
         for bucket in self.buckets:
             self.graphs[bucket], self.pool = captured(functools.partial(self._forward, bucket), self.pool)
-        log.info("captured the prefill for %s rows of %d columns", ", ".join(map(str, self.buckets)), self.columns)
+        # what its graphs hold for good, beside the decode step's in the shared pool (the worker's workspace)
+        log.info("captured the prefill for %s rows of %d columns (memory reserved: %+.0f MiB)",
+                 ", ".join(map(str, self.buckets)), self.columns, (torch.cuda.memory_reserved() - reserved) / 2**20)
 
     def pieces(self, rows: int, spare: int) -> list[tuple[int, int]]:
         """(rows, bucket) of each pass group for `rows` prompts: the smallest bucket that holds what is left, its

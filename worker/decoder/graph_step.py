@@ -103,14 +103,16 @@ class CapturedStep:
         if self.decoder.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.mask[:, 0, 0, 0] = True
+        reserved = torch.cuda.memory_reserved()
         for bucket in self.buckets:
             for width in self.widths:
                 self.graphs[bucket, width], self.pool = captured(functools.partial(self._forward, bucket, width),
                                                                  self.pool)
         output = self.graphs[self.buckets[-1], self.widths[-1]][1]
         self.logits = torch.empty(self.buckets[-1], *output.shape[1:], dtype=output.dtype, device=output.device)
-        log.info("captured the decode step for %s rows, reading %s columns", ", ".join(map(str, self.buckets)),
-                 ", ".join(map(str, self.widths)))
+        log.info("captured the decode step for %s rows, reading %s columns (memory reserved: %+.0f MiB)",
+                 ", ".join(map(str, self.buckets)), ", ".join(map(str, self.widths)),
+                 (torch.cuda.memory_reserved() - reserved) / 2**20)
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
