@@ -68,6 +68,14 @@ def session_scope() -> Iterator[Session]:
         yield session
 
 
+@contextmanager
+def write_scope() -> Iterator[Session]:
+    """A unit of work that writes: `session_scope` inside `one_writer`, so on SQLite the worker's writers and the
+    API's take turns on locks that hand over at once. Never opened while holding a lock a writer may wait for."""
+    with new_session() as session, one_writer(session), session.begin():
+        yield session
+
+
 _sqlite_writer = threading.Lock()
 _lock_files: dict[tuple[int, str], int] = {}  # (process, database file) -> its lock file, opened once
 

@@ -570,3 +570,53 @@ def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(
         assert next_started >= ended + 3 * (ended - started)
     with session_scope() as session:
         assert {j.status for j in session.scalars(select(Job)).all()} == {"succeeded"}
+
+
+def test_the_engines_writes_take_turns_with_other_writers_on_sqlite(service_env, tiny_model):
+    """SQLite takes one writer at a time, and its busy handler makes the others retry after sleeps of up to 100 ms:
+    a claim inside a decode step that found the database locked held every row in flight that long. With the busy
+    handler off (a writer that finds the database locked fails at once) and another writer of this process holding
+    the write lock most of the time, the engine's claims, result stores and group closes all succeed: they queue on
+    the writer lock that hands over at once (shared/db.py: write_scope)."""
+    import threading
+
+    from sqlalchemy import event, text
+
+    from shared import db
+
+    sql = db.get_engine()
+    if sql.dialect.name != "sqlite":
+        with db.write_scope():
+            assert not db._sqlite_writer.locked()  # PostgreSQL writers do not take turns
+        return
+
+    @event.listens_for(sql, "connect")
+    def no_busy_handler(dbapi_connection, _record):  # noqa: ANN001, ANN202
+        dbapi_connection.execute("PRAGMA busy_timeout=0")
+
+    sql.dispose()  # new connections, with the handler off
+    engine = _engine_with_jobs(tiny_model, 12)
+    stop, holds = threading.Event(), []
+
+    def hold() -> None:  # the write lock held 20 ms of every 25
+        while not stop.is_set():
+            with db.write_scope() as session:
+                session.execute(text("CREATE TABLE IF NOT EXISTS held (at REAL)"))
+                session.execute(text("INSERT INTO held VALUES (:at)"), {"at": time.monotonic()})
+                time.sleep(0.02)
+            holds.append(1)
+            time.sleep(0.005)
+
+    holder = threading.Thread(target=hold, name="lock-holder")
+    holder.start()
+    try:
+        assert engine.drain(120) == 12
+        engine.writer.wait()
+    finally:
+        stop.set()
+        holder.join(10)
+        engine.decoder.close()
+    assert len(holds) > 10
+    with session_scope() as session:
+        assert {j.status for j in session.scalars(select(Job))} == {"succeeded"}
+        assert session.scalar(select(func.count()).select_from(ClaimGroup).where(ClaimGroup.finished_at.is_(None))) == 0

@@ -12,7 +12,7 @@ from celery.exceptions import Reject
 from celery.signals import setup_logging, worker_process_init, worker_process_shutdown
 
 from shared import lifecycle
-from shared.db import reset_engine, session_scope
+from shared.db import reset_engine, write_scope
 from shared.heartbeat import beat
 from shared.logs import configure_logging
 from shared.queue import RUN_TASK, celery_app, publish_wakeup
@@ -91,7 +91,7 @@ def sweep() -> None:
     """Repair the job ledger (expired leases, parents left waiting on a finished stage, running jobs without a
     lease) and re-publish wake-ups that were lost (e.g. Redis restarted)."""
     settings = get_settings()
-    with session_scope() as session:
+    with write_scope() as session:
         repaired = lifecycle.repair(session, settings.max_attempts)
         stale = stale_queued_adapters(session, older_than_s=settings.sweep_interval_s)
     if repaired.requeued:

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from shared.db import session_scope
+from shared.db import session_scope, write_scope
 from shared.models import ClaimGroup, Job, Priority
 from shared.settings import Settings
 from worker.engine.policy import (
@@ -191,7 +191,7 @@ class Engine:
                               self._reserved(), self._in_flight(), self._batch_room())
         claimed = 0
         for adapter, count in plan:
-            with session_scope() as session:
+            with write_scope() as session:
                 group, jobs = claim_group(session, adapter, count, self.worker, self.settings.lease_seconds)
             if jobs:
                 claimed += len(jobs)

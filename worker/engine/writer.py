@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared import lifecycle
-from shared.db import session_scope
+from shared.db import write_scope
 from shared.lifecycle import JobOutcome
 from shared.models import ClaimGroup, Job
 from shared.settings import Settings
@@ -69,7 +69,9 @@ class ResultWriter:
         self.groups: dict[uuid.UUID, GroupProgress] = {}  # by group id
         self.group_of: dict[uuid.UUID, GroupProgress] = {}  # by job id, while the job is held by this worker
         self.pending: list[Future] = []
-        self._lock = threading.Lock()  # groups are read by the lease thread and written by this one
+        # Groups are read by the lease thread and written by this one. Reentrant: a group may close while it is
+        # held. Never held while opening a write (shared/db.py: write_scope), which may wait for another writer.
+        self._lock = threading.RLock()
 
     def add(self, group: ClaimGroup, jobs: list[Job]) -> None:
         progress = GroupProgress(group=group, jobs={job.id: job for job in jobs})
@@ -96,7 +98,7 @@ class ResultWriter:
             by_group.setdefault(self.group_of.pop(job_id).group.id, []).append(job_id)
         for group_id, ids in by_group.items():
             progress, figures = self.groups[group_id], None
-            with session_scope() as session:
+            with write_scope() as session:
                 released = lifecycle.release(session, ids, group_id)
                 with self._lock:  # the last of its jobs: the group closes in the same commit, as in `_write`
                     if progress.completed_by(len(released)):
@@ -109,7 +111,7 @@ class ResultWriter:
                 if progress.done and figures is not None:
                     self._close(progress, figures)  # its row is closed: no write left for this thread
                 elif progress.done:
-                    self._submit(self._close_locked, progress)
+                    self._submit(self._close, progress)
 
     def wait(self) -> None:
         """Until everything handed in is stored (a drain ends only then)."""
@@ -136,7 +138,7 @@ class ResultWriter:
             self.stream.finish([(job_id, result.text, result.completion_tokens, result.first_token_at)
                                 if isinstance(result, GenerationResult) else (job_id, None, 0, None)
                                 for _progress, job_id, result in items])
-            with session_scope() as session:
+            with write_scope() as session:
                 settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings)
                            for progress, job_id, result in items]
                 # A group whose last jobs these are closes in the same commit: whoever sees all of a group's jobs
@@ -165,8 +167,9 @@ class ResultWriter:
                 progress.stored += 1
                 if isinstance(result, GenerationResult):
                     progress.results.append(result)
-                if progress.done:
-                    self._close(progress, closing.get(progress))
+                finished = progress.done
+            if finished:  # out of the lock: the close may write
+                self._close(progress, closing.get(progress))
         METRICS.engine_phase.labels("store").observe(time.perf_counter() - started)
 
     def _completed_by(self, items: list[tuple[GroupProgress, uuid.UUID, Result]]) -> dict[GroupProgress, GroupFigures]:
@@ -189,16 +192,14 @@ class ResultWriter:
 
     def _close(self, progress: GroupProgress, stored: GroupFigures | None = None) -> None:
         """Close the group's row once its last job is stored or given back (`stored`: the figures already
-        written in the transaction that stored its last jobs)."""
-        self.groups.pop(progress.group.id, None)
+        written in the transaction that stored its last jobs; None: written here, so not under `_lock`)."""
+        with self._lock:
+            self.groups.pop(progress.group.id, None)
         figures = stored
         if figures is None:
             figures = self._figures(progress.results)
-            with session_scope() as session:
+            with write_scope() as session:
                 close_group(session, progress.group.id, figures)
         METRICS.group_closed(progress.group, len(progress.jobs), figures, escalated=progress.escalated,
                              lost=progress.lost)
 
-    def _close_locked(self, progress: GroupProgress) -> None:
-        with self._lock:
-            self._close(progress)

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
-from shared.db import session_scope
+from shared.db import write_scope
 from worker.ledger.claims import renew_leases
 
 log = logging.getLogger("kevlaya.worker")
@@ -23,7 +23,7 @@ def leases_kept(group_ids: Callable[[], Iterable[uuid.UUID]], lease_s: float) ->
         while not stop.wait(lease_s / 3):
             for group_id in group_ids():
                 try:
-                    with session_scope() as session:
+                    with write_scope() as session:
                         renew_leases(session, group_id, lease_s)
                 except Exception:  # the next renewal may succeed; expiry is the safety net
                     log.exception("lease renewal failed for claim group %s", group_id)
