@@ -65,6 +65,26 @@ def free_port() -> int:
         return port
 
 
+def sqlite_writers_fail_when_locked() -> bool:
+    """On SQLite, turn its busy handler off for this test's connections (a writer that finds the database locked
+    then fails at once, where the handler would sleep and retry) and return True; elsewhere, check that writers
+    do not take turns (PostgreSQL has row locks) and return False."""
+    from sqlalchemy import event
+
+    engine = db.get_engine()
+    if engine.dialect.name != "sqlite":
+        with db.write_scope():
+            assert not db._sqlite_writer.locked()
+        return False
+
+    @event.listens_for(engine, "connect")
+    def no_busy_handler(dbapi_connection, _record):  # noqa: ANN001, ANN202
+        dbapi_connection.execute("PRAGMA busy_timeout=0")
+
+    engine.dispose()  # new connections, with the handler off
+    return True
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):  # noqa: ANN001, ANN201
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -15,7 +15,7 @@ from shared import lifecycle
 from shared.db import session_scope
 from shared.heartbeat import live_workers
 from shared.models import ClaimGroup, Job
-from tests.conftest import TEXT, start_worker, submit, wait_finished, wait_until
+from tests.conftest import TEXT, sqlite_writers_fail_when_locked, start_worker, submit, wait_finished, wait_until
 
 
 @pytest.fixture
@@ -580,21 +580,12 @@ def test_the_engines_writes_take_turns_with_other_writers_on_sqlite(service_env,
     the writer lock that hands over at once (shared/db.py: write_scope)."""
     import threading
 
-    from sqlalchemy import event, text
+    from sqlalchemy import text
 
     from shared import db
 
-    sql = db.get_engine()
-    if sql.dialect.name != "sqlite":
-        with db.write_scope():
-            assert not db._sqlite_writer.locked()  # PostgreSQL writers do not take turns
+    if not sqlite_writers_fail_when_locked():
         return
-
-    @event.listens_for(sql, "connect")
-    def no_busy_handler(dbapi_connection, _record):  # noqa: ANN001, ANN202
-        dbapi_connection.execute("PRAGMA busy_timeout=0")
-
-    sql.dispose()  # new connections, with the handler off
     engine = _engine_with_jobs(tiny_model, 12)
     stop, holds = threading.Event(), []
 

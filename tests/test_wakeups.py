@@ -10,6 +10,7 @@ import redis
 
 from shared.models import Job
 from shared.queue import QueueUnavailable, publish_wakeup
+from tests.conftest import sqlite_writers_fail_when_locked
 
 
 def jobs(adapter: str, count: int) -> list[Job]:
@@ -91,23 +92,14 @@ def test_concurrent_submits_on_sqlite_take_turns_at_writing_instead_of_retrying(
     which made the slowest submits under load take a second. With the busy handler off (a writer that finds
     the database locked fails at once), 16 threads submitting at once all succeed: they queue on the process's
     writer lock instead (shared/db.py: one_writer)."""
-    from sqlalchemy import event, func, select
+    from sqlalchemy import func, select
 
     from api.submission import enqueue
     from api.wakeups import WakeupPublisher
     from shared import db
 
-    engine = db.get_engine()
-    if engine.dialect.name != "sqlite":
-        with db.new_session() as session, db.one_writer(session):
-            assert not db._sqlite_writer.locked()  # PostgreSQL writers do not take turns
+    if not sqlite_writers_fail_when_locked():
         return
-
-    @event.listens_for(engine, "connect")
-    def no_busy_handler(dbapi_connection, _record):  # noqa: ANN001, ANN202
-        dbapi_connection.execute("PRAGMA busy_timeout=0")
-
-    engine.dispose()  # new connections, with the handler off
     publisher = WakeupPublisher(max_batch=16, publish=lambda job_id, adapter: None)
     errors: list[Exception] = []
     start = threading.Barrier(16)
