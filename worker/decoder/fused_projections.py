@@ -110,11 +110,15 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
                                blocksize=first.blocksize, quant_type=first.quant_type, dtype=first.dtype)
 
     kept = joined_state() if decoded_scales else None
+
+    def state():  # noqa: ANN202 (bitsandbytes' QuantState): the scales kept, else this call's
+        return kept if kept is not None else joined_state()
+
     # the joined weight as the NF4 kernel reads it (None: a weight or dtype it does not take); its scales are the
     # ones kept, or, decoded per call, none between calls: each call's go in their place
     kernel_weight = None
     if compute_dtype in (None, torch.float16):
-        kernel_weight = Nf4Weight.from_state(packed, kept if kept is not None else joined_state())
+        kernel_weight = Nf4Weight.from_state(packed, state())
         if kernel_weight is not None and kept is None:
             kernel_weight = dataclasses.replace(kernel_weight, absmax=kernel_weight.absmax.new_empty(0))
 
@@ -122,13 +126,12 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
         dtype = x.dtype
         if kernel_weight is not None and nf4_kernel.takes(x):
             weight = kernel_weight if kept is not None else dataclasses.replace(kernel_weight,
-                                                                                 absmax=joined_state().absmax)
+                                                                                 absmax=state().absmax)
             return nf4_kernel.kernel_matmul(x, weight, bias)
         x = x.to(compute_dtype) if compute_dtype is not None else x
         # looked up on the module at each call, so a profiler's wrapper (the bench's census) sees it
         if x.numel() == x.shape[-1]:  # one row: bitsandbytes' GEMV reads the packed weight as it is
-            return bitsandbytes.matmul_4bit(x, packed, quant_state=kept if kept is not None else joined_state(),
-                                              bias=bias).to(dtype)
+            return bitsandbytes.matmul_4bit(x, packed, quant_state=state(), bias=bias).to(dtype)
         # More rows (a prefill): bitsandbytes first dequantizes the whole weight into fp16, so member by member,
         # each with its own scales: the largest memory a prefill takes is then one member's weight, not the group's.
         biases = bias.split(sizes) if bias is not None else [None] * len(bases)

@@ -69,9 +69,9 @@ class ResultWriter:
         self.groups: dict[uuid.UUID, GroupProgress] = {}  # by group id
         self.group_of: dict[uuid.UUID, GroupProgress] = {}  # by job id, while the job is held by this worker
         self.pending: list[Future] = []
-        # Groups are read by the lease thread and written by this one. Reentrant: a group may close while it is
-        # held. Never held while opening a write (shared/db.py: write_scope), which may wait for another writer.
-        self._lock = threading.RLock()
+        # Groups are read by the lease thread and written by this one. Never held while opening a write
+        # (shared/db.py: write_scope), which may wait for another writer, nor around `_close`.
+        self._lock = threading.Lock()
 
     def add(self, group: ClaimGroup, jobs: list[Job]) -> None:
         progress = GroupProgress(group=group, jobs={job.id: job for job in jobs})
@@ -108,10 +108,11 @@ class ResultWriter:
             self.stream.requeued(released)
             with self._lock:
                 progress.released += len(released)
-                if progress.done and figures is not None:
-                    self._close(progress, figures)  # its row is closed: no write left for this thread
-                elif progress.done:
-                    self._submit(self._close, progress)
+                finished = progress.done
+            if finished and figures is not None:
+                self._close(progress, figures)  # its row is closed: no write left for this thread
+            elif finished:
+                self._submit(self._close, progress)
 
     def wait(self) -> None:
         """Until everything handed in is stored (a drain ends only then)."""
@@ -192,7 +193,7 @@ class ResultWriter:
 
     def _close(self, progress: GroupProgress, stored: GroupFigures | None = None) -> None:
         """Close the group's row once its last job is stored or given back (`stored`: the figures already
-        written in the transaction that stored its last jobs; None: written here, so not under `_lock`)."""
+        written in the transaction that stored its last jobs; None: written here)."""
         with self._lock:
             self.groups.pop(progress.group.id, None)
         figures = stored
