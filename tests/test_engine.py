@@ -611,3 +611,42 @@ def test_the_engines_writes_take_turns_with_other_writers_on_sqlite(service_env,
     with session_scope() as session:
         assert {j.status for j in session.scalars(select(Job))} == {"succeeded"}
         assert session.scalar(select(func.count()).select_from(ClaimGroup).where(ClaimGroup.finished_at.is_(None))) == 0
+
+
+def test_a_laya_job_is_looked_for_at_every_step_while_its_reserved_slot_stands_unused(service_env, tiny_model,
+                                                                                      monkeypatch):
+    """A look at the queue that finds nothing waits IDLE_POLL_S before the next one, except while a reserved slot
+    stands unused: a Laya job that comes while Kev rows decode is claimed at the next step, not a poll interval
+    later (here one hour, so only the rule can claim it before the Kev rows end)."""
+    from shared.settings import Settings
+    from worker.engine import loop
+    from worker.model.loading import load_model
+
+    monkeypatch.setattr(loop, "IDLE_POLL_S", 3600.0)
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        ignore_eos=True)
+    with session_scope() as session:
+        session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Weigh option {i}.",
+                             params={**TEXT, "max_new_tokens": 60}) for i in range(2)])
+    engine = loop.Engine(load_model(settings), settings)
+    assert engine._reserved() == {"laya": 1}
+    steps, step = [], engine.decoder.step
+
+    def stepping(meanwhile=None):  # noqa: ANN001, ANN202
+        steps.append(sorted(engine.decoder.adapters[row.adapter] for row in engine.decoder.rows))
+        if len(steps) == 5:  # the Kev rows decode and every look so far found nothing new
+            with session_scope() as session:
+                session.add(Job(adapter="laya", requested_adapter="laya", input="Quick: A or B?",
+                                params={**TEXT, "max_new_tokens": 4}))
+        return step(meanwhile)
+
+    monkeypatch.setattr(engine.decoder, "step", stepping)
+    try:
+        assert engine.drain(60) == 3
+    finally:
+        engine.decoder.close()
+    joined = next(i for i, adapters in enumerate(steps) if "laya" in adapters)
+    assert joined == 5, steps[:10]  # the look inside the step it came in claimed it; it decodes from the next
+    with session_scope() as session:
+        assert {j.status for j in session.scalars(select(Job)).all()} == {"succeeded"}

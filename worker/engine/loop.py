@@ -53,8 +53,9 @@ if TYPE_CHECKING:  # torch is imported only in the worker child
 INTERACTIVE_QUIET_S = 10.0  # after this long without an interactive job, batch lines prefill unbounded
 
 log = logging.getLogger("kevlaya.worker")
-# After a look at the queue found nothing to claim, the next look waits this long: a step is milliseconds, and a
-# database query per step would cost the decode loop more than the few milliseconds a new job may wait.
+# After a look at the queue found nothing to claim, the next look waits this long, unless a reserved slot stands
+# unused: then a job of its role may come at any step and is looked for at every step (a look runs inside the step,
+# while the GPU computes; RELIABILITY.md, Latency).
 IDLE_POLL_S = 0.02
 
 
@@ -154,7 +155,7 @@ class Engine:
             with METRICS.engine_phase.labels("claim").time():
                 took = self._claim()
             claimed += took
-            next_look = 0.0 if took else now + IDLE_POLL_S
+            next_look = 0.0 if took or self._reservation_unused() else now + IDLE_POLL_S
 
         while True:
             now = time.monotonic()
@@ -201,6 +202,11 @@ class Engine:
     def _reserved(self) -> dict[str, int]:
         # From the current limit: after an out-of-memory shrank it, a reservation must not take the last slots.
         return reserved_slots(self.settings, self.loaded.adapters, min(self.settings.max_batch, self.decoder.limit))
+
+    def _reservation_unused(self) -> bool:
+        """Whether a role with reserved slots holds fewer rows than it reserves: its next job takes one at once."""
+        in_flight = self._in_flight()
+        return any(in_flight[adapter] < count for adapter, count in self._reserved().items())
 
     def _interactive(self) -> bool:
         """Whether interactive jobs come now: one was claimed in the last INTERACTIVE_QUIET_S."""
