@@ -55,7 +55,7 @@ INTERACTIVE_QUIET_S = 10.0  # after this long without an interactive job, batch 
 log = logging.getLogger("kevlaya.worker")
 # After a look at the queue found nothing to claim, the next look waits this long, unless a reserved slot stands
 # unused: then a job of its role may come at any step and is looked for at every step (a look runs inside the step,
-# while the GPU computes; RELIABILITY.md, Latency).
+# while the GPU computes; docs/architecture.md §4).
 IDLE_POLL_S = 0.02
 
 
