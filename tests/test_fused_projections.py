@@ -221,6 +221,27 @@ def test_a_member_called_on_another_input_computes_its_own(runtime: ReferenceRun
         lora.remove()
 
 
+def test_a_joined_members_lora_is_held_once_in_the_groups_tensors(runtime: ReferenceRuntime) -> None:
+    """A joined member's stacked LoRA becomes a view into its group's joined matrices: the adapters are held once,
+    not twice (84 MB on a 7B model, which a 6 GB card's slots need). What the member computes alone is the test
+    above's."""
+    lora = RowLoRA(runtime.model, ["kev", "laya"])
+    try:
+        fused = FusedProjections(runtime.model, lora)
+        try:
+            with_lora = [(parent, name, member) for parent, name, member in fused._swapped if member in lora.stacked]
+            assert with_lora
+            for parent, name, member in with_lora:
+                group = getattr(parent, name).group
+                a, b = lora.stacked[member]
+                assert a.untyped_storage().data_ptr() == group.lora_a.untyped_storage().data_ptr(), name
+                assert b.untyped_storage().data_ptr() == group.lora_b.untyped_storage().data_ptr(), name
+        finally:
+            fused.remove()
+    finally:
+        lora.remove()
+
+
 def test_the_weights_are_joined_once_per_model(runtime: ReferenceRuntime) -> None:
     """The worker builds several decoders while it sizes its slots: each must reuse the join, not copy the weights
     again (the copy before would stay with whoever still held the old decoder)."""

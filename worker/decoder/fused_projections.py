@@ -164,9 +164,13 @@ class _Group:
             # block diagonal: member i's output rows read only member i's rank columns
             b = a.new_zeros(sum(self.sizes), a.shape[0])
             starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-            for block, ((i, _), (_, member_b)) in enumerate(zip(with_lora, stacks)):
+            for block, ((i, member), (member_a, member_b)) in enumerate(zip(with_lora, stacks)):
                 width = member_b.shape[1]
-                b[starts[i]:starts[i] + self.sizes[i], block * width:(block + 1) * width] = member_b
+                rows, columns = slice(starts[i], starts[i] + self.sizes[i]), slice(block * width, (block + 1) * width)
+                b[rows, columns] = member_b
+                # the member's own stack becomes a view into the joined one: one copy of the adapters, not two
+                # (a 7B model's joined members hold 84 MB of them, a slot's worth on a 6 GB card with the rest)
+                lora.stacked[member] = (a[block * member_a.shape[0]:(block + 1) * member_a.shape[0]], b[rows, columns])
             self.lora_a, self.lora_b = a, b
         self.input: torch.Tensor | None = None
         self.outputs: list[torch.Tensor] = []
