@@ -125,28 +125,43 @@ def test_a_join_that_decodes_scales_per_call_holds_no_decoded_scales() -> None:
 
 
 @pytest.mark.parametrize("kept", [True, False], ids=["scales-kept-decoded", "scales-decoded-per-call"])
-def test_a_joined_nf4_prefill_multiplies_one_members_weight_at_a_time(kept: bool, monkeypatch) -> None:  # noqa: ANN001
-    """bitsandbytes multiplies more than one row by dequantizing the whole weight it is given into fp16 first:
-    given the joined weight, a prefill would hold the whole group's (gate and up: twice the largest member),
-    the largest memory a prefill takes. One row (its GEMV reads the packed weight) may take the joined one."""
+def test_a_joined_nf4_prefill_dequantizes_a_slice_of_one_members_weight_at_a_time(kept: bool,
+                                                                                   monkeypatch) -> None:  # noqa: ANN001
+    """A product of more than one row dequantizes the weight into fp16 first: given the joined weight whole, a
+    prefill would hold the whole group's (gate and up: twice the largest member), the largest memory a prefill
+    takes. It goes member by member, each in slices of at most DEQUANTIZED_SLICE_BYTES (here 64 rows); one row
+    (bitsandbytes' GEMV reads the packed weight) may take the joined weight."""
     import bitsandbytes
+    import bitsandbytes.functional as bnbf
+
+    from worker.decoder import nf4_matmul
 
     torch.manual_seed(0)
     sizes, features = [256, 128, 64], 128
     layers = nf4_layers(sizes, features)
-    multiply, weights = bitsandbytes.matmul_4bit, []
+    x = torch.randn(16, features)
+    with torch.no_grad():
+        expected = torch.cat([nf4_product(layer, x) for layer in layers], dim=-1)
+    monkeypatch.setattr(nf4_matmul, "DEQUANTIZED_SLICE_BYTES", 64 * features * 4)  # float32 weights here
+    multiply, dequantize, whole, sliced = bitsandbytes.matmul_4bit, bnbf.dequantize_4bit, [], []
 
-    def recorded(x, weight, quant_state, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        weights.append((x.numel() // x.shape[-1], quant_state.shape[0]))
+    def handed(x, weight, quant_state, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        whole.append((x.numel() // x.shape[-1], quant_state.shape[0]))
         return multiply(x, weight, quant_state=quant_state, **kwargs)
 
-    monkeypatch.setattr(bitsandbytes, "matmul_4bit", recorded)
+    def dequantized(packed, quant_state=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        sliced.append(quant_state.shape[0])
+        return dequantize(packed, quant_state, *args, **kwargs)
+
+    monkeypatch.setattr(bitsandbytes, "matmul_4bit", handed)
+    monkeypatch.setattr(bnbf, "dequantize_4bit", dequantized)
     matmul = _nf4_matmul(layers, kept)
     with torch.no_grad():
-        assert matmul(torch.randn(16, features)).shape == (16, sum(sizes))
+        assert torch.allclose(matmul(x), expected, atol=1e-4)
         assert matmul(torch.randn(1, features)).shape == (1, sum(sizes))
-    assert [out for rows, out in weights if rows == 16] == sizes
-    assert [out for rows, out in weights if rows == 1] == [sum(sizes)]
+    assert sliced == [64] * 4 + [64] * 2  # the two larger members, a slice at a time
+    assert [out for rows, out in whole if rows == 16] == [64]  # the smallest is one slice: bitsandbytes' own path
+    assert [out for rows, out in whole if rows == 1] == [sum(sizes)]
 
 
 @pytest.fixture(scope="module")

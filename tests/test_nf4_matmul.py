@@ -56,6 +56,36 @@ def test_a_layer_that_is_not_nf4_is_left_alone() -> None:
     assert Nf4Weight.of(fp4) is None
 
 
+@pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "fp32-absmax"])
+def test_a_prefill_through_an_nf4_layer_dequantizes_its_weight_a_slice_at_a_time(nested: bool, monkeypatch) -> None:  # noqa: ANN001
+    """More rows than the kernel takes (a prefill) dequantize the weight into fp16 first: at most
+    DEQUANTIZED_SLICE_BYTES of it at a time (here 32 of 96 rows), with the product bitsandbytes' to rounding. The
+    whole weight would stay in a captured prefill's memory pool: 86 MiB for a 7B model's down_proj."""
+    import bitsandbytes.functional as bnbf
+
+    from worker.decoder import nf4_matmul
+
+    layer = nf4_linear(96, 320, nested)
+    x = torch.randn(3, 24, 320).half()  # 72 rows: more than the kernel's MAX_ROWS
+    expected = torch.nn.functional.linear(x.float(), bnbf.dequantize_4bit(layer.weight.data,
+                                          layer.weight.quant_state).float(), layer.bias.float())
+    monkeypatch.setattr(nf4_matmul, "DEQUANTIZED_SLICE_BYTES", 32 * 320 * 2)
+    dequantize, sliced = bnbf.dequantize_4bit, []
+
+    def dequantized(packed, quant_state=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = dequantize(packed, quant_state, *args, **kwargs)
+        sliced.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(bnbf, "dequantize_4bit", dequantized)
+    forward = nf4_matmul._forward_with(Nf4Weight.of(layer), type(layer).forward)
+    with torch.no_grad():
+        got = forward(layer, x)
+    assert sliced == [(32, 320)] * 3
+    assert got.shape == (3, 24, 96) and got.dtype == torch.float16
+    assert torch.allclose(got.float(), expected, rtol=1e-2, atol=1e-2), (got.float() - expected).abs().max()
+
+
 INTERPRETED = textwrap.dedent("""
     import dataclasses
     import torch

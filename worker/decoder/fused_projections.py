@@ -28,7 +28,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from worker.decoder import nf4_matmul as nf4_kernel
-from worker.decoder.nf4_matmul import Nf4Weight
+from worker.decoder.nf4_matmul import Nf4Weight, sliced_matmul
 from worker.decoder.row_lora import RowLoRA
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -72,15 +72,6 @@ def _dense_matmul(bases: list[torch.nn.Module]) -> Matmul | None:
     return lambda x: torch.nn.functional.linear(x, weight, bias)
 
 
-def _decoded_scales(state) -> torch.Tensor:  # noqa: ANN001 (bitsandbytes' QuantState)
-    """A 4-bit weight's block scales in float32, as bitsandbytes decodes them before each dequantization."""
-    import bitsandbytes.functional as bnbf
-
-    if not state.nested:
-        return state.absmax.float()
-    return bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
-
-
 def _nf4_states(bases: list[torch.nn.Module]) -> list | None:
     """The members' NF4 quantization states, if they can be joined."""
     states = [getattr(b.weight, "quant_state", None) for b in bases]
@@ -106,7 +97,7 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
     bias, sizes = _joined_bias(bases, compute_dtype), [s.shape[0] for s in states]
 
     def joined_state():  # noqa: ANN202 (bitsandbytes' QuantState)
-        return bnbf.QuantState(absmax=torch.cat([_decoded_scales(s) for s in states]), shape=shape, code=first.code,
+        return bnbf.QuantState(absmax=torch.cat([nf4_kernel.decoded_scales(s) for s in states]), shape=shape, code=first.code,
                                blocksize=first.blocksize, quant_type=first.quant_type, dtype=first.dtype)
 
     kept = joined_state() if decoded_scales else None
@@ -132,10 +123,10 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
         # looked up on the module at each call, so a profiler's wrapper (the bench's census) sees it
         if x.numel() == x.shape[-1]:  # one row: bitsandbytes' GEMV reads the packed weight as it is
             return bitsandbytes.matmul_4bit(x, packed, quant_state=state(), bias=bias).to(dtype)
-        # More rows (a prefill): bitsandbytes first dequantizes the whole weight into fp16, so member by member,
-        # each with its own scales: the largest memory a prefill takes is then one member's weight, not the group's.
+        # More rows (a prefill): the weight is dequantized into fp16 first, so member by member and in slices
+        # (sliced_matmul): the largest memory a prefill takes is then a slice, not the group's whole weight.
         biases = bias.split(sizes) if bias is not None else [None] * len(bases)
-        return torch.cat([bitsandbytes.matmul_4bit(x, b.weight, quant_state=b.weight.quant_state, bias=member_bias)
+        return torch.cat([sliced_matmul(x, b.weight, b.weight.quant_state, member_bias)
                           for b, member_bias in zip(bases, biases)], dim=-1).to(dtype)
 
     return matmul

@@ -36,6 +36,11 @@ MAX_ROWS = 64
 # Rows below which bitsandbytes' fused one-row GEMV is the better path (twice as fast as the kernel at one row).
 MIN_ROWS = 2
 
+# A product of more rows than the kernel takes (a prefill) dequantizes the weight to fp16 first: at most this many
+# bytes of it at a time, so the largest transient a prefill takes (which a captured prefill's memory pool keeps for
+# good) is a slice, not a whole weight (86 MiB for a 7B model's down_proj, a tenth of a 6 GB card's workspace).
+DEQUANTIZED_SLICE_BYTES = 16 * 2**20
+
 # bitsandbytes' NF4 table (`bitsandbytes.functional.get_4bit_type("nf4")`), which the kernel's select tree holds
 NF4_VALUES = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                            -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
@@ -362,6 +367,42 @@ def takes(x: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and x.requires_grad))
 
 
+def decoded_scales(state) -> torch.Tensor:  # noqa: ANN001 (bitsandbytes' QuantState)
+    """A 4-bit weight's block scales in float32, as bitsandbytes decodes them before each dequantization."""
+    import bitsandbytes.functional as bnbf
+
+    if not state.nested:
+        return state.absmax.float()
+    return bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
+
+
+def sliced_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tensor | None,  # noqa: ANN001
+                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`x @ W.T + bias` for a bitsandbytes 4-bit weight (`packed`, its QuantState `state`), dequantizing at most
+    DEQUANTIZED_SLICE_BYTES of W's rows at a time; the answer is bitsandbytes' (`matmul_4bit`) to rounding."""
+    import bitsandbytes
+    import bitsandbytes.functional as bnbf
+
+    out_features, in_features = state.shape
+    rows = max(1, DEQUANTIZED_SLICE_BYTES // (in_features * state.dtype.itemsize))
+    if (rows >= out_features or in_features % state.blocksize or in_features % 2
+            or getattr(state, "packing_format_for_cpu", False)):
+        return bitsandbytes.matmul_4bit(x.to(compute_dtype or x.dtype), packed, quant_state=state,
+                                        bias=bias).to(x.dtype)
+    flat, scales, per_row = packed.view(-1), decoded_scales(state), in_features // state.blocksize
+    inputs = x.to(compute_dtype or state.dtype)
+    parts = []
+    for first in range(0, out_features, rows):
+        last = min(first + rows, out_features)
+        part = bnbf.QuantState(absmax=scales[first * per_row:last * per_row], shape=torch.Size([last - first,
+                               in_features]), code=state.code, blocksize=state.blocksize, quant_type=state.quant_type,
+                               dtype=state.dtype)
+        weight = bnbf.dequantize_4bit(flat[first * in_features // 2:last * in_features // 2], part)
+        parts.append(torch.nn.functional.linear(inputs, weight.to(inputs.dtype),
+                                                None if bias is None else bias[first:last].to(inputs.dtype)))
+    return torch.cat(parts, dim=-1).to(x.dtype)
+
+
 def kernel_matmul(x: torch.Tensor, weight: Nf4Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """`nf4_matmul` in fp16 for `x` of any dtype, in a profiler range when one is named."""
     bias = None if bias is None else bias.to(torch.float16)
@@ -414,9 +455,11 @@ def nf4_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Nf4Weight]
 
 def _forward_with(weight: Nf4Weight, original):  # noqa: ANN001, ANN202
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not takes(x):
+        if takes(x):
+            return kernel_matmul(x, weight, self.bias)
+        if x.numel() == x.shape[-1] or self.weight.quant_state is None:  # one row: bitsandbytes' GEMV
             return original(self, x)
-        return kernel_matmul(x, weight, self.bias)
+        return sliced_matmul(x, self.weight, self.weight.quant_state, self.bias, self.compute_dtype)
 
     return forward
 
