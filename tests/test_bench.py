@@ -142,3 +142,45 @@ def test_the_census_classes_the_decoders_own_triton_kernels_by_name() -> None:
     assert kernel_class("_rotary_kernel", []) == "norm_rotary_elementwise"
     assert kernel_class("sm90_xmma_gemm_f16f16_f16f32", [LORA_RANGE]) == "lora"
     assert kernel_class("sm90_xmma_gemm_f16f16_f16f32", ["aten::mm"]) == "other_gemm"
+
+
+def _frame(path: str, line: int, name: str) -> dict[str, object]:
+    return {"filename": path, "line": line, "name": name}
+
+
+def test_the_memory_census_finds_the_peak_of_live_allocations_and_sums_them_by_source_line() -> None:
+    """`python -m modellab.bench.memory_census` reads PyTorch's allocator trace: the allocations alive when the most
+    bytes were (not at the end, nor the largest ever made), summed by the project's line that made them."""
+    from modellab.bench.memory_census import by_source, live_at_peak, pools
+
+    join = [_frame("/srv/worker/decoder/fused_projections.py", 51, "_share_storage"),
+            _frame("/usr/lib/python3/site-packages/torch/functional.py", 9, "cat")]
+    prefill = [_frame("/srv/worker/decoder/nf4_matmul.py", 400, "sliced_matmul"),
+               _frame("/usr/lib/python3/site-packages/bitsandbytes/functional.py", 7, "dequantize_4bit")]
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": join},
+             {"action": "alloc", "addr": 2, "size": 30, "frames": prefill},
+             {"action": "alloc", "addr": 3, "size": 30, "frames": prefill},  # the peak: 160 bytes alive
+             {"action": "free_completed", "addr": 2, "size": 30},
+             {"action": "free_completed", "addr": 3, "size": 30},
+             {"action": "alloc", "addr": 4, "size": 50, "frames": prefill},  # larger alone, never at the peak
+             {"action": "free_completed", "addr": 4, "size": 50}]
+    peak, alive = live_at_peak(trace)
+    assert peak == 160 and sorted(size for size, _ in alive) == [30, 30, 100]
+    rows = by_source(alive, top=5)
+    assert [(row["allocations"], row["where"].split(" <- ")[0]) for row in rows] == [
+        (1, "decoder/fused_projections.py:51 _share_storage"), (2, "decoder/nf4_matmul.py:400 sliced_matmul")]
+    assert rows[1]["where"].endswith("bitsandbytes/functional.py:7 dequantize_4bit")
+    segments = [{"segment_pool_id": (0, 0), "total_size": 4 * 2**20, "allocated_size": 2**20},
+                {"segment_pool_id": (1, 0), "total_size": 2 * 2**20, "allocated_size": 0},
+                {"segment_pool_id": (0, 0), "total_size": 2**20, "allocated_size": 2**20}]
+    assert pools(segments) == [{"pool": "(0, 0)", "segments": 2, "reserved_mib": 5.0, "allocated_mib": 2.0},
+                               {"pool": "(1, 0)", "segments": 1, "reserved_mib": 2.0, "allocated_mib": 0.0}]
+
+
+def test_the_memory_census_refuses_a_machine_without_cuda_before_building_anything(tmp_path: Path) -> None:
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "modellab.bench.memory_census", "--out", str(tmp_path / "m.json")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2 and "no CUDA device" in run.stderr, run.stderr
+    assert not (tmp_path / "m.json").exists()

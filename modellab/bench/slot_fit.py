@@ -14,15 +14,43 @@ import shlex
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from modellab.bench.cli import SHAPES
 from modellab.presets import ALL_LINEAR
 
+if TYPE_CHECKING:
+    from worker.model.loading import LoadedModel
+
 GIB = 2**30
 WHOLE = 1 << 20  # a chunk no prompt block reaches: one forward pass per prefill, as before chunking
+
+
+def loaded_random_model(shape: str, vram_budget_gb: float, max_batch: int,
+                        window_tokens: int) -> tuple[LoadedModel, dict[str, Any]]:
+    """A random-weight model of `shape` (adapters on every linear layer) loaded as the worker loads it, and the
+    settings it was loaded with (keyword arguments of Settings)."""
+    import torch
+
+    from modellab.model_factory import build_random_model
+    from shared.settings import Settings
+    from worker.model.loading import load_model
+
+    if shape not in SHAPES:
+        raise typer.BadParameter(f"must be one of {', '.join(SHAPES)}", param_hint="--shape")
+    if not torch.cuda.is_available():
+        raise typer.BadParameter("this measures CUDA memory: no CUDA device here", param_hint="--shape")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    paths = build_random_model(Path(tempfile.mkdtemp(prefix="kevlaya-random-")), shape, dtype=torch.float16,
+                               device="cuda", target_modules=ALL_LINEAR)
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = dict(_env_file=None, base_model=str(paths["base"]), kev={"path": str(paths["kev"])},
+                laya={"path": str(paths["laya"])}, device="cuda", vram_budget_gb=vram_budget_gb,
+                verify_manifests=False, max_batch=max_batch, engine_window_tokens=window_tokens)
+    return load_model(Settings(**base)), base
 
 
 def main(
@@ -38,28 +66,14 @@ def main(
     """Size the worker's decoder for every (key/value dtype, prefill chunk) pair on one loaded model."""
     import torch
 
-    from modellab.model_factory import build_random_model
     from shared.settings import Settings
     from worker.engine.loop import build_decoder
-    from worker.model.loading import load_model
 
-    if shape not in SHAPES:
-        raise typer.BadParameter(f"must be one of {', '.join(SHAPES)}", param_hint="--shape")
-    if not torch.cuda.is_available():
-        raise typer.BadParameter("sizing measures CUDA memory: no CUDA device here", param_hint="--shape")
     try:
         chunk_list = [int(c) for c in chunks.split(",") if c.strip()]
     except ValueError:
         raise typer.BadParameter("a comma-separated list of token counts, e.g. 0,512", param_hint="--chunks") from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    paths = build_random_model(Path(tempfile.mkdtemp(prefix="kevlaya-slot-fit-")), shape, dtype=torch.float16,
-                               device="cuda", target_modules=ALL_LINEAR)
-    gc.collect()
-    torch.cuda.empty_cache()
-    base = dict(_env_file=None, base_model=str(paths["base"]), kev={"path": str(paths["kev"])},
-                laya={"path": str(paths["laya"])}, device="cuda", vram_budget_gb=vram_budget_gb,
-                verify_manifests=False, max_batch=max_batch, engine_window_tokens=window_tokens)
-    loaded = load_model(Settings(**base))
+    loaded, base = loaded_random_model(shape, vram_budget_gb, max_batch, window_tokens)
     resident = torch.cuda.memory_allocated()
     rows = []
     for kv_dtype in ("auto", "fp8"):
