@@ -287,23 +287,26 @@ def test_the_rotary_kernel_on_cuda_rotates_as_transformers_does() -> None:
 
 def test_the_lora_expand_kernel_on_cuda_adds_as_the_three_operations_do() -> None:
     """worker/decoder/lora_expand.py compiled: a 3B layer's joined q/k/v and gate/up LoRA expands (Kev r16, Laya
-    r8), for a step's rows and a prefill pass's tokens, add into the output what mask-then-addmm adds, to within
-    fp16 rounding."""
+    r8; each member's columns from its own rank block), for a step's rows and a prefill pass's tokens, add into the
+    output what mask-then-matmul adds, to within fp16 rounding."""
     from worker.decoder.lora_expand import masked_expand, takes
 
     width, table = 24, torch.zeros(3, 24, device="cuda", dtype=torch.float16)
     table[0, :16], table[1, 16:] = 1, 1
-    for rows, tokens, layers, out in ((32, 1, 3, 2560), (36, 1, 2, 22016), (4, 128, 1, 2048)):
+    for rows, tokens, boundaries, out in ((32, 1, (2048, 2304), 2560), (36, 1, (11008,), 22016), (4, 128, (), 2048)):
         mask = table[torch.arange(rows, device="cuda") % 3][:, None, :]
-        shrunk = torch.randn(rows, tokens, layers * width, device="cuda", dtype=torch.float16)
-        b = torch.randn(out, layers * width, device="cuda", dtype=torch.float16) * 0.1
+        blocks = len(boundaries) + 1
+        shrunk = torch.randn(rows, tokens, blocks * width, device="cuda", dtype=torch.float16)
+        b = torch.randn(out, width, device="cuda", dtype=torch.float16) * 0.1
         output = torch.randn(rows, tokens, out, device="cuda", dtype=torch.float16)
-        assert takes(output, shrunk, mask, b)
-        masked = (shrunk.unflatten(-1, (layers, width)) * mask.unsqueeze(-2)).flatten(-2)
-        expected = output.clone().view(-1, out).addmm_(masked.view(-1, layers * width), b.T).view(output.shape)
-        masked_expand(output, shrunk, mask, b)
+        assert takes(output, shrunk, mask, b, boundaries)
+        masked = shrunk.unflatten(-1, (blocks, width)) * mask.unsqueeze(-2)
+        expected = output.clone()
+        for k, (first, last) in enumerate(zip((0, *boundaries), (*boundaries, out))):
+            expected[..., first:last] += masked[..., k, :] @ b[first:last].T
+        masked_expand(output, shrunk, mask, b, boundaries)
         error = (output.float() - expected.float()).abs().max() / expected.float().abs().max()
-        assert error.item() < 2e-3, (rows, tokens, layers, error.item())
+        assert error.item() < 2e-3, (rows, tokens, boundaries, error.item())
 
 
 def assert_agree(expected: list, got: list, what: str) -> None:

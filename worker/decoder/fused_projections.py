@@ -149,27 +149,29 @@ class _Group:
         self.sizes = [_base(m).out_features for m in members]
         with_lora = [(i, m) for i, m in enumerate(members) if m in lora.stacked]
         self.lora_a = self.lora_b = None
+        self.boundaries: tuple[int, ...] = ()
         if with_lora:
             stacks = [lora.stacked[m] for _, m in with_lora]
             a = torch.cat([a for a, _ in stacks])
-            # block diagonal: member i's output rows read only member i's rank columns
-            b = a.new_zeros(sum(self.sizes), a.shape[0])
+            # one B for all members, as compact as one layer's: member i's output rows hold its own B, and read its
+            # own rank block of the joined shrink (the expand's `boundaries`: where each member after the first
+            # with LoRA begins); a member without LoRA keeps zero rows
+            b = a.new_zeros(sum(self.sizes), stacks[0][1].shape[1])
             starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
             for block, ((i, member), (member_a, member_b)) in enumerate(zip(with_lora, stacks)):
-                width = member_b.shape[1]
-                rows, columns = slice(starts[i], starts[i] + self.sizes[i]), slice(block * width, (block + 1) * width)
-                b[rows, columns] = member_b
+                rows = slice(starts[i], starts[i] + self.sizes[i])
+                b[rows] = member_b
                 # the member's own stack becomes a view into the joined one: one copy of the adapters, not two
-                # (a 7B model's joined members hold 84 MB of them, a slot's worth on a 6 GB card with the rest)
-                lora.stacked[member] = (a[block * member_a.shape[0]:(block + 1) * member_a.shape[0]], b[rows, columns])
+                lora.stacked[member] = (a[block * member_a.shape[0]:(block + 1) * member_a.shape[0]], b[rows])
             self.lora_a, self.lora_b = a, b
+            self.boundaries = tuple(starts[i] for i, _ in with_lora[1:])
         self.input: torch.Tensor | None = None
         self.outputs: list[torch.Tensor] = []
 
     def lead(self, x: torch.Tensor) -> torch.Tensor:
         output = self.matmul(x)
         if self.lora_a is not None:
-            output = self.lora.add(x, output, self.lora_a, self.lora_b)
+            output = self.lora.add(x, output, self.lora_a, self.lora_b, self.boundaries)
         self.input, self.outputs = x, list(output.split(self.sizes, dim=-1))
         return self.outputs[0]
 

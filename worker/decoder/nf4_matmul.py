@@ -385,7 +385,7 @@ def sliced_matmul(x: torch.Tensor, packed: torch.Tensor, state, bias: torch.Tens
 
     out_features, in_features = state.shape
     rows = max(1, DEQUANTIZED_SLICE_BYTES // (in_features * state.dtype.itemsize))
-    if (rows >= out_features or in_features % state.blocksize or in_features % 2
+    if (rows >= out_features or in_features % state.blocksize or in_features % 2 or packed.dtype != torch.uint8
             or getattr(state, "packing_format_for_cpu", False)):
         return bitsandbytes.matmul_4bit(x.to(compute_dtype or x.dtype), packed, quant_state=state,
                                         bias=bias).to(x.dtype)

@@ -114,24 +114,29 @@ class RowLoRA:
     def _add_delta(self, layer: LoraLayer, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return self.add(args[0], output, *self.stacked[layer])
 
-    def add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """`output` plus each row's LoRA product ((x @ a.T) * row mask) @ b.T. `a` may stack several layers'
-        rank blocks (projections joined by input, worker/decoder/fused_projections.py): each takes the row mask."""
+    def add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+            boundaries: tuple[int, ...] = ()) -> torch.Tensor:
+        """`output` plus each row's LoRA product ((x @ a.T) * row mask) @ b.T. `a` may stack several projections'
+        rank blocks (projections joined by input, worker/decoder/fused_projections.py), each taking the row mask:
+        the output columns from `boundaries[k - 1]` on are then expanded from block k (`b` stays out × width)."""
         if RowLoRA.profile_label is not None:
             with torch.profiler.record_function(RowLoRA.profile_label):
-                return self._add(x, output, a, b)
-        return self._add(x, output, a, b)
+                return self._add(x, output, a, b, boundaries)
+        return self._add(x, output, a, b, boundaries)
 
-    def _add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def _add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             boundaries: tuple[int, ...]) -> torch.Tensor:
         shrunk = x.to(a.dtype) @ a.T
-        if self.masked_expand and lora_expand.takes(output, shrunk, self.mask, b):
-            lora_expand.masked_expand(output, shrunk, self.mask, b)
+        if self.masked_expand and lora_expand.takes(output, shrunk, self.mask, b, boundaries):
+            lora_expand.masked_expand(output, shrunk, self.mask, b, boundaries)
             return output
-        layers = a.shape[0] // self.width
-        if layers == 1:
-            shrunk = shrunk * self.mask
-        else:
-            shrunk = (shrunk.unflatten(-1, (layers, self.width)) * self.mask.unsqueeze(-2)).flatten(-2)
+        if boundaries:  # each member's columns expand from its own rank block, into the base output
+            blocks = shrunk.unflatten(-1, (len(boundaries) + 1, self.width)) * self.mask.unsqueeze(-2)
+            edges = [0, *boundaries, output.shape[-1]]
+            for k, (first, last) in enumerate(zip(edges, edges[1:])):
+                output[..., first:last] += (blocks[..., k, :] @ b[first:last].T).to(output.dtype)
+            return output
+        shrunk = shrunk * self.mask
         if output.dtype != a.dtype:
             return output + (shrunk @ b.T).to(output.dtype)
         # expand and add as one GEMM into the base output (C += shrunk @ B): out of place, cuBLAS would first copy
