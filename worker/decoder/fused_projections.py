@@ -162,7 +162,7 @@ class _Group:
                 rows = slice(starts[i], starts[i] + self.sizes[i])
                 b[rows] = member_b
                 # the member's own stack becomes a view into the joined one: one copy of the adapters, not two
-                lora.stacked[member] = (a[block * member_a.shape[0]:(block + 1) * member_a.shape[0]], b[rows])
+                lora.restack(member, a[block * member_a.shape[0]:(block + 1) * member_a.shape[0]], b[rows])
             self.lora_a, self.lora_b = a, b
             self.boundaries = tuple(starts[i] for i, _ in with_lora[1:])
         self.input: torch.Tensor | None = None

@@ -5,8 +5,9 @@ a thousand extra kernel launches per step on a 3B model). Here every LoRA layer 
 
     base(x) + ((x @ A_all.T) * row_mask) @ B_all.T
 
-where A_all stacks every adapter's A (rank blocks side by side), B_all every adapter's B with its scaling folded
-in, and row_mask keeps, for each row, only its own adapter's rank block. That is the same few kernels per layer
+where A_all stacks every adapter's A (rank blocks side by side), B_all every adapter's B, and row_mask keeps, for
+each row, only its own adapter's rank block, scaled by the adapter's LoRA scaling (folded into B instead where an
+adapter's scaling differs between layers). PEFT's own weights become views into the stacks. That is the same few kernels per layer
 whatever the mix, and the mask is an ordinary tensor, so the step stays capturable as a CUDA graph. Rank blocks
 are padded with zeros where an adapter does not touch a layer or has a smaller rank there
 (docs/architecture.md §14).
@@ -29,6 +30,12 @@ def _compute_dtype(base: torch.nn.Module) -> torch.dtype:
     if isinstance(compute, torch.dtype):
         return compute
     return base.weight.dtype if base.weight.dtype.is_floating_point else torch.float32
+
+
+def _uniform_scaling(layers: list[LoraLayer], name: str) -> float | None:
+    """The adapter's LoRA scaling if every layer it touches has the same one, else None."""
+    scales = {layer.scaling[name] for layer in layers if name in layer.lora_A}
+    return scales.pop() if len(scales) == 1 else None
 
 
 class RowLoRA:
@@ -58,13 +65,19 @@ class RowLoRA:
         self.ranks = [max((layer.r.get(n, 0) for layer in self.layers), default=0) for n in adapters]
         self.offsets = [sum(self.ranks[:i]) for i in range(len(adapters))]
         self.width = sum(self.ranks)
+        # An adapter whose scaling is the same in every layer (the usual case) has it in its mask row, so its B
+        # stays PEFT's own and PEFT's weights can be views into the stacks: the adapters held once, not twice.
+        # Otherwise its scaling is folded into each layer's B (a copy) and its mask row is 1.
+        self.scales = [_uniform_scaling(self.layers, name) for name in adapters]
         # Per LoRA layer: (A_all, B_all), rank blocks side by side (worker/decoder/fused_projections.py joins them).
-        self.stacked = {layer: self._stack(layer) for layer in self.layers}
+        self.stacked: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self.layers:
+            self.restack(layer, *self._stack(layer))
         first = next(iter(self.stacked.values()))[0]
-        # One mask row per adapter, its rank block set; the last row (NO_ADAPTER) selects nothing.
+        # One mask row per adapter, its rank block set (to its scaling, or 1); the last (NO_ADAPTER) selects nothing.
         self._table = torch.zeros(len(adapters) + 1, self.width, dtype=first.dtype, device=first.device)
-        for index, (offset, rank) in enumerate(zip(self.offsets, self.ranks)):
-            self._table[index, offset:offset + rank] = 1
+        for index, (offset, rank, scale) in enumerate(zip(self.offsets, self.ranks, self.scales)):
+            self._table[index, offset:offset + rank] = 1 if scale is None else scale
         self.mask = torch.zeros(1, 1, self.width, dtype=first.dtype, device=first.device)
         self._hooks = [layer.register_forward_hook(self._add_delta) for layer in self.layers]
         for layer in self.layers:
@@ -76,7 +89,9 @@ class RowLoRA:
         a_blocks, b_blocks = [], []
         for name, rank in zip(self.adapters, self.ranks):
             if name in layer.lora_A:
-                a, b = layer.lora_A[name].weight, layer.lora_B[name].weight * layer.scaling[name]
+                a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+                if self.scales[self.adapters.index(name)] is None:
+                    b = b * layer.scaling[name]
                 pad = rank - a.shape[0]
                 a = torch.cat([a, a.new_zeros(pad, a.shape[1])]) if pad else a
                 b = torch.cat([b, b.new_zeros(b.shape[0], pad)], dim=1) if pad else b
@@ -89,6 +104,18 @@ class RowLoRA:
         dtype = self.dtype or _compute_dtype(base)
         return (torch.cat(a_blocks).detach().to(dtype).contiguous(),
                 torch.cat(b_blocks, dim=1).detach().to(dtype).contiguous())
+
+    def restack(self, layer: LoraLayer, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Make (a, b) the layer's stacked matrices, and PEFT's weights of the layer views into them where they
+        hold the same values in the same dtype, so that no second copy of an adapter stays on the device."""
+        self.stacked[layer] = (a, b)
+        for name, offset, scale in zip(self.adapters, self.offsets, self.scales):
+            if name not in layer.lora_A or scale is None:
+                continue
+            own_a, own_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+            if own_a.dtype == a.dtype and own_a.device == a.device:
+                rank = own_a.shape[0]
+                own_a.data, own_b.data = a[offset:offset + rank], b[:, offset:offset + rank]
 
     def _rows(self, adapter_of_row: torch.Tensor) -> torch.Tensor:
         """Each row's mask (rows × 1 × width), gathered from the per-adapter table on its device."""
