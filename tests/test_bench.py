@@ -184,3 +184,22 @@ def test_the_memory_census_refuses_a_machine_without_cuda_before_building_anythi
                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 2 and "no CUDA device" in run.stderr, run.stderr
     assert not (tmp_path / "m.json").exists()
+
+
+def test_the_queue_look_bench_times_the_engines_look_on_a_filled_database(tmp_path: Path) -> None:
+    """`python -m modellab.bench.queue_look` fills a database and times `queue_snapshot`; a queued count over the
+    jobs is refused before anything is written."""
+    import sys
+
+    refused = subprocess.run([sys.executable, "-m", "modellab.bench.queue_look", "--jobs", "5", "--queued", "6",
+                              "--out", str(tmp_path / "refused.json")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--queued" in refused.stderr
+    assert not (tmp_path / "refused.json").exists()
+    url = f"sqlite:///{tmp_path}/look.db"
+    run = subprocess.run([sys.executable, "-m", "modellab.bench.queue_look", "--jobs", "50", "--queued", "7",
+                          "--looks", "5", "--rounds", "2", "--database-url", url, "--out", str(tmp_path / "l.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((tmp_path / "l.json").read_text())
+    assert (result["database"], result["jobs"], result["queued"], len(result["rounds_ms"])) == ("sqlite", 50, 7, 2)
+    assert result["ms_per_look"] > 0
