@@ -57,7 +57,8 @@ def test_a_layer_that_is_not_nf4_is_left_alone() -> None:
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "fp32-absmax"])
-def test_a_prefill_through_an_nf4_layer_dequantizes_its_weight_a_slice_at_a_time(nested: bool, monkeypatch) -> None:  # noqa: ANN001
+def test_a_prefill_through_an_nf4_layer_dequantizes_its_weight_a_slice_at_a_time(nested: bool,
+                                                                                 monkeypatch) -> None:  # noqa: ANN001
     """More rows than the kernel takes (a prefill) dequantize the weight into fp16 first: at most
     DEQUANTIZED_SLICE_BYTES of it at a time (here 32 of 96 rows), with the product bitsandbytes' to rounding. The
     whole weight would stay in a captured prefill's memory pool: 86 MiB for a 7B model's down_proj."""

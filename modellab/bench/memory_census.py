@@ -83,7 +83,8 @@ def pools(segments: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         row[0] += segment["total_size"]
         row[1] += segment["allocated_size"]
         row[2] += 1
-    return [{"pool": pool, "segments": n, "reserved_mib": round(reserved / MIB, 1), "allocated_mib": round(used / MIB, 1)}
+    return [{"pool": pool, "segments": n, "reserved_mib": round(reserved / MIB, 1),
+             "allocated_mib": round(used / MIB, 1)}
             for pool, (reserved, used, n) in sorted(totals.items(), key=lambda item: -item[1][0])]
 
 

@@ -97,8 +97,9 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
     bias, sizes = _joined_bias(bases, compute_dtype), [s.shape[0] for s in states]
 
     def joined_state():  # noqa: ANN202 (bitsandbytes' QuantState)
-        return bnbf.QuantState(absmax=torch.cat([nf4_kernel.decoded_scales(s) for s in states]), shape=shape, code=first.code,
-                               blocksize=first.blocksize, quant_type=first.quant_type, dtype=first.dtype)
+        scales = torch.cat([nf4_kernel.decoded_scales(s) for s in states])
+        return bnbf.QuantState(absmax=scales, shape=shape, code=first.code, blocksize=first.blocksize,
+                               quant_type=first.quant_type, dtype=first.dtype)
 
     kept = joined_state() if decoded_scales else None
 

@@ -7,9 +7,9 @@ a thousand extra kernel launches per step on a 3B model). Here every LoRA layer 
 
 where A_all stacks every adapter's A (rank blocks side by side), B_all every adapter's B, and row_mask keeps, for
 each row, only its own adapter's rank block, scaled by the adapter's LoRA scaling (folded into B instead where an
-adapter's scaling differs between layers). PEFT's own weights become views into the stacks. That is the same few kernels per layer
-whatever the mix, and the mask is an ordinary tensor, so the step stays capturable as a CUDA graph. Rank blocks
-are padded with zeros where an adapter does not touch a layer or has a smaller rank there
+adapter's scaling differs between layers), so PEFT's own weights can become views into the stacks. That is the
+same few kernels per layer whatever the mix, and the mask is an ordinary tensor, so the step stays capturable as a
+CUDA graph. Rank blocks are padded with zeros where an adapter does not touch a layer or has a smaller rank there
 (docs/architecture.md §14).
 """
 
