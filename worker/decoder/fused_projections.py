@@ -157,7 +157,7 @@ class _Group:
             # one B for all members, as compact as one layer's: member i's output rows hold its own B, and read its
             # own rank block of the joined shrink (the expand's `boundaries`: where each member after the first
             # with LoRA begins); a member without LoRA keeps zero rows
-            b = a.new_zeros(sum(self.sizes), stacks[0][1].shape[1])
+            b = a.new_zeros(sum(self.sizes), lora.width)
             starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
             for block, ((i, member), (member_a, member_b)) in enumerate(zip(with_lora, stacks)):
                 rows = slice(starts[i], starts[i] + self.sizes[i])
