@@ -29,7 +29,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Models": ("base_model", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
     "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens",
-               "engine_prefill_chunk_tokens", "engine_batch_prefill_tokens", "engine_cuda_graphs", "engine_kv_dtype",
+               "engine_prefill_chunk_tokens", "engine_prefill_between_steps",
+               "engine_batch_prefill_tokens", "engine_cuda_graphs", "engine_kv_dtype",
                "engine_workspace_gb", "engine_prefill_share", "engine_switch_interval_ms"),
     "Reliability": ("lease_seconds", "max_attempts", "worker_recycle_after_tasks", "model_load_timeout_s",
                     "job_time_limit_s", "drain_seconds", "sweep_interval_s", "heartbeat_ttl_s", "publish_retries"),
@@ -182,6 +183,11 @@ class Settings(BaseSettings):
         "budget's) leaves a usual prefill whole; with them, prefills run as captured passes of 128 columns and this "
         "bounds their rows. Lower it where memory is short: a 7B model on a 6 GB card gets a fourth 1,024-token "
         "slot with 512 and `KEVLAYA_ENGINE_KV_DTYPE=fp8`")
+    engine_prefill_between_steps: bool = Field(
+        default=True, description="while rows decode, a prefill of jobs of roles without reserved slots (Kev's, "
+        "file-batch lines) runs one forward pass (one chunk, see KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS) between two "
+        "decode steps instead of all at once, and a Laya job claimed meanwhile is prefilled before its next pass: "
+        "rows decoding and Laya jobs wait for one pass, not the whole prefill. `false`: every prefill runs whole")
     engine_batch_prefill_tokens: int = Field(
         default=128, ge=1, description="while interactive jobs come (one claimed in the last 10 s), the padded prompt "
         "tokens one prefill of file-batch lines takes at most (one line always goes); such a prefill never holds "

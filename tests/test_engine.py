@@ -528,11 +528,23 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
     assert all(METRICS.engine_phase.labels(p)._sum.get() > before[p] for p in ENGINE_PHASES)
 
 
+def _timed(prefills: list, engine, run, adapters_of):  # noqa: ANN001, ANN202
+    """`run` (a whole prefill or a pass), recording (started, ended, adapters, a Laya row decoding) in `prefills`."""
+    def timed(*args):  # noqa: ANN002, ANN202
+        laya_decoding = any(engine.decoder.adapters[r.adapter] == "laya" for r in engine.decoder.rows)
+        adapters, started = adapters_of(*args), time.monotonic()
+        try:
+            return run(*args)
+        finally:
+            prefills.append((started, time.monotonic(), adapters, laya_decoding))
+    return timed
+
+
 def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(service_env, tiny_model, monkeypatch):
-    """One prompt per prefill (KEVLAYA_ENGINE_PREFILL_TOKENS=1): the Laya job first, then Kev prompts one by one.
-    While the Laya row decodes, a Kev prefill of d seconds is followed by at least d × (1 − share) / share seconds
-    of decoding before the next one (share 0.25: 3 d), so the Laya row spends at most a quarter of its time
-    waiting for them."""
+    """One prompt per prefill (KEVLAYA_ENGINE_PREFILL_TOKENS=1): the Laya job first, then Kev prompts one by one,
+    each in passes between steps. While the Laya row decodes, a Kev pass of d seconds is followed by at least
+    d × (1 − share) / share seconds of decoding before the next one (share 0.25: 3 d), so the Laya row spends at
+    most a quarter of its time waiting for them."""
     from shared.settings import Settings
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
@@ -548,17 +560,11 @@ def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(
                              params={**TEXT, "max_new_tokens": 240}) for i in range(4)])
     engine = Engine(load_model(settings), settings)
     prefills: list[tuple[float, float, list[str], bool]] = []
-    admit = engine.decoder.prefill
-
-    def timed(requests, admitted_at=None):  # noqa: ANN001, ANN202
-        laya_decoding = any(engine.decoder.adapters[r.adapter] == "laya" for r in engine.decoder.rows)
-        started = time.monotonic()
-        try:
-            return admit(requests, admitted_at)
-        finally:
-            prefills.append((started, time.monotonic(), [r.adapter for r in requests], laya_decoding))
-
-    monkeypatch.setattr(engine.decoder, "prefill", timed)
+    decoder = engine.decoder
+    monkeypatch.setattr(decoder, "prefill", _timed(prefills, engine, decoder.prefill,
+                                                   lambda requests, *_: [r.adapter for r in requests]))
+    monkeypatch.setattr(decoder, "prefill_pass", _timed(prefills, engine, decoder.prefill_pass,
+                                                        lambda: [r.request.adapter for r in decoder.prefilling.rows]))
     try:
         assert engine.drain(60) == 5
     finally:
@@ -570,6 +576,113 @@ def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(
         assert next_started >= ended + 3 * (ended - started)
     with session_scope() as session:
         assert {j.status for j in session.scalars(select(Job)).all()} == {"succeeded"}
+
+
+def test_a_laya_job_claimed_during_a_kev_prefill_goes_before_its_next_pass(service_env, tiny_model, monkeypatch):
+    """KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS: Kev prompts that come while rows decode are prefilled one pass (here 16
+    padded tokens) between two steps; a Laya job claimed meanwhile is prefilled whole before the next pass, so it
+    waits for one pass, not for the whole Kev prefill."""
+    from shared.settings import Settings
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        ignore_eos=True, engine_prefill_chunk_tokens=16)
+    with session_scope() as session:
+        session.add(Job(adapter="kev", requested_adapter="kev", input="Weigh option A.",
+                        params={**TEXT, "max_new_tokens": 80}))
+    engine = Engine(load_model(settings), settings)
+    decoder, events = engine.decoder, []
+    step, prefill, prefill_pass = decoder.step, decoder.prefill, decoder.prefill_pass
+
+    def stepping(meanwhile=None):  # noqa: ANN001, ANN202
+        events.append(("step", decoder.prefilling is not None))
+        if len(events) == 3:  # Kev prompts come while the first Kev row decodes
+            with session_scope() as session:
+                session.add_all([Job(adapter="kev", requested_adapter="kev", params={**TEXT, "max_new_tokens": 20},
+                                     input="Weigh the options " + "and their costs " * 6) for _ in range(2)])
+        if decoder.prefilling is not None and not any(e[0] == "laya" for e in events):
+            events.append(("laya", None))  # a Laya job comes while their prefill is under way
+            with session_scope() as session:
+                session.add(Job(adapter="laya", requested_adapter="laya", input="Quick: A or B?",
+                                params={**TEXT, "max_new_tokens": 4}))
+        return step(meanwhile)
+
+    def whole(requests, *args):  # noqa: ANN001, ANN002, ANN202
+        events.append(("whole", [r.adapter for r in requests], decoder.prefilling is not None))
+        return prefill(requests, *args)
+
+    def one_pass():  # noqa: ANN202
+        events.append(("pass", [r.request.adapter for r in decoder.prefilling.rows]))
+        return prefill_pass()
+
+    monkeypatch.setattr(decoder, "step", stepping)
+    monkeypatch.setattr(decoder, "prefill", whole)
+    monkeypatch.setattr(decoder, "prefill_pass", one_pass)
+    try:
+        assert engine.drain(60) == 4
+    finally:
+        engine.decoder.close()
+    passes = [i for i, e in enumerate(events) if e[0] == "pass"]
+    assert len(passes) > 2 and all(events[i][1] == ["kev", "kev"] for i in passes)
+    assert all(any(e[0] == "step" for e in events[a:b]) for a, b in zip(passes, passes[1:]))  # a step between two
+    laya = next(e for e in events if e[0] == "whole" and e[1] == ["laya"])
+    assert laya[2], events  # prefilled while the Kev prompts' prefill was under way
+    assert events.index(laya) < passes[-1]
+    with session_scope() as session:
+        assert {j.status for j in session.scalars(select(Job)).all()} == {"succeeded"}
+
+
+@pytest.mark.parametrize("where", ["pass", "step"])
+def test_out_of_memory_beside_a_prefill_between_steps_puts_its_jobs_back_and_each_still_runs_once(
+        service_env, tiny_model, monkeypatch, where):  # noqa: ANN001
+    """CUDA's out-of-memory error in a pass of a prefill under way gives its jobs back to the queue (no attempt
+    counted) and the decoder admits no more rows than were decoding; in a step, the prefill under way goes back
+    with the newest rows (it would join a step that no longer fits). Every job ends succeeded, once."""
+    import torch
+
+    from shared.settings import Settings
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
+
+    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        ignore_eos=True, engine_prefill_chunk_tokens=16)
+    with session_scope() as session:
+        session.add(Job(adapter="kev", requested_adapter="kev", input="Weigh option A.",
+                        params={**TEXT, "max_new_tokens": 40}))
+    engine = Engine(load_model(settings), settings)
+    step, fired, came = engine.decoder.step, [], []
+
+    def stepping(meanwhile=None):  # noqa: ANN001, ANN202
+        if not came:  # two Kev jobs come while the first decodes
+            came.append(True)
+            with session_scope() as session:
+                session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Weigh option {c} at length.",
+                                     params={**TEXT, "max_new_tokens": 8}) for c in "BC"])
+        return step(meanwhile)
+
+    def out_of_memory(module, args):  # noqa: ANN001, ANN202
+        # in a step, twice: a step launched ahead that fails runs once more before the error counts
+        columns, times = args[0].shape[1], 1 if where == "pass" else 2
+        if engine.decoder.prefilling and len(fired) < times and (columns > 1) == (where == "pass"):
+            fired.append(True)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by the test)")
+
+    monkeypatch.setattr(engine.decoder, "step", stepping)
+    handle = engine.loaded.model.get_input_embeddings().register_forward_pre_hook(out_of_memory)
+    try:
+        claims = engine.drain(60)
+    finally:
+        handle.remove()
+        engine.decoder.close()
+    assert fired and engine.decoder.limit == 1 and engine.decoder.prefilling is None
+    assert claims == (5 if where == "pass" else 6)  # the prefill's two jobs (and the row in a step) claimed again
+    with session_scope() as session:
+        stored = session.scalars(select(Job)).all()
+    assert sorted((j.status, j.attempts, j.completion_tokens) for j in stored) == [("succeeded", 1, 8)] * 2 + [
+        ("succeeded", 1, 40)]
 
 
 def test_the_engines_writes_take_turns_with_other_writers_on_sqlite(service_env, tiny_model):

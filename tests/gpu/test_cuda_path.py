@@ -346,6 +346,48 @@ def test_an_fp8_cache_on_nf4_with_captured_steps_agrees_with_the_fp16_cache(demo
                  "captured steps")
 
 
+def test_prefills_between_captured_steps_agree_with_whole_prefills(demo: ReferenceRuntime) -> None:
+    """Prompt blocks prefilled in captured passes of 128 columns between captured steps (`begin_prefill`,
+    `prefill_pass`), with Laya prompts prefilled whole in between and the block moved into place when its last
+    pass has run: greedy answers agree with whole prefills on at least 99 % of their tokens."""
+    from worker.decoder.slot_decoder import SlotDecoder
+
+    requests = scenario_requests(Settings(_env_file=None), ["kev", "kev", "laya"] * 8)
+
+    def between_steps(decoder: SlotDecoder) -> list:
+        waiting, done = list(requests), {}
+        while waiting or decoder.rows or decoder.prefilling:
+            laya = next((r for r in waiting if r.adapter == "laya"), None)
+            if laya and decoder.free and decoder.prefilling:  # a Laya job goes before the block's next pass
+                waiting.remove(laya)
+                done.update({r.job_id: r for r in decoder.prefill([laya])})
+            elif waiting and decoder.free and not decoder.prefilling:
+                batch = waiting[:min(decoder.free, 2)]
+                del waiting[:len(batch)]
+                if decoder.rows:
+                    decoder.begin_prefill(batch)
+                else:
+                    done.update({r.job_id: r for r in decoder.prefill(batch)})
+            if decoder.prefilling:
+                done.update({r.job_id: r for r in decoder.prefill_pass()})
+            done.update({r.job_id: r for r in decoder.step()})
+        return [done[r.job_id] for r in requests]
+
+    def answers(run: object) -> list:
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
+                              eos_ids=demo.eos_ids, graphs=True, prefill_chunk_tokens=256)
+        try:
+            return run(decoder)
+        finally:
+            decoder.close()
+            del decoder
+            _free()
+
+    whole, aside = answers(lambda decoder: decoder.run(requests)), answers(between_steps)
+    assert all(g.error_code is None for g in aside)
+    assert_agree(whole, aside, "prefills between captured steps against whole prefills on NF4")
+
+
 @pytest.mark.parametrize("decoded_scales", [True, False], ids=["scales-kept-decoded", "scales-decoded-per-call"])
 def test_joined_projections_on_nf4_with_captured_steps_agree_with_one_matmul_each(demo: ReferenceRuntime,
                                                                                   decoded_scales: bool) -> None:

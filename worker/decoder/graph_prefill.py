@@ -3,7 +3,7 @@
 A prompt block (rows × columns, left-padded) goes through in passes of `columns` columns each (PREFILL_COLUMNS,
 at most the chunk budget), for a bucket of rows (1, 2, 4, ...). A pass writes its rows' keys and values at the
 slots and columns that buffers name, and reads the whole window, so neither the rows' slots nor the block's place
-on the timeline is part of its shape. On CUDA each bucket is captured once and replayed: an eager prefill pass
+on the timeline is part of its shape, and decode steps may run between two passes. On CUDA each bucket is captured once and replayed: an eager prefill pass
 launches thousands of kernels, one at a time from Python. Elsewhere the same passes run eagerly (the CPU tests).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ from worker.decoder.graph_step import captured
 from worker.decoder.row_lora import NO_ADAPTER
 
 if TYPE_CHECKING:
-    from worker.decoder.slot_decoder import SlotDecoder
+    from worker.decoder.slot_decoder import PromptBlock, SlotDecoder
 
 log = logging.getLogger("kevlaya.decoder")
 
@@ -96,28 +97,27 @@ class CapturedPrefill:
             rows -= pieces[-1][0]
         return pieces
 
-    def run(self, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor, first: int, lo: int,
-            adapters: list[int]) -> torch.Tensor:
-        """Prefill a prompt block (rows × width, `width` a multiple of the pass's columns) into slots first,
-        first + 1, ..., at columns [lo, lo + width); `allowed`: rows × width × width, where each column may look.
-        Returns each row's last logits."""
-        rows, width = ids.shape
-        spare = self.decoder.kv.slots - first - rows
-        logits, done = [], 0
-        for count, bucket in self.pieces(rows, spare):
-            part = slice(done, done + count)
-            slots = list(range(first + done, first + done + count))
-            slots += range(first + rows, first + rows + bucket - count)  # padding rows: free slots
-            self.slots[:bucket].copy_(torch.tensor(slots))
-            self.decoder.lora.select_in_place(adapters[part] + [NO_ADAPTER] * (bucket - count), self.adapters[:bucket])
-            for a in range(0, width, self.columns):
-                b = a + self.columns
+    def passes(self, block: PromptBlock, spare: Callable[[], list[int]]) -> Iterator[None]:
+        """Prefill `block` (its width a multiple of the pass's columns), one pass per item, and set its logits
+        after the last. Column ranges go in order; within one, rows go in buckets whose padding rows write into
+        the free slots `spare` names at that time (passes of other work may run between two items)."""
+        rows, width = block.ids.shape
+        for a in range(0, width, self.columns):
+            b = a + self.columns
+            free, logits, done = spare(), [], 0
+            for count, bucket in self.pieces(rows, len(free)):
+                part = slice(done, done + count)
+                slots = list(range(block.slots.start, block.slots.stop))[part] + free[:bucket - count]
+                self.slots[:bucket].copy_(torch.tensor(slots))
+                self.decoder.lora.select_in_place(block.adapters[part] + [NO_ADAPTER] * (bucket - count),
+                                                  self.adapters[:bucket])
+                lo = block.lo  # read at each pass: the block moves when the key/value block shifts
                 self.ids[:bucket].zero_()
-                self.ids[:count].copy_(ids[part, a:b])
+                self.ids[:count].copy_(block.ids[part, a:b])
                 self.positions[:bucket].zero_()
-                self.positions[:count].copy_(positions[part, a:b])
+                self.positions[:count].copy_(block.positions[part, a:b])
                 self.mask[:bucket].zero_()
-                self.mask[:count, 0, :, lo:lo + b].copy_(allowed[part, a:b, :b])
+                self.mask[:count, 0, :, lo:lo + b].copy_(block.allowed[part, a:b, :b])
                 self.mask[count:bucket, 0, :, lo + a:lo + b] = self.own
                 self.written.copy_(torch.arange(lo + a, lo + b))
                 if bucket in self.graphs:
@@ -125,6 +125,9 @@ class CapturedPrefill:
                     graph.replay()
                 else:
                     output = self._forward(bucket)
-            logits.append(output[:count].clone())  # the next bucket's replay may reuse its memory
-            done += count
-        return torch.cat(logits)
+                done += count
+                if b == width:
+                    logits.append(output[:count].clone())  # the next bucket's replay may reuse its memory
+                    if done == rows:
+                        block.logits = torch.cat(logits)
+                yield

@@ -3,8 +3,9 @@
 Rows live in slots 0..n-1 (kept contiguous, so a step runs on a prefix of the block) and share one timeline of
 columns: every row's last cached token is at column `t - 1`, so one decode step writes every row's new token at
 column `t`. A row admitted later is prefilled right-aligned to end at `t - 1`; the columns before its `start` are
-masked out. When `t` reaches the window's end the block is shifted left by the oldest row's start (docs/
-architecture.md §14). Nothing is allocated after construction, so memory use is known before the first job.
+masked out. A prompt block whose passes run between decode steps is written aside, in the top slots, and
+placed on the timeline when its last pass has run. When `t` reaches the window's end the block is shifted left by
+the oldest row's start (docs/architecture.md §14). Nothing is allocated after construction, so memory use is known before the first job.
 
 The block may store keys and values in fp8 (`KEVLAYA_ENGINE_KV_DTYPE=fp8`, one byte an element) while the model
 computes in its own dtype: a write casts down, a read casts the rows' read range back up, one layer at a time.
@@ -132,13 +133,22 @@ class KVBlock:
         self.cache = Cache(layers=self.layers)  # what the model's forward pass receives
         self.t = 0  # the column the next decode step writes
 
-    def shift(self, rows: int, lo: int, hi: int, by: int) -> None:
-        """Move columns [lo, hi) of the first `rows` rows by `by` columns (either way)."""
-        if by == 0 or rows == 0 or hi <= lo:
+    def shift(self, slots: slice, lo: int, hi: int, by: int) -> None:
+        """Move columns [lo, hi) of the rows in `slots` by `by` columns (either way)."""
+        if by == 0 or slots.stop <= slots.start or hi <= lo:
             return
         for layer in self.layers:
             for block in (layer.keys, layer.values):
-                block[:rows, :, lo + by:hi + by] = block[:rows, :, lo:hi].clone()
+                block[slots, :, lo + by:hi + by] = block[slots, :, lo:hi].clone()
+
+    def place(self, sources: slice, targets: slice, lo: int, hi: int, by: int) -> None:
+        """Copy columns [lo, hi) of the slots `sources` to columns [lo + by, hi + by) of the slots `targets`: a
+        prompt block prefilled aside joins the rows in flight (docs/architecture.md §14)."""
+        if sources == targets and by == 0:
+            return
+        for layer in self.layers:
+            for block in (layer.keys, layer.values):
+                block[targets, :, lo + by:hi + by] = block[sources, :, lo:hi].clone()
 
     def move_row(self, source: int, target: int, lo: int, hi: int) -> None:
         """Copy a row's cached columns [lo, hi) into another slot (to keep rows contiguous)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,28 @@ class Launched:
     rows: list[Row | None]
 
 
+@dataclass
+class PromptBlock:
+    """Prompts being prefilled: rows × width tokens, left-padded, written at the slots `slots` (consecutive) and
+    the columns [lo, lo + width), which move when the key/value block shifts. Its rows join the rows in flight
+    once its last pass has run (`logits` set): placed to end at the column before `t`."""
+
+    rows: list[Row]  # none for the throwaway prefill
+    adapters: list[int]  # each row's
+    slots: slice
+    ids: torch.Tensor
+    allowed: torch.Tensor  # rows × width × width: where each column may look
+    positions: torch.Tensor
+    lo: int
+    started: float  # perf_counter of its first pass
+    passes: Iterator[None] = iter(())  # runs one forward pass per item
+    logits: torch.Tensor | None = None  # each row's last logits, once the last pass has run
+
+    @property
+    def end(self) -> int:
+        return self.lo + self.ids.shape[1]
+
+
 class SlotDecoder:
     """Up to `slots` rows in flight on one model; each row attends over at most `window` tokens (prompt plus
     new tokens). The model is a PeftModel holding `adapters`; while the decoder exists their LoRA is applied
@@ -124,6 +146,8 @@ class SlotDecoder:
         # launch_ahead=False: each step launched when called, to compare.
         self.launch_ahead = launch_ahead
         self._ahead: Launched | None = None
+        # The prefill whose passes run between decode steps (`begin_prefill`), or None; its rows hold the top slots.
+        self.prefilling: PromptBlock | None = None
         self.limit = slots  # rows admitted at most; the engine lowers it after an out-of-memory (worker/memory.py)
         self._order = itertools.count()
         self.static = static_steps or graphs
@@ -173,7 +197,7 @@ class SlotDecoder:
 
     @property
     def free(self) -> int:
-        return max(0, self.limit - len(self.rows))
+        return max(0, self.limit - len(self.rows) - (len(self.prefilling.rows) if self.prefilling else 0))
 
     def close(self) -> None:
         """Give the model back its own projections and PEFT adapters (the decoder's cache is freed with it)."""
@@ -198,10 +222,47 @@ class SlotDecoder:
         return prompt_tokens + max_new_tokens <= self.window
 
     def prefill(self, requests: list[GenerationRequest], admitted_at: float | None = None) -> list[GenerationResult]:
-        """Prefill `requests` (at most `free`, each known to fit) into free slots; returns the rows that are
-        already finished (a one-token answer or broken logits). Raises on a model failure, slots unchanged."""
+        """Prefill `requests` (at most `free`, each known to fit) into free slots, every pass now; returns the rows
+        that are already finished (a one-token answer or broken logits). Raises on a model failure, slots
+        unchanged. A prefill under way (`begin_prefill`) waits meanwhile."""
         if not requests:
             return []
+        first = len(self.rows)
+        block = self._block(requests, admitted_at, slice(first, first + len(requests)))
+        while block.logits is None:
+            next(block.passes)
+        return self._join(block)
+
+    def begin_prefill(self, requests: list[GenerationRequest], admitted_at: float | None = None) -> None:
+        """Start prefilling `requests` (as `prefill` takes them) in passes that run between decode steps, one per
+        `prefill_pass`: rows decoding wait one pass, not the whole prefill, and a `prefill` (a latency role's job)
+        may go in between. Its rows hold the top slots meanwhile and take no part in the steps."""
+        if self.prefilling is not None:
+            raise ValueError("a prefill is already under way")
+        if requests:
+            self.prefilling = self._block(requests, admitted_at, slice(self.kv.slots - len(requests), self.kv.slots))
+
+    def prefill_pass(self) -> list[GenerationResult]:
+        """Run the next pass of the prefill under way; after its last, its rows join the rows in flight and those
+        already finished are returned. Raises on a model failure: the prefill is then still under way, and
+        `cancel_prefill` gives its requests back."""
+        block = self.prefilling
+        if block is None:
+            return []
+        next(block.passes)
+        if block.logits is None:
+            return []
+        self.prefilling = None
+        return self._join(block)
+
+    def cancel_prefill(self) -> list[GenerationRequest]:
+        """Give up the prefill under way (what its passes wrote is lost); returns its requests."""
+        block, self.prefilling = self.prefilling, None
+        return [row.request for row in block.rows] if block else []
+
+    def _block(self, requests: list[GenerationRequest], admitted_at: float | None, slots: slice) -> PromptBlock:
+        """The requests' prompt block, to be written at `slots`; raises before anything changes when one cannot
+        fit."""
         if len(requests) > self.free:
             raise ValueError(f"{len(requests)} requests for {self.free} free slots")
         admitted_at = time.perf_counter() if admitted_at is None else admitted_at
@@ -215,32 +276,59 @@ class SlotDecoder:
         matchers = [self.grammars.matcher(r.grammar) if r.grammar else None for r in requests]
         ids, present = self._padded(ids, present)
         self._make_room(ids.shape[1])
-        first, t = len(self.rows), self.kv.t
-        new = [Row(request=r, adapter=self.adapters.index(r.adapter),
-                   sampling=RowSampling.create(r.temperature, r.top_p, r.seed, self.device),
-                   prompt_tokens=int(length), admitted_at=admitted_at, order=next(self._order),
-                   start=t - int(length), matcher=matcher)
-               for r, length, matcher in zip(requests, lengths, matchers)]
+        t = self.kv.t
+        rows = [Row(request=r, adapter=self.adapters.index(r.adapter),
+                    sampling=RowSampling.create(r.temperature, r.top_p, r.seed, self.device),
+                    prompt_tokens=int(length), admitted_at=admitted_at, order=next(self._order),
+                    start=t - int(length), matcher=matcher)
+                for r, length, matcher in zip(requests, lengths, matchers)]
+        return self._prompt_block(rows, [row.adapter for row in rows], slots, ids, present)
 
-        started = time.perf_counter()
-        logits = self._prefill_block(ids, present, first, [row.adapter for row in new])
-        self.rows.extend(new)
-        prefill_ms = (time.perf_counter() - started) * 1000
-        for row in new:
+    def _prompt_block(self, rows: list[Row], adapters: list[int], slots: slice, ids: torch.Tensor,
+                      present: torch.Tensor) -> PromptBlock:
+        """A block of left-padded prompts (`present`: 0 on padding) that ends at column `t - 1`."""
+        width = ids.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        allowed = causal[None] & present.bool()[:, None, :]
+        allowed |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding attends to itself, not NaN
+        positions = (present.cumsum(1) - 1).clamp(min=0)
+        block = PromptBlock(rows, adapters, slots, ids, allowed, positions, lo=self.kv.t - width,
+                            started=time.perf_counter())
+        block.passes = self._passes(block)
+        return block
+
+    def _join(self, block: PromptBlock) -> list[GenerationResult]:
+        """Place a block whose passes have all run to end at column `t - 1` in the slots after the rows in flight,
+        and choose its rows' first tokens."""
+        first, by = len(self.rows), self.kv.t - block.end
+        self.kv.place(block.slots, slice(first, first + len(block.rows)), block.lo, block.end, by)
+        prefill_ms = (time.perf_counter() - block.started) * 1000
+        for row in block.rows:
+            row.start += by
             row.prefill_ms = prefill_ms
-        return self._advance(new, self._choose(new, logits).read())
+        self.rows.extend(block.rows)
+        return self._advance(block.rows, self._choose(block.rows, block.logits).read())
 
     def _make_room(self, width: int) -> None:
         """Make `t` at least `width` (a prompt block of that width ends at `t - 1`), shifting rows right."""
-        if not self.rows:
+        if not self.rows and self.prefilling is None:
             self.kv.t = width
             return
-        by = width - self.kv.t
-        if by > 0:
-            self.kv.shift(len(self.rows), min(r.start for r in self.rows), self.kv.t, by)
-            for row in self.rows:
-                row.start += by
-            self.kv.t = width
+        self._shift(max(0, width - self.kv.t))
+        self.kv.t = max(self.kv.t, width)
+
+    def _shift(self, by: int) -> None:
+        """Move every row in flight and the prefill under way `by` columns along the timeline (either way)."""
+        if by == 0:
+            return
+        if self.rows:  # leftwards, a row's columns before -by are those of a row that ends: they are dropped
+            self.kv.shift(slice(0, len(self.rows)), max(min(r.start for r in self.rows), -by), self.kv.t, by)
+        if self.prefilling is not None:
+            block = self.prefilling
+            self.kv.shift(block.slots, block.lo, block.end, by)
+            block.lo += by
+        for row in self.rows + (self.prefilling.rows if self.prefilling else []):
+            row.start += by
 
     def _padded(self, ids: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A prompt block left-padded to the width the static prefill passes take, where it has one."""
@@ -250,38 +338,45 @@ class SlotDecoder:
         pad = (width - ids.shape[1], 0)
         return torch.nn.functional.pad(ids, pad), torch.nn.functional.pad(present, pad)
 
-    def _prefill_block(self, ids: torch.Tensor, present: torch.Tensor, first: int,
-                       adapters: list[int]) -> torch.Tensor:
-        """Run a prompt block (rows × width, left-padded where `present` is 0) into slots first, first + 1, ...,
-        ending at column `t - 1`; returns each row's last logits."""
-        rows, width = ids.shape
-        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-        allowed = causal[None] & present.bool()[:, None, :]
-        allowed |= torch.eye(width, dtype=torch.bool, device=self.device)  # padding attends to itself, not NaN
-        positions = (present.cumsum(1) - 1).clamp(min=0)
-        lo = self.kv.t - width
+    def _passes(self, block: PromptBlock) -> Iterator[None]:
+        """The block's forward passes, one per item; the last sets its logits."""
+        width = block.ids.shape[1]
         if self._static_prefill and self._static_prefill.width(width) == width:
-            return self._static_prefill.run(ids, allowed, positions, first, lo, adapters)
-        self.kv.view.rows, self.kv.view.read_lo = slice(first, first + rows), lo
+            yield from self._static_prefill.passes(block, lambda: self._spare(block))
+            return
         # In chunks of columns, each attending to the cache the chunks before it wrote: a forward pass's
         # activations are bounded by the chunk, not by the prompt block (worker/memory.py measures the largest).
+        rows = block.ids.shape[0]
         columns = max(1, self.prefill_chunk_tokens // rows) if self.prefill_chunk_tokens else width
         for a in range(0, width, columns):
             b = min(a + columns, width)
-            self.kv.view.write_lo, self.kv.view.write_hi = lo + a, lo + b
-            logits = self._forward(ids[:, a:b], allowed[:, a:b, :b], positions[:, a:b], adapters)
-        return logits
+            view = self.kv.view  # set at each pass: decode steps between passes set it too
+            view.rows, view.read_lo, view.write_lo, view.write_hi = block.slots, block.lo, block.lo + a, block.lo + b
+            logits = self._forward(block.ids[:, a:b], block.allowed[:, a:b, :b], block.positions[:, a:b],
+                                   block.adapters)
+            if b == width:
+                block.logits = logits
+            yield
+
+    def _spare(self, block: PromptBlock) -> list[int]:
+        """Free slots a static prefill pass of `block` may pad its rows into: neither rows in flight nor a block."""
+        taken = set(range(self.kv.slots)[block.slots])
+        if self.prefilling is not None:
+            taken |= set(range(self.kv.slots)[self.prefilling.slots])
+        return [slot for slot in range(len(self.rows), self.kv.slots) if slot not in taken]
 
     def throwaway_prefill(self, rows: int, width: int) -> None:
         """Prefill `rows` × `width` placeholder tokens (both adapters) into an empty decoder and forget them: the
         largest prefill the engine runs, so the worker can measure its memory at start (worker/memory.py: fit_slots)."""
-        if self.rows:
+        if self.rows or self.prefilling is not None:
             raise ValueError("a throwaway prefill needs a decoder with no rows in flight")
         rows, width = min(rows, self.kv.slots), min(width, self.window)
         ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         ids, present = self._padded(ids, torch.ones_like(ids))
         self._make_room(ids.shape[1])
-        self._prefill_block(ids, present, 0, [i % len(self.adapters) for i in range(rows)])
+        block = self._prompt_block([], [i % len(self.adapters) for i in range(rows)], slice(0, rows), ids, present)
+        for _ in block.passes:
+            pass
 
     # -- decoding ----------------------------------------------------------------------------------------------
 
@@ -297,6 +392,9 @@ class SlotDecoder:
         if not self.rows:
             self._ahead = None
             return []
+        # A block under way must be on the timeline before the block is compacted at the window's end: its first
+        # column may be the one that compaction would free.
+        joined = self._finish_prefill() if self.prefilling and self.kv.t + 1 >= self.window else []
         launched, self._ahead = self._ahead or self._launch(), None
         if meanwhile is not None:
             meanwhile()
@@ -313,7 +411,14 @@ class SlotDecoder:
             except Exception as exc:  # nothing is lost: the next call launches it again, and raises there
                 log.warning("the step launched ahead failed (%s: %s); it runs again with the next call",
                             exc.__class__.__name__, exc)
-        return self._advance(rows, chosen.read())
+        return joined + self._advance(rows, chosen.read())
+
+    def _finish_prefill(self) -> list[GenerationResult]:
+        """Run every pass left of the prefill under way; its rows join."""
+        results: list[GenerationResult] = []
+        while self.prefilling is not None:
+            results += self.prefill_pass()
+        return results
 
     def _launch(self, chosen: Chosen | None = None, chosen_rows: list[Row] = ()) -> Launched:
         """Launch one step over the rows in flight. A row's input is its last token; for `chosen_rows`, the token
@@ -324,7 +429,7 @@ class SlotDecoder:
         kept = [row for row in slots if row is not None]
         if self.kv.t == self.window:
             self._compact(kept)
-        elif self.static and self.kv.t in self._static.widths and kept and min(row.start for row in kept) > 0:
+        elif self.static and self.kv.t in self._static.widths and kept and self._oldest(kept) > 0:
             self._compact(kept)  # back under the columns this step would read next: fewer read, every step
         t = self.kv.t
         # a slot's input: its row's last token, or the index of its token among the chosen ones (-1: none)
@@ -417,13 +522,16 @@ class SlotDecoder:
 
     def _compact(self, kept: list[Row]) -> None:
         """Shift every row left by the oldest kept row's start, freeing columns at the end of the window (a row
-        not kept ends with the token it has pending: its columns no longer matter)."""
-        by = min(row.start for row in kept)
+        not kept ends with the token it has pending: its columns no longer matter). A block under way shifts
+        with them."""
+        by = self._oldest(kept)
         assert by > 0, "a row longer than the window was admitted"
-        self.kv.shift(len(self.rows), by, self.kv.t, -by)
-        for row in self.rows:
-            row.start -= by
+        self._shift(-by)
         self.kv.t -= by
+
+    def _oldest(self, kept: list[Row]) -> int:
+        """The first column that rows `kept` and a block under way still need."""
+        return min([row.start for row in kept] + ([self.prefilling.lo] if self.prefilling else []))
 
     # -- giving rows back -------------------------------------------------------------------------------------
 

@@ -128,6 +128,7 @@ class Engine:
         self.worker = worker_name()
         self.draining = threading.Event()
         self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
+        self.prefilling: list[Claimed] = []  # the jobs of the decoder's prefill under way (passes between steps)
         self.pacer = PrefillPacer(settings.engine_prefill_share)
         self.interactive_at = -INTERACTIVE_QUIET_S  # time.monotonic() of the last interactive job claimed
         self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes)
@@ -165,7 +166,7 @@ class Engine:
                 due = False
             self._prefill_some()
             if not self.decoder.rows:
-                if not self.to_prefill and (now >= deadline or not self._queued()):
+                if not self.to_prefill and not self.prefilling and (now >= deadline or not self._queued()):
                     return claimed
                 next_look = 0.0  # nothing in flight: look again at once
                 continue
@@ -218,14 +219,14 @@ class Engine:
         if not self._interactive():
             return None
         held = sum(row.request.background for row in self.decoder.rows)
-        held += sum(c.request.background for c in self.to_prefill)
+        held += sum(c.request.background for c in self.to_prefill + self.prefilling)
         return max(0, self.settings.max_batch // 2 - held)
 
     def _in_flight(self) -> Counter[str]:
-        """Slots each adapter's interactive jobs hold or are about to hold (claimed, waiting for their prefill):
-        what its reservation is counted against."""
+        """Slots each adapter's interactive jobs hold or are about to hold (claimed, waiting for or in their
+        prefill): what its reservation is counted against."""
         return Counter([self.decoder.adapters[row.adapter] for row in self.decoder.rows if not row.request.background]
-                       + [c.request.adapter for c in self.to_prefill if not c.request.background])
+                       + [c.request.adapter for c in self.to_prefill + self.prefilling if not c.request.background])
 
     def _start(self, group: ClaimGroup, jobs: list[Job]) -> None:
         self.writer.add(group, jobs)
@@ -264,8 +265,9 @@ class Engine:
     def _prefill_some(self) -> None:
         """Prefill claimed jobs up to KEVLAYA_ENGINE_PREFILL_TOKENS padded tokens (at least one job), so rows
         already decoding wait one bounded prefill per step, not a whole burst's, and its memory is the one
-        measured at start. While a latency role's row decodes, other roles' jobs are paced (PrefillPacer,
-        KEVLAYA_ENGINE_PREFILL_SHARE)."""
+        measured at start. While rows decode, a prefill of other roles' jobs runs one pass per step
+        (KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS), and a latency role's job claimed meanwhile goes first. While a
+        latency role's row decodes, other roles' prefills are paced (PrefillPacer, KEVLAYA_ENGINE_PREFILL_SHARE)."""
         now = time.monotonic()
         waited = [(now - c.claimed_at) * 1000 for c in self.to_prefill]
         order = prefill_order([c.request.max_new_tokens for c in self.to_prefill], waited, self.settings.max_wait_ms,
@@ -278,22 +280,49 @@ class Engine:
                                        self.settings.engine_batch_prefill_tokens if self._interactive() else None)
         roles = set(self._reserved())
         latency = [c.request.adapter in roles and not c.request.background for c in self.to_prefill]
-        if not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles and not r.request.background
-                                          for r in self.decoder.rows)):
+        paced = not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles and not r.request.background
+                                               for r in self.decoder.rows))
+        if paced:
             count = min(count, unpaced_prefix(latency, waited, self.settings.max_wait_ms))
         count = latency_jobs_apart(count, latency)
-        chosen = [c.request for c in self.to_prefill[:count]]
+        between_steps = (count > 0 and not latency[0] and bool(self.decoder.rows)
+                         and self.settings.engine_prefill_between_steps)
+        if between_steps and self.prefilling:
+            count = 0  # one prefill under way at a time
+        chosen = self.to_prefill[:count]
         del self.to_prefill[:count]
-        if not chosen:
-            return
+        if between_steps and chosen:
+            self.decoder.begin_prefill([c.request for c in chosen], time.perf_counter())
+            self.prefilling = chosen
+        elif chosen:
+            self._prefill_whole([c.request for c in chosen], latency=all(latency[:count]))
+        if self.prefilling and (not paced or self._held_past_bound(self.prefilling, now)):
+            self._prefill_pass()
+
+    def _held_past_bound(self, claimed: list[Claimed], now: float) -> bool:
+        return any((now - c.claimed_at) * 1000 > self.settings.max_wait_ms for c in claimed)
+
+    def _prefill_whole(self, chosen: list[GenerationRequest], latency: bool) -> None:
         handed_at, started = time.perf_counter(), time.monotonic()
         with METRICS.engine_phase.labels("prefill").time():
             try:
                 finished = self.decoder.prefill(chosen, handed_at)
             except Exception as exc:
                 finished = self._prefill_one_by_one(chosen, handed_at, exc)
-        if not all(latency[:count]):
+        if not latency:
             self.pacer.ran(started, time.monotonic())
+        self._finished(finished)
+
+    def _prefill_pass(self) -> None:
+        """The next pass of the prefill under way; when it fails, its jobs are dealt with as a whole prefill's."""
+        started = time.monotonic()
+        with METRICS.engine_phase.labels("prefill").time():
+            try:
+                finished = self.decoder.prefill_pass()
+            except Exception as exc:
+                requests = self.decoder.cancel_prefill()
+                finished = self._prefill_one_by_one(requests, time.perf_counter(), exc)
+        self.pacer.ran(started, time.monotonic())
         self._finished(finished)
 
     def _prefill_one_by_one(self, requests: list[GenerationRequest], handed_at: float,
@@ -326,11 +355,13 @@ class Engine:
             finished = self.decoder.step(meanwhile)
         except Exception as exc:
             if is_out_of_memory(exc):
-                if len(self.decoder.rows) == 1:  # alone, it can never run here
+                # a prefill under way would join a step that no longer fits: its jobs go back first
+                aside, self.prefilling = self.decoder.cancel_prefill(), []
+                if len(self.decoder.rows) == 1 and not aside:  # alone, it can never run here
                     self._out_of_memory_alone(self.decoder.clear()[0])
                     return
                 count, self.decoder.limit = after_step_out_of_memory(len(self.decoder.rows))
-                given_back = self.decoder.drop_newest(count)
+                given_back = aside + self.decoder.drop_newest(count)
                 log.warning("out of memory in a step; %d newest job(s) go back to the queue, at most %d row(s) "
                             "from now", len(given_back), self.decoder.limit)
                 self.writer.release([r.job_id for r in given_back])
@@ -357,6 +388,8 @@ class Engine:
         self.writer.store([(request.job_id, failed("out_of_memory", message))])
 
     def _finished(self, results: list[GenerationResult]) -> None:
+        if self.decoder.prefilling is None:  # its last pass ran (or a step ran it, near the window's end)
+            self.prefilling = []
         self.stream.tick()
         self.writer.store([(result.job_id, result) for result in results])  # one transaction for the step's rows
         METRICS.rows_in_flight.set(len(self.decoder.rows))
