@@ -156,8 +156,12 @@ def test_a_joined_nf4_prefill_dequantizes_a_slice_of_one_members_weight_at_a_tim
     monkeypatch.setattr(bitsandbytes, "matmul_4bit", handed)
     monkeypatch.setattr(bnbf, "dequantize_4bit", dequantized)
     matmul = _nf4_matmul(layers, kept)
+    decode_scales, scales_decoded = bnbf.dequantize_blockwise, []
+    monkeypatch.setattr(bnbf, "dequantize_blockwise", lambda *args, **kwargs: scales_decoded.append(True) or
+                        decode_scales(*args, **kwargs))
     with torch.no_grad():
         assert torch.allclose(matmul(x), expected, atol=1e-4)
+        assert bool(scales_decoded) != kept  # kept scales are not decoded again at each call, member by member
         assert matmul(torch.randn(1, features)).shape == (1, sum(sizes))
     assert sliced == [64] * 4 + [64] * 2  # the two larger members, a slice at a time
     assert [out for rows, out in whole if rows == 16] == [64]  # the smallest is one slice: bitsandbytes' own path

@@ -21,6 +21,7 @@ bitsandbytes decodes itself. The worker takes the first unless its memory would 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator
 from weakref import WeakKeyDictionary
 
@@ -102,6 +103,13 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
                                quant_type=first.quant_type, dtype=first.dtype)
 
     kept = joined_state() if decoded_scales else None
+    # each member's state for a prefill's products: with its slice of the kept scales, else its own (decoded there)
+    members = states
+    if kept is not None:
+        ends = list(itertools.accumulate(s.shape.numel() // s.blocksize for s in states))
+        members = [bnbf.QuantState(absmax=kept.absmax[end - s.shape.numel() // s.blocksize:end], shape=s.shape,
+                                   code=s.code, blocksize=s.blocksize, quant_type=s.quant_type, dtype=s.dtype)
+                   for s, end in zip(states, ends)]
 
     def state():  # noqa: ANN202 (bitsandbytes' QuantState): the scales kept, else this call's
         return kept if kept is not None else joined_state()
@@ -127,8 +135,8 @@ def _nf4_matmul(bases: list[torch.nn.Module], decoded_scales: bool) -> Matmul | 
         # More rows (a prefill): the weight is dequantized into fp16 first, so member by member and in slices
         # (sliced_matmul): the largest memory a prefill takes is then a slice, not the group's whole weight.
         biases = bias.split(sizes) if bias is not None else [None] * len(bases)
-        return torch.cat([sliced_matmul(x, b.weight, b.weight.quant_state, member_bias)
-                          for b, member_bias in zip(bases, biases)], dim=-1).to(dtype)
+        return torch.cat([sliced_matmul(x, b.weight, member, member_bias)
+                          for b, member, member_bias in zip(bases, members, biases)], dim=-1).to(dtype)
 
     return matmul
 
