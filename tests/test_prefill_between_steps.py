@@ -5,6 +5,7 @@ shift or compact under it, and every answer is still `generate`'s."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from modellab.reference import ReferenceRuntime
 from tests.test_decoder import (  # noqa: F401 (fixtures)
@@ -57,11 +58,12 @@ def test_a_prefill_between_steps_answers_as_generate_while_rows_decode_and_a_lay
     assert_same_answers(expected, [done[r.job_id] for r in everything])
 
 
-@pytest.mark.parametrize("static_steps, column_buckets", [(False, 1), (True, 1), (True, 3)],
-                         ids=["eager-steps", "static-steps", "static-column-buckets"])
+@pytest.mark.parametrize("static_steps, column_buckets, kv_dtype", [
+    (False, 1, None), (True, 1, None), (True, 3, None), (True, 1, torch.float8_e4m3fn)],
+    ids=["eager-steps", "static-steps", "static-column-buckets", "static-steps-fp8-cache"])
 def test_the_block_compacts_and_shifts_with_a_prefill_under_way(runtime: ReferenceRuntime, decoder,  # noqa: F811
                                                                monkeypatch: pytest.MonkeyPatch, static_steps: bool,
-                                                               column_buckets: int) -> None:
+                                                               column_buckets: int, kv_dtype: torch.dtype) -> None:
     """A window barely above the longest job: the timeline reaches its end while a prefill is under way (which
     then joins before the block compacts), and a whole prefill of a longer prompt shifts the rows and the block
     under way to the right; answers stay those of whole prefills (every row writes its max_new_tokens, past the
@@ -72,7 +74,7 @@ def test_the_block_compacts_and_shifts_with_a_prefill_under_way(runtime: Referen
     wide = request("kev", PROMPTS[3], 8)
     everything = [short, *aside, wide]
     options = dict(slots=4, window=128, static_steps=static_steps, prefill_chunk_tokens=8,
-                   column_buckets=column_buckets, ignore_eos=True)
+                   column_buckets=column_buckets, ignore_eos=True, kv_dtype=kv_dtype)
     whole = decoder(**options)
     expected = whole.run(everything)
     whole.close()

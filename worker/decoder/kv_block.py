@@ -146,9 +146,11 @@ class KVBlock:
         prompt block prefilled aside joins the rows in flight (docs/architecture.md §14)."""
         if sources == targets and by == 0:
             return
+        apart = targets.stop <= sources.start or sources.stop <= targets.start  # no copy of the columns needed
         for layer in self.layers:
             for block in (layer.keys, layer.values):
-                block[targets, :, lo + by:hi + by] = block[sources, :, lo:hi].clone()
+                columns = block[sources, :, lo:hi]
+                block[targets, :, lo + by:hi + by] = columns if apart else columns.clone()
 
     def move_row(self, source: int, target: int, lo: int, hi: int) -> None:
         """Copy a row's cached columns [lo, hi) into another slot (to keep rows contiguous)."""
