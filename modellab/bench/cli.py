@@ -46,6 +46,10 @@ def bench(
     prefill_tokens: Annotated[Optional[int], typer.Option(
         help="KEVLAYA_ENGINE_PREFILL_TOKENS: padded prompt tokens prefilled between two "
              "steps, and the prefill measured at start (default: the service's default)", min=1)] = None,
+    prefill_between_steps: Annotated[bool, typer.Option(
+        "--prefill-between-steps/--whole-prefills",
+        help="KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS: while rows decode, Kev prompts are prefilled one pass between "
+             "two steps (--whole-prefills: at once, the A/B side)")] = True,
     lora_targets: Annotated[str, typer.Option(
         help="comma-separated layers the random adapters cover (default: every linear layer, as the demo model)")]
         = ",".join(ALL_LINEAR),
@@ -102,7 +106,8 @@ def bench(
                          new_tokens={"kev": kev_tokens, "laya": laya_tokens}, recipe_per_adapter=recipe_jobs,
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url,
                          cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, window_tokens=window_tokens,
-                         prefill_tokens=prefill_tokens, lora_targets=targets, peer=peer, census=census,
+                         prefill_tokens=prefill_tokens, prefill_between_steps=prefill_between_steps,
+                         lora_targets=targets, peer=peer, census=census,
                          pairs=chosen_pairs, pair_rounds=pair_rounds, stream_jobs=stream_jobs)
     command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
                          else ["python", "-m", "modellab.bench", *sys.argv[1:]])

@@ -352,7 +352,7 @@ def test_prefills_between_captured_steps_agree_with_whole_prefills(demo: Referen
     pass has run: greedy answers agree with whole prefills on at least 99 % of their tokens."""
     from worker.decoder.slot_decoder import SlotDecoder
 
-    requests = scenario_requests(Settings(_env_file=None), ["kev", "kev", "laya"] * 8)
+    requests = scenario_requests(Settings(_env_file=None), ["kev", "kev", "laya"] * 5)
 
     def between_steps(decoder: SlotDecoder) -> list:
         waiting, done = list(requests), {}
