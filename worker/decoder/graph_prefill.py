@@ -3,8 +3,9 @@
 A prompt block (rows × columns, left-padded) goes through in passes of `columns` columns each (PREFILL_COLUMNS,
 at most the chunk budget), for a bucket of rows (1, 2, 4, ...). A pass writes its rows' keys and values at the
 slots and columns that buffers name, and reads the whole window, so neither the rows' slots nor the block's place
-on the timeline is part of its shape, and decode steps may run between two passes. On CUDA each bucket is captured once and replayed: an eager prefill pass
-launches thousands of kernels, one at a time from Python. Elsewhere the same passes run eagerly (the CPU tests).
+on the timeline is part of its shape, and decode steps may run between two passes. On CUDA each bucket is
+captured once and replayed: an eager prefill pass launches thousands of kernels, one at a time from Python.
+Elsewhere the same passes run eagerly (the CPU tests).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Rows live in slots 0..n-1 (kept contiguous, so a step runs on a prefix of the bl
 columns: every row's last cached token is at column `t - 1`, so one decode step writes every row's new token at
 column `t`. A row admitted later is prefilled right-aligned to end at `t - 1`; the columns before its `start` are
 masked out. A prompt block whose passes run between decode steps is written aside, in the top slots, and
-placed on the timeline when its last pass has run. When `t` reaches the window's end the block is shifted left by
-the oldest row's start (docs/architecture.md §14). Nothing is allocated after construction, so memory use is known before the first job.
+placed on the timeline when its last pass has run. When `t` reaches the window's end the block is shifted left
+by the oldest row's start (docs/architecture.md §14). Nothing is allocated after construction, so memory use is
+known before the first job.
 
 The block may store keys and values in fp8 (`KEVLAYA_ENGINE_KV_DTYPE=fp8`, one byte an element) while the model
 computes in its own dtype: a write casts down, a read casts the rows' read range back up, one layer at a time.
