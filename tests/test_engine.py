@@ -578,10 +578,8 @@ def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(
         assert {j.status for j in session.scalars(select(Job)).all()} == {"succeeded"}
 
 
-def test_a_laya_job_claimed_during_a_kev_prefill_goes_before_its_next_pass(service_env, tiny_model, monkeypatch):
-    """KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS: Kev prompts that come while rows decode are prefilled one pass (here 16
-    padded tokens) between two steps; a Laya job claimed meanwhile is prefilled whole before the next pass, so it
-    waits for one pass, not for the whole Kev prefill."""
+def _engine_with_a_kev_job(tiny_model, new_tokens: int):  # noqa: ANN001, ANN202
+    """An engine whose prefill passes take 16 padded tokens, and one Kev job queued for it."""
     from shared.settings import Settings
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
@@ -591,8 +589,15 @@ def test_a_laya_job_claimed_during_a_kev_prefill_goes_before_its_next_pass(servi
                         ignore_eos=True, engine_prefill_chunk_tokens=16)
     with session_scope() as session:
         session.add(Job(adapter="kev", requested_adapter="kev", input="Weigh option A.",
-                        params={**TEXT, "max_new_tokens": 80}))
-    engine = Engine(load_model(settings), settings)
+                        params={**TEXT, "max_new_tokens": new_tokens}))
+    return Engine(load_model(settings), settings)
+
+
+def test_a_laya_job_claimed_during_a_kev_prefill_goes_before_its_next_pass(service_env, tiny_model, monkeypatch):
+    """KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS: Kev prompts that come while rows decode are prefilled one pass (here 16
+    padded tokens) between two steps; a Laya job claimed meanwhile is prefilled whole before the next pass, so it
+    waits for one pass, not for the whole Kev prefill."""
+    engine = _engine_with_a_kev_job(tiny_model, new_tokens=80)
     decoder, events = engine.decoder, []
     step, prefill, prefill_pass = decoder.step, decoder.prefill, decoder.prefill_pass
 
@@ -642,17 +647,7 @@ def test_out_of_memory_beside_a_prefill_between_steps_puts_its_jobs_back_and_eac
     with the newest rows (it would join a step that no longer fits). Every job ends succeeded, once."""
     import torch
 
-    from shared.settings import Settings
-    from worker.engine.loop import Engine
-    from worker.model.loading import load_model
-
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
-                        ignore_eos=True, engine_prefill_chunk_tokens=16)
-    with session_scope() as session:
-        session.add(Job(adapter="kev", requested_adapter="kev", input="Weigh option A.",
-                        params={**TEXT, "max_new_tokens": 40}))
-    engine = Engine(load_model(settings), settings)
+    engine = _engine_with_a_kev_job(tiny_model, new_tokens=40)
     step, fired, came = engine.decoder.step, [], []
 
     def stepping(meanwhile=None):  # noqa: ANN001, ANN202
