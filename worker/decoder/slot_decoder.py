@@ -229,8 +229,7 @@ class SlotDecoder:
             return []
         first = len(self.rows)
         block = self._block(requests, admitted_at, slice(first, first + len(requests)))
-        while block.logits is None:
-            next(block.passes)
+        self._run(block)
         return self._join(block)
 
     def begin_prefill(self, requests: list[GenerationRequest], admitted_at: float | None = None) -> None:
@@ -358,6 +357,12 @@ class SlotDecoder:
                 block.logits = logits
             yield
 
+    @staticmethod
+    def _run(block: PromptBlock) -> None:
+        """Run every pass left of `block`: its logits are then set."""
+        while block.logits is None:
+            next(block.passes)
+
     def _spare(self, block: PromptBlock) -> list[int]:
         """Free slots a static prefill pass of `block` may pad its rows into: neither rows in flight nor a block."""
         taken = set(range(self.kv.slots)[block.slots])
@@ -374,9 +379,7 @@ class SlotDecoder:
         ids = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         ids, present = self._padded(ids, torch.ones_like(ids))
         self._make_room(ids.shape[1])
-        block = self._prompt_block([], [i % len(self.adapters) for i in range(rows)], slice(0, rows), ids, present)
-        for _ in block.passes:
-            pass
+        self._run(self._prompt_block([], [i % len(self.adapters) for i in range(rows)], slice(0, rows), ids, present))
 
     # -- decoding ----------------------------------------------------------------------------------------------
 
@@ -415,10 +418,9 @@ class SlotDecoder:
 
     def _finish_prefill(self) -> list[GenerationResult]:
         """Run every pass left of the prefill under way; its rows join."""
-        results: list[GenerationResult] = []
-        while self.prefilling is not None:
-            results += self.prefill_pass()
-        return results
+        self._run(self.prefilling)  # a pass that raises leaves it under way, for `cancel_prefill`
+        block, self.prefilling = self.prefilling, None
+        return self._join(block)
 
     def _launch(self, chosen: Chosen | None = None, chosen_rows: list[Row] = ()) -> Launched:
         """Launch one step over the rows in flight. A row's input is its last token; for `chosen_rows`, the token
