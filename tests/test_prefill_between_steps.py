@@ -113,3 +113,32 @@ def test_a_prefill_under_way_can_be_given_up_and_its_slots_come_back(runtime: Re
     assert made.free == 3 and made.prefilling is None
     _to_the_end(made, done)
     assert_same_answers(expected, [done[decoding.job_id]])
+
+
+def test_a_pass_pads_only_into_slots_still_free_after_a_whole_prefill_between_two_of_its_row_groups(
+        runtime: ReferenceRuntime, decoder, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Seven prompts in passes of at most four rows: a column range runs as a group of four, then three padded to
+    four. Laya jobs prefilled whole between the two groups take the last free slots, so the second group must
+    not pad into them (it goes as two and one): the Laya rows' cached columns stay theirs, and every answer is
+    still `generate`'s."""
+    monkeypatch.setattr("worker.decoder.graph_prefill.PREFILL_COLUMNS", 8)
+    decoding = request("kev", PROMPTS[0], 30)
+    aside = [request(("kev", "laya")[i % 2], PROMPTS[i % len(PROMPTS)], 6 + i) for i in range(7)]
+    layas = [request("laya", PROMPTS[3], 12), request("laya", PROMPTS[2], 9)]
+    everything = [decoding, *aside, *layas]
+    expected = _expected(runtime, everything)
+    made = decoder(slots=10, window=256, static_steps=True, prefill_chunk_tokens=32)  # passes of 1, 2 or 4 rows
+    done = {r.job_id: r for r in made.prefill([decoding])}
+    made.begin_prefill(aside)
+    done.update({r.job_id: r for r in made.prefill_pass()})  # the first column range's first group of four
+    done.update({r.job_id: r for r in made.prefill(layas)})
+    assert made.free == 0
+    keys = made.kv.layers[0].keys
+    laya_rows = slice(1, 3)
+    starts = [row.start for row in made.rows[laya_rows]]
+    cached = [keys[slot, :, start:made.kv.t].clone() for slot, start in zip(range(1, 3), starts)]
+    done.update({r.job_id: r for r in made.prefill_pass()})  # the same column range's other three rows
+    for slot, start, before in zip(range(1, 3), starts, cached):
+        assert torch.equal(keys[slot, :, start:start + before.shape[1]], before)
+    _to_the_end(made, done)
+    assert_same_answers(expected, [done[r.job_id] for r in everything])

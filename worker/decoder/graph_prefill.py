@@ -86,17 +86,13 @@ class CapturedPrefill:
         log.info("captured the prefill for %s rows of %d columns (memory reserved: %+.0f MiB)",
                  ", ".join(map(str, self.buckets)), self.columns, (torch.cuda.memory_reserved() - reserved) / 2**20)
 
-    def pieces(self, rows: int, spare: int) -> list[tuple[int, int]]:
-        """(rows, bucket) of each pass group for `rows` prompts: the smallest bucket that holds what is left, its
-        padding rows in the `spare` free slots; where too few are free, the largest bucket that needs none."""
-        pieces = []
-        while rows:
-            bucket = next((b for b in self.buckets if b >= rows), self.buckets[-1])
-            if bucket - min(bucket, rows) > spare:
-                bucket = max(b for b in self.buckets if b <= rows)
-            pieces.append((min(bucket, rows), bucket))
-            rows -= pieces[-1][0]
-        return pieces
+    def piece(self, rows: int, spare: int) -> tuple[int, int]:
+        """(rows, bucket) of the next pass for `rows` prompts left: the smallest bucket that holds them, its padding
+        rows in the `spare` free slots; where too few are free, the largest bucket that needs none."""
+        bucket = next((b for b in self.buckets if b >= rows), self.buckets[-1])
+        if bucket - min(bucket, rows) > spare:
+            bucket = max(b for b in self.buckets if b <= rows)
+        return min(bucket, rows), bucket
 
     def passes(self, block: PromptBlock, spare: Callable[[], list[int]]) -> Iterator[None]:
         """Prefill `block` (its width a multiple of the pass's columns), one pass per item, and set its logits
@@ -105,8 +101,11 @@ class CapturedPrefill:
         rows, width = block.ids.shape
         for a in range(0, width, self.columns):
             b = a + self.columns
-            free, logits, done = spare(), [], 0
-            for count, bucket in self.pieces(rows, len(free)):
+            logits, done = [], 0
+            while done < rows:
+                # looked up at each pass: a whole prefill between two may have taken free slots
+                free = spare()
+                count, bucket = self.piece(rows - done, len(free))
                 part = slice(done, done + count)
                 slots = list(range(block.slots.start, block.slots.stop))[part] + free[:bucket - count]
                 self.slots[:bucket].copy_(torch.tensor(slots))
