@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
+
+from worker.generation import GenerationRequest
 
 
 def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_server, tmp_path: Path) -> None:  # noqa: ANN001
@@ -103,6 +106,30 @@ def test_jobs_in_flight_are_counted_from_their_start_and_finish_times() -> None:
     assert most_in_flight([job(0, 3), job(1, 4), job(2, 5), job(3, 6), job(6, 7)]) == 3
     assert most_in_flight([job(0, 1), job(1, 2)]) == 1
     assert most_in_flight([job(0, None)]) == 0 and most_in_flight([]) == 0
+
+
+def test_the_decode_busy_fraction_keeps_each_runs_least_time_so_one_stall_does_not_skew_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The busy fraction is a difference of two runs (all tokens, one token). A stall of the one-token run made
+    decode look faster than its own kernels (a fraction over 1 in an H200 run): each run is now repeated and its
+    least time kept. Here the machine's runs are scripted (kernel s, wall s), with a stall in the first
+    one-token run and in the second whole run."""
+    from modellab.bench import profile
+
+    steps, one, whole = 16, (0.20, 0.25), (0.36, 0.43)
+    profiled = iter([(one[0], one[1] + 0.05), whole, one, (whole[0], whole[1] + 0.04), one, whole])
+    plain = iter([(one[1] + 0.05, 0.001), (whole[1], 0.002), (one[1], 0.001), (whole[1], 0.002),
+                  (one[1], 0.001), (whole[1] + 0.04, 0.002)])
+    monkeypatch.setattr(profile, "_kernels_and_wall", lambda run, requests: next(profiled))
+    monkeypatch.setattr(profile, "_unprofiled", lambda run, requests: next(plain))
+    request = GenerationRequest(job_id=uuid.uuid4(), adapter="kev", messages=[{"role": "user", "content": "hi"}],
+                                max_new_tokens=8, temperature=0.0, top_p=1.0, seed=None)
+    figures = profile.decode_busy_fraction(lambda requests: None, "cuda", [request], steps=steps)
+    decode_kernels, decode_wall = whole[0] - one[0], whole[1] - one[1]
+    assert figures["busy_fraction"] == pytest.approx(decode_kernels / decode_wall) and figures["busy_fraction"] < 1
+    assert figures["step_ms"] == pytest.approx(decode_wall / steps * 1000)
+    assert figures["step_ms_unprofiled"] == pytest.approx(decode_wall / steps * 1000)
+    assert figures["prefill_ms_unprofiled"] == pytest.approx(one[1] * 1000)
 
 
 def test_slot_fit_refuses_a_machine_without_cuda_before_building_anything(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """How busy the GPU is during decode, from the PyTorch profiler: CUDA kernel time over wall time.
 
 Prefill is taken out by profiling the same requests twice, once generating one token (prefill only) and
-once generating all of them: decode busy = (kernels_all - kernels_one) / (wall_all - wall_one)."""
+once generating all of them: decode busy = (kernels_all - kernels_one) / (wall_all - wall_one). Each run is
+repeated and its least time kept: a difference of two single runs turns a stall in the one-token run into a
+decode that looks faster than its own kernels (a busy fraction over 100 %)."""
 
 from __future__ import annotations
 
@@ -51,24 +53,38 @@ def _unprofiled(run: Run, requests: list[GenerationRequest]) -> tuple[float, flo
         torch.cuda.CUDAGraph.replay = replay
 
 
-def decode_busy_fraction(run: Run, device: str, requests: list[GenerationRequest],
-                         steps: int = 16) -> dict[str, float] | None:
+def decode_busy_fraction(run: Run, device: str, requests: list[GenerationRequest], steps: int = 16,
+                         repeats: int = 3) -> dict[str, float] | None:
     """GPU busy fraction of `steps` decode steps of `requests` run together by `run`; None off CUDA.
 
     Every decode step of a batch does the same work, so a few steps stand for all of them (the profiler's
-    bookkeeping would otherwise cost more than the run)."""
+    bookkeeping would otherwise cost more than the run). The one-token and the whole runs alternate, `repeats`
+    times each, so that a drift of the machine's speed reaches both."""
     if device != "cuda":
         return None
     requests = [dataclasses.replace(r, max_new_tokens=steps + 1) for r in requests]
     prefill_only = [dataclasses.replace(r, max_new_tokens=1) for r in requests]
     run(requests)  # warm-up, of both runs: a cold one-token run would make decode look faster than it is
     run(prefill_only)
-    kernels_one, wall_one = _kernels_and_wall(run, prefill_only)
-    kernels_all, wall_all = _kernels_and_wall(run, requests)
+    profiled = [(_kernels_and_wall(run, prefill_only), _kernels_and_wall(run, requests)) for _ in range(repeats)]
+    plain = [(_unprofiled(run, prefill_only), _unprofiled(run, requests)) for _ in range(repeats)]
+    return {"rows": len(requests), **decode_figures(profiled, plain, steps)}
+
+
+def decode_figures(profiled: list[tuple[tuple[float, float], tuple[float, float]]],
+                   plain: list[tuple[tuple[float, float], tuple[float, float]]], steps: int) -> dict[str, float]:
+    """The figures of `decode_busy_fraction` from repeated runs: `profiled`, ((kernel s, wall s) of the one-token
+    run, the same of the whole run) per repeat; `plain`, ((wall s, replay s) of each) without the profiler. Each
+    quantity is its least over the repeats: a run is only ever slowed down."""
+    def least(pairs: list, run: int, part: int) -> float:
+        return min(pair[run][part] for pair in pairs)
+
+    kernels_one, wall_one, kernels_all, wall_all = (least(profiled, 0, 0), least(profiled, 0, 1),
+                                                    least(profiled, 1, 0), least(profiled, 1, 1))
     decode_wall, decode_kernels = wall_all - wall_one, kernels_all - kernels_one
-    (plain_one, replay_one), (plain_all, replay_all) = _unprofiled(run, prefill_only), _unprofiled(run, requests)
+    plain_one, replay_one, plain_all, replay_all = (least(plain, 0, 0), least(plain, 0, 1), least(plain, 1, 0),
+                                                    least(plain, 1, 1))
     return {
-        "rows": len(requests),
         "busy_fraction": decode_kernels / decode_wall,
         "step_ms": decode_wall / steps * 1000,
         "kernel_ms_per_step": decode_kernels / steps * 1000,
