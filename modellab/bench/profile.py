@@ -76,14 +76,14 @@ def decode_figures(profiled: list[tuple[tuple[float, float], tuple[float, float]
     """The figures of `decode_busy_fraction` from repeated runs: `profiled`, ((kernel s, wall s) of the one-token
     run, the same of the whole run) per repeat; `plain`, ((wall s, replay s) of each) without the profiler. Each
     quantity is its least over the repeats: a run is only ever slowed down."""
-    def least(pairs: list, run: int, part: int) -> float:
-        return min(pair[run][part] for pair in pairs)
+    def least(runs: tuple[tuple[float, float], ...]) -> tuple[float, float]:
+        return min(first for first, _ in runs), min(second for _, second in runs)
 
-    kernels_one, wall_one, kernels_all, wall_all = (least(profiled, 0, 0), least(profiled, 0, 1),
-                                                    least(profiled, 1, 0), least(profiled, 1, 1))
+    one, whole = zip(*profiled)
+    (kernels_one, wall_one), (kernels_all, wall_all) = least(one), least(whole)
     decode_wall, decode_kernels = wall_all - wall_one, kernels_all - kernels_one
-    plain_one, replay_one, plain_all, replay_all = (least(plain, 0, 0), least(plain, 0, 1), least(plain, 1, 0),
-                                                    least(plain, 1, 1))
+    plain_one_runs, plain_whole_runs = zip(*plain)
+    (plain_one, replay_one), (plain_all, replay_all) = least(plain_one_runs), least(plain_whole_runs)
     return {
         "busy_fraction": decode_kernels / decode_wall,
         "step_ms": decode_wall / steps * 1000,
