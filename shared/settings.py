@@ -29,7 +29,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Models": ("base_model", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
     "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens",
-               "engine_prefill_chunk_tokens", "engine_prefill_between_steps",
+               "engine_prefill_chunk_tokens", "engine_prefill_between_steps", "engine_latency_steps",
                "engine_batch_prefill_tokens", "engine_cuda_graphs", "engine_kv_dtype",
                "engine_workspace_gb", "engine_prefill_share", "engine_switch_interval_ms"),
     "Reliability": ("lease_seconds", "max_attempts", "worker_recycle_after_tasks", "model_load_timeout_s",
@@ -188,6 +188,12 @@ class Settings(BaseSettings):
         "file-batch lines) runs one forward pass (one chunk, see KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS) between two "
         "decode steps instead of all at once, and a Laya job claimed meanwhile is prefilled before its next pass: "
         "rows decoding and Laya jobs wait for one pass, not the whole prefill. `false`: every prefill runs whole")
+    engine_latency_steps: bool = Field(
+        default=False, description="while rows of a role with reserved slots (Laya) decode beside others (Kev's, "
+        "file-batch lines), those rows also take a step of their own after each step of every row: a Laya token "
+        "comes at a small batch's cost, the others' tokens that much slower, and each of the others skips the "
+        "column of such a step (so only while its window has room for it). Eager steps only for now: with it, "
+        "set KEVLAYA_ENGINE_CUDA_GRAPHS=false on CUDA, or the worker refuses to start")
     engine_batch_prefill_tokens: int = Field(
         default=128, ge=1, description="while interactive jobs come (one claimed in the last 10 s), the padded prompt "
         "tokens one prefill of file-batch lines takes at most (one line always goes); such a prefill never holds "
