@@ -457,8 +457,7 @@ class SlotDecoder:
         t = self.kv.t
         alone = self._alone_turn(kept, pending)
         if alone:  # the latency rows, by slot; the others get a hole at column t
-            slots = [row if row is not None and self._is_latency(row) else None for row in slots]
-            taken = [i for i, row in enumerate(slots) if row is not None]
+            taken = [i for i, row in enumerate(slots) if row is not None and self._is_latency(row)]
             slots = [slots[i] for i in taken]
         # a slot's input: its row's last token, or the index of its token among the chosen ones (-1: none)
         tokens = [row.tokens[-1] if row is not None and id(row) not in pending else 0 for row in slots]
