@@ -192,8 +192,8 @@ class Settings(BaseSettings):
         default=False, description="while rows of a role with reserved slots (Laya) decode beside others (Kev's, "
         "file-batch lines), those rows also take a step of their own after each step of every row: a Laya token "
         "comes at a small batch's cost, the others' tokens that much slower, and each of the others skips the "
-        "column of such a step (so only while its window has room for it). Eager steps only for now: with it, "
-        "set KEVLAYA_ENGINE_CUDA_GRAPHS=false on CUDA, or the worker refuses to start")
+        "column of such a step (so only while its window has room for it). Such a step takes at most the role's "
+        "reserved slots' worth of rows; with more in flight they step with the others only")
     engine_batch_prefill_tokens: int = Field(
         default=128, ge=1, description="while interactive jobs come (one claimed in the last 10 s), the padded prompt "
         "tokens one prefill of file-batch lines takes at most (one line always goes); such a prefill never holds "

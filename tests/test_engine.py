@@ -761,27 +761,28 @@ def test_a_laya_job_is_looked_for_at_every_step_while_its_reserved_slot_stands_u
 
 
 def test_with_latency_steps_laya_rows_step_alone_beside_kev_rows_and_every_job_succeeds(service_env, tiny_model):
-    """KEVLAYA_ENGINE_LATENCY_STEPS: the engine's decoder gives the Laya rows (the role with reserved slots) steps
-    of their own beside Kev rows, and every job still gets its tokens, once."""
+    """KEVLAYA_ENGINE_LATENCY_STEPS: the engine's decoder gives the Laya rows (the role with reserved slots: 2 of
+    8 here) steps of their own beside Kev rows, and every job still gets its tokens, once."""
     from shared.settings import Settings
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
     settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=8,
                         ignore_eos=True, engine_latency_steps=True)
     new_tokens = {"kev": 30, "laya": 8}
     with session_scope() as session:
         session.add_all([Job(adapter=a, requested_adapter=a, input=f"Question {i}?",
                              params={**TEXT, "max_new_tokens": new_tokens[a]})
-                         for i, a in enumerate(["kev", "laya"] * 4)])
+                         for i, a in enumerate(["kev", "laya", "kev", "laya", "kev", "kev"])])
     engine = Engine(load_model(settings), settings)
     turns, alone = engine.decoder._alone_turn, []
     engine.decoder._alone_turn = lambda kept, pending: alone.append(turns(kept, pending)) or alone[-1]
     try:
-        assert engine.drain(60) == 8
+        assert engine.drain(60) == 6
     finally:
         engine.decoder.close()
+    assert engine.decoder.latency_rows == 2
     assert any(alone)
     with session_scope() as session:
         stored = session.scalars(select(Job)).all()

@@ -1,6 +1,7 @@
 """Steps of the latency rows alone (`SlotDecoder(latency_adapters=...)`, KEVLAYA_ENGINE_LATENCY_STEPS), on the
 shipped demo model: after each step of every row, the Laya rows step once more by themselves, the Kev rows
-getting a hole at that column; every answer is still `generate`'s."""
+getting a hole at that column; every answer is still `generate`'s, with eager steps and with static ones (the
+steps CUDA graphs capture, run eagerly here)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,19 @@ def _to_the_end(made: SlotDecoder, done: dict) -> None:
         done.update({r.job_id: r for r in made.step()})
 
 
+STEPS = pytest.mark.parametrize("static_steps", [False, True], ids=["eager-steps", "static-steps"])
+
+
+@STEPS
 def test_latency_rows_step_alone_between_shared_steps_and_every_answer_is_generates(
-        runtime: ReferenceRuntime, decoder) -> None:  # noqa: F811
+        runtime: ReferenceRuntime, decoder, static_steps: bool) -> None:  # noqa: F811
     kevs = [request("kev", PROMPTS[0], 40), request("kev", PROMPTS[1], 30)]
-    layas = [request("laya", PROMPTS[2], 12), request("laya", PROMPTS[3], 10)]
+    # three: a static step alone pads to four rows, its spare row writing in a Kev row's hole
+    layas = [request("laya", PROMPTS[2], 12), request("laya", PROMPTS[3], 10), request("laya", PROMPTS[1], 14)]
     late = request("kev", PROMPTS[4], 20)  # joins after holes were made: the holes before it are not its own
     everything = [*kevs, *layas, late]
     expected = _expected(runtime, everything)
-    made = decoder(slots=6, window=256, latency_adapters=["laya"])
+    made = decoder(slots=6, window=256, latency_adapters=["laya"], static_steps=static_steps)
     done = {r.job_id: r for r in made.prefill([*kevs, *layas])}
     for _ in range(4):
         done.update({r.job_id: r for r in made.step()})
@@ -47,8 +53,9 @@ def test_latency_rows_step_alone_between_shared_steps_and_every_answer_is_genera
     assert_same_answers(expected, [done[r.job_id] for r in everything])
 
 
+@STEPS
 def test_a_row_beside_takes_only_the_holes_its_window_has_room_for(runtime: ReferenceRuntime,  # noqa: F811
-                                                                     decoder) -> None:  # noqa: F811
+                                                                     decoder, static_steps: bool) -> None:  # noqa: F811
     """A Kev row whose prompt and new tokens leave one column of its window unused takes one hole, not more: the
     Laya row beside it then steps with it only. Every row writes its max_new_tokens (past the end of sequence),
     so the Kev row fills its window to the last column; the answers are those of a decoder without such steps."""
@@ -59,7 +66,7 @@ def test_a_row_beside_takes_only_the_holes_its_window_has_room_for(runtime: Refe
     laya = request("laya", PROMPTS[2], 8)
     expected = plain.run([kev, laya])
     plain.close()
-    made = decoder(slots=4, window=window, latency_adapters=["laya"], ignore_eos=True)
+    made = decoder(slots=4, window=window, latency_adapters=["laya"], ignore_eos=True, static_steps=static_steps)
     turns, alone = made._alone_turn, []
     made._alone_turn = lambda kept, pending: alone.append(turns(kept, pending)) or alone[-1]
     done = {r.job_id: r for r in made.prefill([kev, laya])}
@@ -69,7 +76,21 @@ def test_a_row_beside_takes_only_the_holes_its_window_has_room_for(runtime: Refe
     assert_same_answers(expected, [done[kev.job_id], done[laya.job_id]])
 
 
-@pytest.mark.parametrize("static_steps, graphs", [(True, False), (False, True)])
-def test_latency_steps_are_refused_with_static_steps(decoder, static_steps: bool, graphs: bool) -> None:  # noqa: F811
-    with pytest.raises(ValueError, match="eager steps"):
-        decoder(slots=2, window=64, latency_adapters=["laya"], static_steps=static_steps, graphs=graphs)
+@STEPS
+def test_latency_rows_beyond_latency_rows_step_with_the_others_only(runtime: ReferenceRuntime,  # noqa: F811
+                                                                     decoder, static_steps: bool) -> None:  # noqa: F811
+    """`latency_rows` bounds the rows a step alone takes (a captured step has graphs up to it): with more latency
+    rows than that in flight they take no step of their own until enough have finished, and every answer is still
+    `generate`'s."""
+    kev = request("kev", PROMPTS[0], 30)
+    layas = [request("laya", PROMPTS[2], 6), request("laya", PROMPTS[3], 16)]
+    expected = _expected(runtime, [kev, *layas])
+    made = decoder(slots=4, window=256, latency_adapters=["laya"], latency_rows=1, static_steps=static_steps)
+    turns, alone = made._alone_turn, []
+    made._alone_turn = lambda kept, pending: alone.append(
+        (turns(kept, pending), sum(made._is_latency(row) for row in kept))) or alone[-1][0]
+    done = {r.job_id: r for r in made.prefill([kev, *layas])}
+    _to_the_end(made, done)
+    assert all(rows <= 1 for took, rows in alone if took)
+    assert any(took for took, _ in alone)  # once the short Laya row finished, the other stepped alone
+    assert_same_answers(expected, [done[r.job_id] for r in (kev, *layas)])

@@ -389,6 +389,32 @@ def test_prefills_between_captured_steps_agree_with_whole_prefills(demo: Referen
     assert_agree(whole, aside, "prefills between captured steps against whole prefills on NF4")
 
 
+def test_captured_steps_of_the_latency_rows_alone_agree_with_shared_steps_only(demo: ReferenceRuntime) -> None:
+    """KEVLAYA_ENGINE_LATENCY_STEPS on captured steps: Laya rows step alone between shared steps (graphs of their
+    own, up to three rows padded to four into Kev rows' holes), the Kev rows masking those columns; greedy answers
+    agree with captured shared steps only on at least 99 % of their tokens, and such steps did run."""
+    from worker.decoder.slot_decoder import SlotDecoder
+
+    requests = scenario_requests(Settings(_env_file=None), ["kev", "kev", "laya"] * 5)
+
+    def answers(**options: object) -> tuple[list, int]:
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
+                              eos_ids=demo.eos_ids, graphs=True, **options)
+        turns, alone = decoder._alone_turn, []
+        decoder._alone_turn = lambda kept, pending: alone.append(turns(kept, pending)) or alone[-1]
+        try:
+            return decoder.run(requests), sum(alone)
+        finally:
+            decoder.close()
+            del decoder
+            _free()
+
+    (shared, _), (apart, steps_alone) = answers(), answers(latency_adapters=["laya"], latency_rows=3)
+    assert steps_alone > 0
+    assert all(g.error_code is None for g in apart)
+    assert_agree(shared, apart, "steps of the latency rows alone against shared steps only, captured on NF4")
+
+
 @pytest.mark.parametrize("decoded_scales", [True, False], ids=["scales-kept-decoded", "scales-decoded-per-call"])
 def test_joined_projections_on_nf4_with_captured_steps_agree_with_one_matmul_each(demo: ReferenceRuntime,
                                                                                   decoded_scales: bool) -> None:

@@ -118,13 +118,12 @@ class SlotDecoder:
                  kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool | None = None,
                  fused_rotary: bool | None = None, fused_lora: bool | None = None, static_prefill: bool = True,
                  launch_ahead: bool = True, column_buckets: int | None = None, nf4_kernel: bool | None = None,
-                 latency_adapters: Collection[str] = ()):
+                 latency_adapters: Collection[str] = (), latency_rows: int | None = None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
         # KEVLAYA_ENGINE_LATENCY_STEPS: the rows of these adapters (not file-batch lines) also step alone, after each
-        # step of every row, while other rows decode beside them
+        # step of every row, while other rows decode beside them and they are at most `latency_rows` (None: any)
         self._latency = {self.adapters.index(a) for a in latency_adapters}
-        if self._latency and (static_steps or graphs):
-            raise ValueError("steps of the latency rows alone need eager steps (KEVLAYA_ENGINE_CUDA_GRAPHS=false)")
+        self.latency_rows = (slots if latency_rows is None else min(latency_rows, slots)) if self._latency else 0
         self._alone_next = False  # whether the next launch is the latency rows' own step
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -194,7 +193,8 @@ class SlotDecoder:
                 # that holds every row (CapturedStep); 1 reads the whole window. None: COLUMN_BUCKETS on CUDA.
                 if column_buckets is None:
                     column_buckets = COLUMN_BUCKETS if self.device.type == "cuda" else 1
-                self._static = CapturedStep(self, capture=graphs, column_buckets=column_buckets)
+                self._static = CapturedStep(self, capture=graphs, column_buckets=column_buckets,
+                                            alone_rows=self.latency_rows)
                 if static_prefill:
                     self._static_prefill = CapturedPrefill(self, capture=graphs, pool=self._static.pool)
         except BaseException:
@@ -467,8 +467,11 @@ class SlotDecoder:
                      for row in slots]
         starts = [t if row is None else row.start for row in slots]
         adapters = [NO_ADAPTER if row is None else row.adapter for row in slots]
+        # a row that did not take part in a step of the latency rows alone has a hole there
+        holes = [self.window if row is None or self._is_latency(row) else row.joined for row in slots]
         if self.static:
-            logits = self._static.run(tokens, sources, positions, starts, adapters, chosen)
+            logits = self._static.run(tokens, sources, positions, starts, adapters, holes, chosen,
+                                      alone=taken if alone else None)
         else:
             ids = torch.tensor(tokens, device=self.device)
             if chosen is not None:
@@ -484,18 +487,18 @@ class SlotDecoder:
                                            torch.tensor(positions, device=self.device)[:, None], adapters)
                 finally:
                     view.slots = view.column = None
-                self.skipped[t] = True
             else:
                 lo, n = min(starts), len(slots)
                 columns = torch.arange(lo, t + 1, device=self.device)
                 allowed = columns[None, :] >= torch.tensor(starts, device=self.device)[:, None]
-                if self._latency:  # a row that did not take part in a step of the latency rows has a hole there
-                    holes_from = torch.tensor([self.window if row is None or self._is_latency(row) else row.joined
-                                               for row in slots], device=self.device)
+                if self._latency:
+                    holes_from = torch.tensor(holes, device=self.device)
                     allowed &= ~(self.skipped[lo:t + 1][None, :] & (columns[None, :] >= holes_from[:, None]))
                 view.rows, view.read_lo, view.write_lo, view.write_hi = slice(0, n), lo, t, t + 1
                 logits = self._forward(ids[:, None], allowed[:, None, :],
                                        torch.tensor(positions, device=self.device)[:, None], adapters)
+        if alone:
+            self.skipped[t] = True
         self.kv.t = t + 1
         return Launched(logits, slots)
 
@@ -513,7 +516,7 @@ class SlotDecoder:
         # a row's columns: those it holds, this hole, one per token it has yet to feed (its last is never fed)
         room = all(self.kv.t - row.start + 1 + row.request.max_new_tokens - len(row.tokens) - (id(row) in pending)
                    <= self.window for row in others)
-        alone = self._alone_next and bool(latency) and bool(others) and room
+        alone = self._alone_next and 0 < len(latency) <= self.latency_rows and bool(others) and room
         self._alone_next = not alone and bool(latency) and bool(others)
         return alone
 

@@ -78,19 +78,20 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
 
     window = min(settings.engine_window_tokens, loaded.context or settings.engine_window_tokens)
     # Reserved slots come on top of max_batch, so a role's backlog keeps max_batch rows when memory allows.
-    wanted = settings.max_batch + sum(reserved_slots(settings, loaded.adapters, settings.max_batch).values())
+    reserved = reserved_slots(settings, loaded.adapters, settings.max_batch)
+    wanted = settings.max_batch + sum(reserved.values())
     graphs = settings.engine_cuda_graphs and loaded.device == "cuda"
     kv_dtype = STORAGE_DTYPES[settings.engine_kv_dtype]
-    # KEVLAYA_ENGINE_LATENCY_STEPS: the roles with reserved slots (Laya) also step alone
-    latency = sorted(reserved_slots(settings, loaded.adapters, settings.max_batch)) if settings.engine_latency_steps \
-        else []
+    # KEVLAYA_ENGINE_LATENCY_STEPS: the roles with reserved slots (Laya) also step alone, as many rows as they
+    # reserve (a captured step has graphs up to that; more such rows are much of the batch anyway)
+    latency = sorted(reserved) if settings.engine_latency_steps else []
 
     def build(slots: int) -> SlotDecoder:
         return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
                            eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs, texts=False,
                            prefill_tokens=settings.engine_prefill_tokens,
                            prefill_chunk_tokens=settings.engine_prefill_chunk_tokens, kv_dtype=kv_dtype,
-                           latency_adapters=latency)
+                           latency_adapters=latency, latency_rows=sum(reserved.values()))
 
     if loaded.device != "cuda":
         return build(wanted)  # the decoder joins the projections itself
