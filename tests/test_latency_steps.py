@@ -94,3 +94,28 @@ def test_latency_rows_beyond_latency_rows_step_with_the_others_only(runtime: Ref
     assert all(rows <= 1 for took, rows in alone if took)
     assert any(took for took, _ in alone)  # once the short Laya row finished, the other stepped alone
     assert_same_answers(expected, [done[r.job_id] for r in (kev, *layas)])
+
+
+def test_a_static_step_alone_pads_past_the_rows_into_a_prefill_under_way_and_every_answer_holds(
+        runtime: ReferenceRuntime, decoder, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Five Laya rows and one Kev row: a static step alone pads to eight rows, its spare rows writing column `t`
+    of the Kev row (a hole) and of the two top slots, where a Kev prompt block is being prefilled between steps
+    (its columns end before `t`). The block's rows then join, and every answer is still `generate`'s."""
+    monkeypatch.setattr("worker.decoder.graph_prefill.PREFILL_COLUMNS", 8)  # several passes per prompt
+    kev = request("kev", PROMPTS[0], 30)
+    layas = [request("laya", PROMPTS[i % len(PROMPTS)], 10 + i) for i in range(5)]
+    block = [request("kev", PROMPTS[1], 12), request("kev", PROMPTS[3], 14)]
+    expected = _expected(runtime, [kev, *layas, *block])
+    made = decoder(slots=8, window=256, latency_adapters=["laya"], static_steps=True)
+    padded = []
+    run = made._static.run
+    made._static.run = lambda *args, alone=None: (alone and padded.append(len(alone))) or run(*args, alone=alone)
+    done = {r.job_id: r for r in made.prefill([kev, *layas])}
+    done.update({r.job_id: r for r in made.step()})
+    made.begin_prefill(block)
+    while made.prefilling:
+        done.update({r.job_id: r for r in made.step()})
+        done.update({r.job_id: r for r in made.prefill_pass()})
+    assert 5 in padded  # a step alone of five rows ran while the block was under way
+    _to_the_end(made, done)
+    assert_same_answers(expected, [done[r.job_id] for r in (kev, *layas, *block)])
