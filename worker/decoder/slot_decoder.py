@@ -468,7 +468,8 @@ class SlotDecoder:
         starts = [t if row is None else row.start for row in slots]
         adapters = [NO_ADAPTER if row is None else row.adapter for row in slots]
         # a row that did not take part in a step of the latency rows alone has a hole there
-        holes = [self.window if row is None or self._is_latency(row) else row.joined for row in slots]
+        holes = [self.window if row is None or self._is_latency(row) else row.joined for row in slots] \
+            if self._latency else [self.window] * len(slots)
         if self.static:
             logits = self._static.run(tokens, sources, positions, starts, adapters, holes, chosen,
                                       alone=taken if alone else None)
