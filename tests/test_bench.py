@@ -46,6 +46,9 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     # where the engine's time went while Laya ran under Kev load, from the worker's /metrics
     phases = service["engine_phases_under_kev_load"]
     assert phases["step"]["count"] > 0 and phases["step"]["mean_ms"] > 0 and phases["store"]["count"] > 0
+    # the decode steps launched, all shared: latency steps are off, as the service's default
+    assert result["workload"]["latency_steps"] is False
+    assert phases["steps_shared"]["count"] > 0 and phases["steps_alone"]["count"] == 0
     assert result["environment"]["KEVLAYA_BENCH_MARKER"] == "1"  # the settings the service inherited
     assert result["engine_settings"]["engine_prefill_share"] == 0.5  # from the environment, as the worker reads it
     assert service["slots"] >= 1

@@ -765,6 +765,7 @@ def test_with_latency_steps_laya_rows_step_alone_beside_kev_rows_and_every_job_s
     8 here) steps of their own beside Kev rows, and every job still gets its tokens, once."""
     from shared.settings import Settings
     from worker.engine.loop import Engine
+    from worker.metrics import METRICS
     from worker.model.loading import load_model
 
     settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
@@ -778,12 +779,16 @@ def test_with_latency_steps_laya_rows_step_alone_beside_kev_rows_and_every_job_s
     engine = Engine(load_model(settings), settings)
     turns, alone = engine.decoder._alone_turn, []
     engine.decoder._alone_turn = lambda kept, pending: alone.append(turns(kept, pending)) or alone[-1]
+    counted = {kind: METRICS.steps.labels(kind)._value.get() for kind in ("shared", "alone")}
     try:
         assert engine.drain(60) == 6
     finally:
         engine.decoder.close()
     assert engine.decoder.latency_rows == 2
     assert any(alone)
+    # each launch is counted in the worker's metrics by its kind
+    assert METRICS.steps.labels("alone")._value.get() - counted["alone"] == sum(alone) > 0
+    assert METRICS.steps.labels("shared")._value.get() - counted["shared"] == len(alone) - sum(alone) > 0
     with session_scope() as session:
         stored = session.scalars(select(Job)).all()
     assert [(j.status, j.attempts, j.completion_tokens) for j in stored] == [

@@ -119,3 +119,25 @@ def test_a_static_step_alone_pads_past_the_rows_into_a_prefill_under_way_and_eve
     assert 5 in padded  # a step alone of five rows ran while the block was under way
     _to_the_end(made, done)
     assert_same_answers(expected, [done[r.job_id] for r in (kev, *layas, *block)])
+
+
+def test_the_bench_times_kev_and_laya_rows_decoding_together_and_counts_the_steps_of_each_kind(
+        decoder) -> None:  # noqa: F811
+    """modellab.bench.latency_steps: with latency steps the Laya rows' tokens come from shared and alone steps,
+    Kev's from shared ones only; without, every step is shared and both roles gain a token a step."""
+    from modellab.bench.latency_steps import mixed_decode
+
+    kevs = [request("kev", PROMPTS[i], 40) for i in range(3)]
+    laya = [request("laya", PROMPTS[3], 9)]
+    made = decoder(slots=4, window=256, ignore_eos=True)
+    shared_only = mixed_decode(made, kevs, laya, warm_steps=2)
+    made.close()
+    assert shared_only["steps"] == {"shared": shared_only["steps"]["shared"], "alone": 0}
+    assert shared_only["steps"]["shared"] >= 8  # Laya's 8 tokens after its first, one a step (and one ahead)
+    with_alone = mixed_decode(decoder(slots=4, window=256, ignore_eos=True, latency_adapters=["laya"]), kevs, laya,
+                              warm_steps=2)
+    assert with_alone["steps"]["alone"] >= 3 and with_alone["steps"]["shared"] >= 4
+    # Kev rows took only the shared steps: fewer tokens over the same Laya span, so each cost more of its wall
+    assert with_alone["ms_per_kev_token"] / with_alone["ms_per_laya_token"] > \
+        shared_only["ms_per_kev_token"] / shared_only["ms_per_laya_token"]
+    assert all(d["wall_ms"] > 0 and d["kev_rows"] == 3 and d["laya_rows"] == 1 for d in (shared_only, with_alone))

@@ -30,6 +30,12 @@ def _streaming(engine: dict[str, Any]) -> str:
     return f"{streaming['jobs_per_s_vs_free']:.3f}×, {streaming['step_ms_vs_free']:.3f}×"
 
 
+def _steps_under_load(engine: dict[str, Any]) -> str:
+    phases = engine.get("engine_phases_under_kev_load") or {}
+    shared, alone = ((phases.get(f"steps_{kind}") or {}).get("count", "—") for kind in ("shared", "alone"))
+    return f"{shared} / {alone} / {_fmt((phases.get('step') or {}).get('mean_ms'))}"
+
+
 def _laya_parts(engine: dict[str, Any], when: str) -> str:
     """A Laya job's two parts: its first token (the wait for a slot and a prefill) and each later token (a step)."""
     first, later = engine.get(f"laya_ttft_ms_{when}"), engine.get(f"laya_ms_per_later_token_{when}")
@@ -79,6 +85,7 @@ def table(result: dict[str, Any]) -> str:
         row("Laya first token p95 / ms per later token p50, idle", "", lambda e: _laya_parts(e, "idle")),
         row("Laya first token p95 / ms per later token p50, under Kev load", "",
             lambda e: _laya_parts(e, "under_kev_load")),
+        row("decode steps under Kev load: shared / of the Laya rows alone / mean ms", "", _steps_under_load),
         row("GPU busy during decode", _fmt((seed.get("profile") or {}).get("busy_fraction"), ".1%"),
             lambda e: _fmt(e["gpu_busy_fraction"], ".1%")),
         row("peak allocated GiB", "", lambda e: _fmt(e["peak_allocated_gib"])),

@@ -269,7 +269,7 @@ def engine_phases(before: dict[str, tuple[float, float]], after: dict[str, tuple
     figures = {}
     for phase, (count, seconds) in after.items():
         count, seconds = count - before.get(phase, (0, 0))[0], seconds - before.get(phase, (0, 0))[1]
-        figures[phase] = {"count": int(count), "mean_ms": seconds * 1000 / count if count else None,
+        figures[phase] = {"count": int(count), "mean_ms": seconds * 1000 / count if count and seconds else None,
                           "total_s": seconds}
     return figures
 

@@ -161,16 +161,21 @@ class Service:
         return next((w for w in workers if w.get("model_loaded")), {})
 
     def engine_phases(self) -> dict[str, tuple[float, float]]:
-        """The worker's engine phase totals so far, from its /metrics: {phase: (count, seconds)}."""
+        """The worker's engine phase totals so far, from its /metrics: {phase: (count, seconds)}, and the decode
+        steps launched per kind as {"steps_shared": (count, 0), "steps_alone": (count, 0)}."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
         totals: dict[str, dict[str, float]] = {}
         for family in text_string_to_metric_families(text):
-            if family.name != "kevlaya_engine_phase_seconds":
-                continue
-            for sample in family.samples:  # _count and _sum per phase (the _bucket samples are not needed)
-                totals.setdefault(sample.labels["phase"], {})[sample.name.removeprefix(family.name)] = sample.value
+            if family.name == "kevlaya_engine_phase_seconds":
+                for sample in family.samples:  # _count and _sum per phase (the _bucket samples are not needed)
+                    name = sample.name.removeprefix(family.name)
+                    totals.setdefault(sample.labels["phase"], {})[name] = sample.value
+            elif family.name == "kevlaya_engine_steps":
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        totals[f"steps_{sample.labels['kind']}"] = {"_count": sample.value, "_sum": 0.0}
         return {phase: (values["_count"], values["_sum"]) for phase, values in totals.items()}
 
     # -- jobs ------------------------------------------------------------------------------------------------

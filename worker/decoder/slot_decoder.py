@@ -125,6 +125,7 @@ class SlotDecoder:
         self._latency = {self.adapters.index(a) for a in latency_adapters}
         self.latency_rows = (slots if latency_rows is None else min(latency_rows, slots)) if self._latency else 0
         self._alone_next = False  # whether the next launch is the latency rows' own step
+        self.launched = {"shared": 0, "alone": 0}  # decode steps launched: of every row, of the latency rows alone
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
         # KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS: the padded tokens one forward pass of a prefill takes at most
@@ -500,6 +501,7 @@ class SlotDecoder:
                                        torch.tensor(positions, device=self.device)[:, None], adapters)
         if alone:
             self.skipped[t] = True
+        self.launched["alone" if alone else "shared"] += 1
         self.kv.t = t + 1
         return Launched(logits, slots)
 

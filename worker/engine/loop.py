@@ -138,6 +138,7 @@ class Engine:
         self.interactive_at = -INTERACTIVE_QUIET_S  # time.monotonic() of the last interactive job claimed
         self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes)
         self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
+        self.steps_counted = dict.fromkeys(self.decoder.launched, 0)  # the decoder's launches in the metrics
         # The writer's work must not hold the decode loop at each lock hand-back (settings: engine_switch_interval_ms).
         sys.setswitchinterval(settings.engine_switch_interval_ms / 1000)
 
@@ -398,6 +399,9 @@ class Engine:
         self.stream.tick()
         self.writer.store([(result.job_id, result) for result in results])  # one transaction for the step's rows
         METRICS.rows_in_flight.set(len(self.decoder.rows))
+        for kind, launched in self.decoder.launched.items():
+            METRICS.steps.labels(kind).inc(launched - self.steps_counted[kind])
+            self.steps_counted[kind] = launched
 
     def _peak(self) -> int | None:
         if self.loaded.device != "cuda":
