@@ -8,6 +8,7 @@ what the serving loop adds. CUDA only.
 
 from __future__ import annotations
 
+import gc
 import json
 import shlex
 import sys
@@ -90,7 +91,12 @@ def main(
     from shared.settings import Settings
     from worker.engine.loop import build_decoder
 
-    counts = [int(n) for n in laya_rows.split(",")]
+    try:
+        counts = [int(n) for n in laya_rows.split(",")]
+    except ValueError:
+        raise typer.BadParameter("comma-separated whole numbers, e.g. 1,4", param_hint="--laya-rows") from None
+    if min(counts) < 1:
+        raise typer.BadParameter("at least one Laya row", param_hint="--laya-rows")
     loaded, base = loaded_random_model(shape, vram_budget_gb, max_batch, 1024)
     tokenizer = AutoTokenizer.from_pretrained(base["base_model"])
     settings = Settings(**base, ignore_eos=True)
@@ -102,12 +108,19 @@ def main(
     for latency_steps in (False, True):
         decoder = build_decoder(loaded, settings.model_copy(update={"engine_latency_steps": latency_steps}))
         try:
+            if decoder.free < max_batch + max(counts):
+                raise typer.BadParameter(f"the worker's decoder has {decoder.free} slots under the budget, fewer "
+                                         f"than {max_batch} Kev rows and {max(counts)} Laya rows",
+                                         param_hint="--max-batch")
             for count in counts:
                 runs = [mixed_decode(decoder, kev, laya[:count]) for _ in range(repeats)]
                 cases.append({"latency_steps": latency_steps, **min(runs, key=lambda r: r["wall_ms"]),
                               "runs": runs})
         finally:
             decoder.close()
+            del decoder  # its key/value block and graphs, before the next one is sized under the same budget
+            gc.collect()
+            torch.cuda.empty_cache()
     result = {"command": shlex.join(["python", "-m", "modellab.bench.latency_steps", *sys.argv[1:]]),
               "shape": shape, "gpu": torch.cuda.get_device_name(0), "cases": cases}
     if out:
