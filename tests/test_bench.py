@@ -49,6 +49,9 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     # the decode steps launched, all shared: latency steps are off, as the service's default
     assert result["workload"]["latency_steps"] is False
     assert phases["steps_shared"]["count"] > 0 and phases["steps_alone"]["count"] == 0
+    # of each step, the host's wait for the GPU's tokens (on a CPU the forward pass computes before the read)
+    assert phases["wait"]["count"] == phases["step"]["count"]
+    assert 0 < phases["wait"]["total_s"] < phases["step"]["total_s"]
     assert result["environment"]["KEVLAYA_BENCH_MARKER"] == "1"  # the settings the service inherited
     assert result["engine_settings"]["engine_prefill_share"] == 0.5  # from the environment, as the worker reads it
     assert service["slots"] >= 1

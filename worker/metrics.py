@@ -29,7 +29,7 @@ ERROR_CODES = ("out_of_memory", "numerical_error", "invalid_output", "length", "
                "internal")
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _PHASE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-ENGINE_PHASES = ("claim", "prefill", "step", "store")
+ENGINE_PHASES = ("claim", "prefill", "step", "wait", "store")
 STEP_KINDS = ("shared", "alone")  # SlotDecoder.launched
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 
@@ -60,8 +60,9 @@ class WorkerMetrics:
         self.escalations = Counter("kevlaya_escalations", "auto jobs Laya was unsure of, sent to Kev", registry=r)
         self.engine_phase = Histogram(
             "kevlaya_engine_phase_seconds", "Continuous engine, time per phase: claim (look at the queue, claim, "
-            "tokenise), prefill (one prompt group), step (one decode step), store (one transaction of results, on "
-            "the writer thread)", ["phase"], buckets=_PHASE, registry=r)
+            "tokenise), prefill (one prompt group), step (one decode step), wait (of a step: the host waiting for the "
+            "GPU's tokens; near none when the host, not the GPU, bounds the steps), store (one transaction of "
+            "results, on the writer thread)", ["phase"], buckets=_PHASE, registry=r)
         self.steps = Counter("kevlaya_engine_steps", "Decode steps launched, by kind: shared (every row in "
                              "flight) or alone (the latency rows by themselves, KEVLAYA_ENGINE_LATENCY_STEPS)",
                              ["kind"], registry=r)

@@ -126,6 +126,7 @@ class SlotDecoder:
         self.latency_rows = (slots if latency_rows is None else min(latency_rows, slots)) if self._latency else 0
         self._alone_next = False  # whether the next launch is the latency rows' own step
         self.launched = {"shared": 0, "alone": 0}  # decode steps launched: of every row, of the latency rows alone
+        self.waited_s = 0.0  # host seconds spent waiting for steps' tokens: near none when the host is the bound
         # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
         # KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS: the padded tokens one forward pass of a prefill takes at most
@@ -435,7 +436,10 @@ class SlotDecoder:
             except Exception as exc:  # nothing is lost: the next call launches it again, and raises there
                 log.warning("the step launched ahead failed (%s: %s); it runs again with the next call",
                             exc.__class__.__name__, exc)
-        return joined + self._advance(rows, chosen.read())
+        started = time.perf_counter()
+        choice = chosen.read()  # the GPU's tokens of the launched step: the host waits here for what it still computes
+        self.waited_s += time.perf_counter() - started
+        return joined + self._advance(rows, choice)
 
     def _finish_prefill(self) -> list[GenerationResult]:
         """Run every pass left of the prefill under way; its rows join."""

@@ -139,6 +139,7 @@ class Engine:
         self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes)
         self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
         self.steps_counted = dict.fromkeys(self.decoder.launched, 0)  # the decoder's launches in the metrics
+        self.waited_s = 0.0  # the decoder's waits for the GPU, in the metrics
         # The writer's work must not hold the decode loop at each lock hand-back (settings: engine_switch_interval_ms).
         sys.setswitchinterval(settings.engine_switch_interval_ms / 1000)
 
@@ -377,6 +378,8 @@ class Engine:
             failure = failed("internal", f"{exc.__class__.__name__}: {exc}")
             self.writer.store([(request.job_id, failure) for request in self.decoder.clear()])
             return
+        waited, self.waited_s = self.decoder.waited_s - self.waited_s, self.decoder.waited_s
+        METRICS.engine_phase.labels("wait").observe(waited)
         self._finished(finished)
 
     def _out_of_memory_alone(self, request: GenerationRequest) -> None:
