@@ -138,8 +138,8 @@ class Engine:
         self.interactive_at = -INTERACTIVE_QUIET_S  # time.monotonic() of the last interactive job claimed
         self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes)
         self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
-        self.steps_counted = dict.fromkeys(self.decoder.launched, 0)  # the decoder's launches in the metrics
-        self.waited_s = 0.0  # the decoder's waits for the GPU, in the metrics
+        # what the decoder counted (launches by kind, seconds waiting for the GPU) up to the last step's metrics
+        self.counted = {**dict.fromkeys(self.decoder.launched, 0), "waited_s": 0.0}
         # The writer's work must not hold the decode loop at each lock hand-back (settings: engine_switch_interval_ms).
         sys.setswitchinterval(settings.engine_switch_interval_ms / 1000)
 
@@ -378,8 +378,11 @@ class Engine:
             failure = failed("internal", f"{exc.__class__.__name__}: {exc}")
             self.writer.store([(request.job_id, failure) for request in self.decoder.clear()])
             return
-        waited, self.waited_s = self.decoder.waited_s - self.waited_s, self.decoder.waited_s
-        METRICS.engine_phase.labels("wait").observe(waited)
+        now = {**self.decoder.launched, "waited_s": self.decoder.waited_s}
+        METRICS.engine_phase.labels("wait").observe(now["waited_s"] - self.counted["waited_s"])
+        for kind in self.decoder.launched:  # only a step launches
+            METRICS.steps.labels(kind).inc(now[kind] - self.counted[kind])
+        self.counted = now
         self._finished(finished)
 
     def _out_of_memory_alone(self, request: GenerationRequest) -> None:
@@ -402,9 +405,6 @@ class Engine:
         self.stream.tick()
         self.writer.store([(result.job_id, result) for result in results])  # one transaction for the step's rows
         METRICS.rows_in_flight.set(len(self.decoder.rows))
-        for kind, launched in self.decoder.launched.items():
-            METRICS.steps.labels(kind).inc(launched - self.steps_counted[kind])
-            self.steps_counted[kind] = launched
 
     def _peak(self) -> int | None:
         if self.loaded.device != "cuda":
