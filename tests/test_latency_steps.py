@@ -141,3 +141,4 @@ def test_the_bench_times_kev_and_laya_rows_decoding_together_and_counts_the_step
     assert with_alone["ms_per_kev_token"] / with_alone["ms_per_laya_token"] > \
         shared_only["ms_per_kev_token"] / shared_only["ms_per_laya_token"]
     assert all(d["wall_ms"] > 0 and d["kev_rows"] == 3 and d["laya_rows"] == 1 for d in (shared_only, with_alone))
+    assert shared_only["gpu_ms"] == with_alone["gpu_ms"] == {}  # GPU times of captured steps: CUDA only

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,9 @@ def mixed_decode(decoder: SlotDecoder, kev: list[GenerationRequest], laya: list[
     kev_rows = [row for row in decoder.rows if row.request.job_id not in laya_ids]
     kev_before = sum(len(row.tokens) for row in kev_rows)
     launched = dict(decoder.launched)
+    captured = decoder._static if decoder.static and decoder.device.type == "cuda" else None
+    if captured is not None:
+        captured.timed = {}
     _sync(decoder)
     started = time.perf_counter()
     finished = []
@@ -64,8 +68,13 @@ def mixed_decode(decoder: SlotDecoder, kev: list[GenerationRequest], laya: list[
     kev_tokens = (sum(len(row.tokens) for row in kev_rows) - kev_before) / len(kev_rows)
     laya_tokens = max(r.max_new_tokens for r in laya) - 1
     steps = {kind: decoder.launched[kind] - launched[kind] for kind in launched}
+    gpu_ms = {}
+    if captured is not None:
+        gpu_ms = {f"{rows}x{columns}{' alone' if alone else ''}": statistics.mean(a.elapsed_time(b) for a, b in events)
+                  for (rows, columns, alone), events in sorted(captured.timed.items())}
+        captured.timed = None
     decoder.clear()
-    return {"kev_rows": len(kev), "laya_rows": len(laya), "wall_ms": wall_ms, "steps": steps,
+    return {"kev_rows": len(kev), "laya_rows": len(laya), "wall_ms": wall_ms, "steps": steps, "gpu_ms": gpu_ms,
             "ms_per_step": wall_ms / max(1, sum(steps.values())), "ms_per_laya_token": wall_ms / laya_tokens,
             "ms_per_kev_token": wall_ms / kev_tokens if kev_tokens else None}
 
@@ -127,12 +136,14 @@ def main(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
     typer.echo(f"{shape} on {result['gpu']}: Kev rows {max_batch}, Laya 32 new tokens, least of {repeats}")
-    typer.echo("| latency steps | Laya rows | steps shared / alone | ms a step | ms a Laya token | ms a Kev token |")
-    typer.echo("|---|---|---|---|---|---|")
+    typer.echo("| latency steps | Laya rows | steps shared / alone | ms a step | ms a Laya token | ms a Kev token "
+               "| GPU ms a step, by rows × columns |")
+    typer.echo("|---|---|---|---|---|---|---|")
     for c in cases:
+        shapes = ", ".join(f"{shape}: {ms:.2f}" for shape, ms in c["gpu_ms"].items())
         typer.echo(f"| {'on' if c['latency_steps'] else 'off'} | {c['laya_rows']} | {c['steps']['shared']} / "
                    f"{c['steps']['alone']} | {c['ms_per_step']:.2f} | {c['ms_per_laya_token']:.2f} | "
-                   f"{c['ms_per_kev_token']:.2f} |")
+                   f"{c['ms_per_kev_token']:.2f} | {shapes} |")
 
 
 if __name__ == "__main__":

@@ -392,25 +392,29 @@ def test_prefills_between_captured_steps_agree_with_whole_prefills(demo: Referen
 def test_captured_steps_of_the_latency_rows_alone_agree_with_shared_steps_only(demo: ReferenceRuntime) -> None:
     """KEVLAYA_ENGINE_LATENCY_STEPS on captured steps: Laya rows step alone between shared steps (graphs of their
     own, up to three rows padded to four into Kev rows' holes), the Kev rows masking those columns; greedy answers
-    agree with captured shared steps only on at least 99 % of their tokens, and such steps did run."""
+    agree with captured shared steps only on at least 99 % of their tokens, and such steps did run: each replay of
+    a step alone was timed on the GPU under its own shape (CapturedStep.timed, what the bench reads)."""
     from worker.decoder.slot_decoder import SlotDecoder
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "kev", "laya"] * 5)
 
-    def answers(**options: object) -> tuple[list, int]:
+    def answers(**options: object) -> tuple[list, dict, dict]:
         decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
                               eos_ids=demo.eos_ids, graphs=True, **options)
-        turns, alone = decoder._alone_turn, []
-        decoder._alone_turn = lambda kept, pending: alone.append(turns(kept, pending)) or alone[-1]
+        decoder._static.timed = {}
         try:
-            return decoder.run(requests), sum(alone)
+            results = decoder.run(requests)
+            torch.cuda.synchronize()
+            return results, dict(decoder.launched), decoder._static.timed
         finally:
             decoder.close()
             del decoder
             _free()
 
-    (shared, _), (apart, steps_alone) = answers(), answers(latency_adapters=["laya"], latency_rows=3)
-    assert steps_alone > 0
+    (shared, _, _), (apart, launched, timed) = answers(), answers(latency_adapters=["laya"], latency_rows=3)
+    assert launched["alone"] > 0
+    assert sum(len(events) for (_, _, alone), events in timed.items() if alone) == launched["alone"]
+    assert all(start.elapsed_time(end) > 0 for events in timed.values() for start, end in events)
     assert all(g.error_code is None for g in apart)
     assert_agree(shared, apart, "steps of the latency rows alone against shared steps only, captured on NF4")
 

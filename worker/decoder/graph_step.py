@@ -86,6 +86,8 @@ class CapturedStep:
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.logits: torch.Tensor | None = None  # where a replayed step's logits are kept until read
         self.pool = None  # the graphs' memory pool, which the captured prefill shares
+        # when a dict (benchmarks, CUDA): each replay's start and end events, by shape, to read its GPU time
+        self.timed: dict[tuple[int, int, bool], list[tuple[torch.cuda.Event, torch.cuda.Event]]] | None = None
         if capture:
             self._capture()
 
@@ -166,7 +168,13 @@ class CapturedStep:
         shape = (bucket, width, bool(alone))
         if shape in self.graphs:
             graph, output = self.graphs[shape]
+            if self.timed is not None:
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
             graph.replay()
+            if self.timed is not None:
+                events[1].record()
+                self.timed.setdefault(shape, []).append(events)
             # Out of the graphs' pool: the step is read after the next call's work, and a captured prefill
             # replayed meanwhile reuses that pool.
             logits = self.logits[:bucket]
