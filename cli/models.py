@@ -1,5 +1,5 @@
 """Model-lab commands (`modellab/`): `models random`, `models build-demo`, `models questions`, `models data`,
-`models calibrate`, `models verify`, `train` and `eval`."""
+`models calibrate`, `models prepare`, `models verify`, `train` and `eval`."""
 
 from __future__ import annotations
 
@@ -197,14 +197,35 @@ def models_calibrate(
             typer.echo(f"  written {written}")
 
 
+@app.command("prepare")
+def models_prepare() -> None:
+    """Make the configured base servable: a GGUF base is read once into its cache (KEVLAYA_MODEL_CACHE_DIR).
+    `kevlaya run` does this before it starts the worker and the API; the worker does it too when it is needed."""
+    import logging
+
+    from shared.base_source import BaseSourceError
+    from worker.model.loading import prepare_base
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        typer.echo(f"base: {prepare_base(get_settings())}")
+    except BaseSourceError as exc:
+        fail(str(exc))
+
+
 @app.command("verify")
 def models_verify() -> None:
     """Check the SHA-256 manifests of the configured base model and adapters."""
+    from shared.base_source import BaseSourceError, base_directory
     from shared.manifest import verify_manifest
 
     settings = get_settings()
+    try:
+        base = base_directory(settings.base_model, settings.model_cache_dir)
+    except BaseSourceError as exc:
+        fail(str(exc))
     bad = False
-    for name, path in (("base", settings.base_model), ("kev", settings.kev.path), ("laya", settings.laya.path)):
+    for name, path in (("base", base), ("kev", settings.kev.path), ("laya", settings.laya.path)):
         problems = verify_manifest(Path(path))
         bad |= bool(problems)
         typer.echo(f"{name} ({path}): " + ("ok" if not problems else "; ".join(problems)))
@@ -215,7 +236,8 @@ def models_verify() -> None:
 def train(
     data: Annotated[Path, typer.Argument(help='JSONL file of {"prompt", "completion", "label"?} records')],
     adapter: Annotated[str, typer.Option(help="kev or laya: picks the preset (r, alpha, lr, system prompt)")],
-    base: Annotated[Path, typer.Option(help="base model directory (Hugging Face format, with its tokenizer)")],
+    base: Annotated[Path, typer.Option(help="base model: a directory (Hugging Face format, with its tokenizer) or a "
+                                       ".gguf file (read once into KEVLAYA_MODEL_CACHE_DIR)")],
     out: Annotated[Path, typer.Option(help="directory to write the adapter, training.json and the manifest into")],
     r: Annotated[Optional[int], typer.Option(help=f"LoRA rank (preset: {_presets('r')})")] = None,
     alpha: Annotated[Optional[int], typer.Option(help=f"LoRA alpha (preset: {_presets('alpha')})")] = None,
@@ -241,6 +263,14 @@ def train(
         fail("--adapter must be kev or laya")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     defaults = preset(adapter)
+    if base.is_file() and base.suffix.lower() == ".gguf":
+        from shared.base_source import BaseSourceError
+        from worker.model.gguf_cache import build_gguf_cache
+
+        try:
+            base = build_gguf_cache(base, get_settings().model_cache_dir)
+        except BaseSourceError as exc:
+            fail(str(exc))
     try:
         config = TrainConfig(
             base_model=base, data_file=data, output_dir=out, adapter=adapter,

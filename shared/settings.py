@@ -26,7 +26,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Endpoints": ("api_host", "api_port", "api_key", "api_workers", "api_writer", "flower_host", "flower_port",
                   "flower_basic_auth", "redis_url"),
     "Database": ("database_url", "db_pool_size", "db_pool_timeout_s", "sqlite_synchronous"),
-    "Models": ("base_model", "device", "quantization", "verify_manifests"),
+    "Models": ("base_model", "model_cache_dir", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
     "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens",
                "engine_prefill_chunk_tokens", "engine_prefill_between_steps", "engine_latency_steps",
@@ -140,8 +140,12 @@ class Settings(BaseSettings):
         "(WAL), it survives a crash of the process, not of the machine, and a commit saves an fsync")
 
     # Models
-    base_model: str = Field(default=str(DEFAULT_MODEL_DIR / "base"), description="the base model: a local Hugging "
-                            "Face directory")
+    base_model: str = Field(
+        default=str(DEFAULT_MODEL_DIR / "base"), description="the base model: a local Hugging Face directory, a "
+        "`.gguf` file (read once into `KEVLAYA_MODEL_CACHE_DIR`), or `pkg:<package>/<file>` for a file inside an "
+        "installed Python package")
+    model_cache_dir: Path = Field(default=Path(".kevlaya/models"), description="where a GGUF base's dequantized "
+                                  "copy is kept, one directory per file digest")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="`auto`: `cuda` when available, "
                                                    "else `cpu`")
     quantization: Literal["auto", "nf4", "none"] = Field(

@@ -76,8 +76,8 @@ WORKER_ROOMS = {
                       "worker.generation", "shared"},
     "worker.ledger": {"worker.generation", "shared"},
     "worker.decoder": {"worker.model.tokens", "worker.generation"},
-    "worker.model": {"worker.memory", "worker.generation", "shared.manifest", "shared.base_match", "shared.calibration",
-                     "shared.schemas", "shared.settings"},
+    "worker.model": {"worker.memory", "worker.generation", "shared.manifest", "shared.base_match", "shared.base_source",
+                     "shared.calibration", "shared.schemas", "shared.settings"},
     "worker.memory": {"worker.decoder"},  # type hints only (under TYPE_CHECKING)
     "worker.metrics": {"worker.generation", "worker.ledger", "shared"},
     "worker.generation": set(),

@@ -16,11 +16,13 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared.base_match import base_mismatch
+from shared.base_source import base_directory, is_gguf, locate
 from shared.calibration import CalibrationError, adapter_calibration
 from shared.manifest import verify_manifest
 from shared.settings import ADAPTERS, Settings
 from worker.generation import GenerationRequest
 from worker.memory import cap_process_memory
+from worker.model.gguf_cache import build_gguf_cache
 from worker.model.library_features import require_library_features
 from worker.model.quantization import nf4_config
 from worker.model.tokens import check_request
@@ -112,12 +114,20 @@ def adapters_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 parameter.data = parameter.data.to(dtype)
 
 
+def prepare_base(settings: Settings) -> str:
+    """The directory the base is served from; a GGUF base is read into its cache first, if it is not there yet."""
+    source = locate(settings.base_model)
+    if source.is_file() and is_gguf(source):
+        return str(build_gguf_cache(source, settings.model_cache_dir))
+    return str(base_directory(settings.base_model, settings.model_cache_dir))
+
+
 def load_model(settings: Settings) -> LoadedModel:
     """The base and every adapter of `settings`; an adapter that fails verification or loading is refused (and
     said why), never replaced by the bare base model."""
     started = time.perf_counter()
     device = resolve_device(settings.device)
-    base = settings.base_model
+    base = prepare_base(settings)
     if settings.verify_manifests and (problems := verify_manifest(Path(base))):
         raise RuntimeError(f"base model {base} failed verification: {'; '.join(problems)}")
     tokenizer = AutoTokenizer.from_pretrained(base)
