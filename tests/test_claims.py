@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections import Counter
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import select, update
@@ -11,8 +12,9 @@ from sqlalchemy import select, update
 from shared import lifecycle
 from shared.db import session_scope
 from shared.lifecycle import JobOutcome
-from shared.models import Job, JobStatus, Priority
+from shared.models import ApiKey, Job, JobStatus, Priority
 from worker.ledger.claims import claim_group, queue_snapshot, renew_leases, stale_queued_adapters
+from worker.ledger.fair_share import KeyTurns
 
 
 def add_jobs(adapters: list[str], age_s: float = 0) -> list[uuid.UUID]:
@@ -130,3 +132,73 @@ def test_interactive_jobs_are_claimed_before_older_batch_lines_of_their_adapter(
         assert snap.oldest_wait_ms["laya"] < 60_000  # the lines' wait sets no bound
         _, jobs = claim_group(session, "laya", 2, "w1", lease_s=30)
     assert {j.id for j in jobs} == {interactive[0], lines[0]}
+
+
+# -- fair share per key (docs/fair-share.md) ---------------------------------------------------------------------
+
+def add_key(name: str, **columns) -> uuid.UUID:
+    key = ApiKey(name=name, key_hash=uuid.uuid4().hex + uuid.uuid4().hex, **columns)
+    with session_scope() as session:
+        session.add(key)
+    return key.id
+
+
+def add_key_jobs(key: uuid.UUID, count: int, adapter: str = "laya", age_s: float = 0,
+                 priority: int = Priority.INTERACTIVE) -> list[uuid.UUID]:
+    created = datetime.now(timezone.utc) - timedelta(seconds=age_s)
+    jobs = [Job(adapter=adapter, requested_adapter=adapter, input="x", params={}, api_key_id=key, priority=priority,
+                created_at=created + timedelta(microseconds=i)) for i in range(count)]
+    with session_scope() as session:
+        session.add_all(jobs)
+    return [j.id for j in jobs]
+
+
+def claim_one(turns: KeyTurns | None = None, adapter: str = "laya") -> Job:
+    with session_scope() as session:
+        _, [job] = claim_group(session, adapter, 1, "w1", lease_s=30, **({"turns": turns} if turns else {}))
+    return job
+
+
+def test_a_key_with_a_backlog_holds_back_another_keys_job_by_one_claim_at_most(service_env):
+    a, b = add_key("a"), add_key("b")
+    add_key_jobs(a, 200, age_s=60)
+    [single] = add_key_jobs(b, 1)
+    assert claim_one().api_key_id == a  # nothing held: the oldest job
+    assert claim_one().id == single  # a holds a slot, b none: b's turn
+
+
+def test_keys_take_turns_when_every_claim_finds_no_slot_held(service_env):
+    """One slot at a time, each job finished before the next claim: the turns this worker remembers decide."""
+    a, b = add_key("a"), add_key("b")
+    add_key_jobs(a, 20, age_s=60)
+    add_key_jobs(b, 20, age_s=30)
+    turns, served = KeyTurns(), []
+    for _ in range(6):
+        job = claim_one(turns)
+        served.append(job.api_key_id)
+        with session_scope() as session:  # it finishes: no key holds a slot at the next claim
+            session.execute(update(Job).where(Job.id == job.id).values(status=JobStatus.SUCCEEDED, lease_owner=None))
+    assert served == [a, b] * 3
+
+
+def test_a_claim_splits_its_slots_between_keys_by_the_slots_they_hold(service_env):
+    a, b, c = add_key("a"), add_key("b"), add_key("c")
+    add_key_jobs(a, 100, age_s=60)
+    with session_scope() as session:
+        claim_group(session, "laya", 4, "w1", lease_s=30)  # a holds 4
+    add_key_jobs(b, 100, age_s=30)
+    add_key_jobs(c, 2)
+    with session_scope() as session:
+        _, jobs = claim_group(session, "laya", 8, "w1", lease_s=30)
+    taken = Counter(job.api_key_id for job in jobs)
+    assert taken == {b: 5, c: 2, a: 1}  # b and c catch up with a's 4 slots, c runs out, then one each
+
+
+def test_interactive_jobs_come_before_every_keys_batch_lines_and_lines_take_turns_by_key(service_env):
+    a, b = add_key("a"), add_key("b")
+    add_key_jobs(a, 2000, age_s=60, priority=Priority.BATCH)
+    [line] = add_key_jobs(b, 1, age_s=30, priority=Priority.BATCH)
+    [interactive] = add_key_jobs(a, 1)
+    assert claim_one().id == interactive
+    assert claim_one().api_key_id == a  # the oldest line, nothing held
+    assert claim_one().id == line  # a's lines hold a slot: b's one line is next

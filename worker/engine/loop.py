@@ -30,6 +30,7 @@ from worker.engine.token_stream import TokenPublisher
 from worker.engine.writer import ResultWriter
 from worker.generation import GenerationRequest, GenerationResult
 from worker.ledger.claims import claim_group, queue_snapshot, worker_name
+from worker.ledger.fair_share import KeyTurns
 from worker.ledger.leases import leases_kept
 from worker.ledger.settle import failed, generation_request, unreadable
 from worker.memory import (
@@ -131,6 +132,7 @@ class Engine:
         if reserved := self._reserved():
             log.info("engine: slots reserved per adapter %s of %d", reserved, self.decoder.limit)
         self.worker = worker_name()
+        self.turns = KeyTurns()  # whom this worker's claims served last: keys take turns (docs/fair-share.md)
         self.draining = threading.Event()
         self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
         self.prefilling: list[Claimed] = []  # the jobs of the decoder's prefill under way (passes between steps)
@@ -201,7 +203,8 @@ class Engine:
         claimed = 0
         for adapter, count in plan:
             with write_scope() as session:
-                group, jobs = claim_group(session, adapter, count, self.worker, self.settings.lease_seconds)
+                group, jobs = claim_group(session, adapter, count, self.worker, self.settings.lease_seconds,
+                                           self.turns)
             if jobs:
                 claimed += len(jobs)
                 self._start(group, jobs)

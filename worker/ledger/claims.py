@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from shared import lifecycle
 from shared.models import ClaimGroup, Job, JobStatus, Priority
+from worker.ledger.fair_share import KeyQueue, KeyTurns, share_slots
 
 
 def worker_name() -> str:
@@ -64,35 +65,73 @@ def queue_snapshot(session: Session, now: datetime | None = None) -> QueueSnapsh
         if priority != Priority.INTERACTIVE:
             batch_lines[adapter] = batch_lines.get(adapter, 0) + count
             continue
-        if first.tzinfo is None:  # aggregate results bypass the column type on SQLite
-            first = datetime.fromisoformat(str(first)).replace(tzinfo=timezone.utc)
-        queued[adapter], oldest[adapter] = count, (now - first).total_seconds() * 1000
+        queued[adapter], oldest[adapter] = count, (now - _aware(first)).total_seconds() * 1000
     return QueueSnapshot(queued=queued, oldest_wait_ms=oldest, batch_lines=batch_lines)
 
 
-def claim_group(session: Session, adapter: str, limit: int, worker: str,
-                lease_s: float) -> tuple[ClaimGroup, list[Job]]:
-    """Move up to `limit` of the oldest queued jobs of `adapter` to `running`, atomically, as one claim group:
-    interactive jobs first, then the lines of file batches.
+def claim_group(session: Session, adapter: str, limit: int, worker: str, lease_s: float,
+                turns: KeyTurns | None = None) -> tuple[ClaimGroup, list[Job]]:
+    """Move up to `limit` queued jobs of `adapter` to `running`, atomically, as one claim group: interactive jobs
+    first, then the lines of file batches, and within each the keys in turn (`fair_share.share_slots`), each
+    key's oldest jobs first. `turns` is this worker's memory of whom it served last (None: ties go to the oldest
+    job).
 
     The group's row is written first, so on SQLite this transaction already holds the write lock before it
-    reads; on PostgreSQL `FOR UPDATE SKIP LOCKED` lets concurrent workers take disjoint rows. (A single
-    UPDATE ... IN (SELECT ... LIMIT) is not enough there: the planner may run the subquery more than once.)"""
+    reads; on PostgreSQL `FOR UPDATE SKIP LOCKED` lets concurrent workers take disjoint rows (a key's jobs another
+    worker holds are skipped, and the claim is that much smaller). A single UPDATE ... IN (SELECT ... LIMIT) is
+    not enough there: the planner may run the subquery more than once."""
     group = ClaimGroup(id=uuid.uuid4(), adapters=adapter, mixed=False, worker=worker, started_at=_now())
     session.add(group)
     session.flush()
-    ids = session.scalars(
-        select(Job.id)
-        .where(Job.status == JobStatus.QUEUED, Job.adapter == adapter)
-        .order_by(Job.priority, Job.created_at, Job.id)
-        .limit(limit)
-        .with_for_update(skip_locked=True)
-    ).all()
+    ids: list[uuid.UUID] = []
+    for priority, key, count in share_slots(key_queues(session, adapter), limit, turns):
+        ids += session.scalars(
+            select(Job.id)
+            .where(Job.status == JobStatus.QUEUED, Job.adapter == adapter, Job.priority == priority,
+                   Job.api_key_id.is_(None) if key is None else Job.api_key_id == key)
+            .order_by(Job.created_at, Job.id)
+            .limit(count)
+            .with_for_update(skip_locked=True)
+        ).all()
     jobs = lifecycle.claim(session, ids, group.id, worker, lease_s)
     group.size = len(jobs)
     if not jobs:  # another worker was faster: leave no empty group behind
         session.delete(group)
+    elif turns is not None:
+        turns.served({job.api_key_id for job in jobs})
     return group, sorted(jobs, key=lambda j: (j.created_at, str(j.id)))
+
+
+def key_queues(session: Session, adapter: str) -> list[KeyQueue]:
+    """Each key's queued jobs of `adapter` per priority, with the slots it holds there (its leased running jobs;
+    an `auto` job waiting for its Kev stage holds none) and its weight."""
+    queued = session.execute(
+        select(Job.api_key_id, Job.priority, func.count(), func.min(Job.created_at))
+        .where(Job.status == JobStatus.QUEUED, Job.adapter == adapter).group_by(Job.api_key_id, Job.priority)
+    ).all()
+    if not queued:
+        return []
+    held = dict(((key, priority), n) for key, priority, n in session.execute(
+        select(Job.api_key_id, Job.priority, func.count())
+        .where(Job.status == JobStatus.RUNNING, Job.adapter == adapter, Job.lease_owner.is_not(None))
+        .group_by(Job.api_key_id, Job.priority)
+    ).all())
+    weights = key_weights(session, {key for key, *_ in queued if key is not None})
+    return [KeyQueue(priority=priority, key=key, queued=count, held=held.get((key, priority), 0),
+                     oldest=_aware(first), weight=weights.get(key, 1.0))
+            for key, priority, count, first in queued]
+
+
+def key_weights(session: Session, keys: set[uuid.UUID]) -> dict[uuid.UUID, float]:
+    """Every key weighs 1 until keys carry a weight of their own."""
+    return {}
+
+
+def _aware(moment: datetime | str) -> datetime:
+    """Aggregate results bypass the column type on SQLite: a naive UTC time, or its text."""
+    if isinstance(moment, str):
+        moment = datetime.fromisoformat(moment)
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
 def close_group(session: Session, group_id: uuid.UUID, figures: GroupFigures) -> None:
