@@ -124,6 +124,9 @@ class KevlayaExtra(BaseModel):
     """Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it."""
 
     job_id: str
+    answered_by: Literal["kev", "laya"] | None = Field(
+        description="the adapter whose answer this is (`model` is the one asked for): for `auto`, laya, or kev once "
+        "Laya escalated")
     decision: dict[str, Any] | None
     timings: JobTimings
 
@@ -154,6 +157,7 @@ def completion(job: JobOut, model: str) -> ChatCompletion:
         }],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         # Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it.
-        "kevlaya": {"job_id": str(job.id), "decision": result.decision if result else None,
+        "kevlaya": {"job_id": str(job.id), "answered_by": job.answered_by,
+                    "decision": result.decision if result else None,
                     "timings": job.timings.model_dump()},
     })

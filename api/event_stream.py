@@ -144,7 +144,8 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
                 choice = completion["choices"][0]
                 # The log-probabilities, when asked for, come whole with the last chunk.
                 yield chunk({}, choice["finish_reason"], choice["logprobs"],
-                            kevlaya={"job_id": str(item.id), "decision": completion["kevlaya"]["decision"]})
+                            kevlaya={"job_id": str(item.id), "answered_by": completion["kevlaya"]["answered_by"],
+                                     "decision": completion["kevlaya"]["decision"]})
                 if include_usage:
                     yield sse(None, {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
                                      "model": model, "choices": [], "usage": completion["usage"]})

@@ -61,6 +61,7 @@ def job_out(job: Job, children: list[Job] | None = None) -> JobOut:
         status=job.status,
         adapter=job.adapter,
         requested_adapter=job.requested_adapter,
+        answered_by=job.answered_by,
         input=readable(job.input),
         params=job.params,
         metadata=readable(job.meta),

@@ -105,7 +105,7 @@ def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome)
     queue_ms = (job.started_at - job.created_at).total_seconds() * 1000
     return bool(_move(
         session, RUNNING, outcome.status, Job.id == job.id, Job.batch_id == batch_id, Job.lease_owner.is_not(None),
-        result_text=outcome.result_text, decision=outcome.decision,
+        answered_by=job.adapter, result_text=outcome.result_text, decision=outcome.decision,
         error_code=outcome.error_code, error_message=outcome.error_message, finish_reason=outcome.finish_reason,
         logprobs=outcome.logprobs,
         switch_ms=outcome.switch_ms, prefill_ms=outcome.prefill_ms, decode_ms=outcome.decode_ms,
@@ -157,12 +157,13 @@ def expire_leases(session: Session, max_attempts: int) -> list[uuid.UUID]:
 def _fail_orphans(session: Session, max_attempts: int, *where: ColumnElement[bool]) -> list[Job]:
     return _move(session, RUNNING, FAILED, *where, Job.attempts >= max_attempts,
                  error_code="internal", finished_at=_now(), lease_owner=None, lease_expires_at=None,
+                 answered_by=Job.adapter,
                  error_message=f"the worker stopped {max_attempts} times while running this job")
 
 
 def settle_parent(session: Session, parent_id: uuid.UUID) -> bool:
-    """An `auto` job waiting on its Kev stage takes that stage's final state; its timings and tokens are the
-    sums over its stages. No-op (False) while the stage is unfinished or when the parent is not waiting."""
+    """An `auto` job waiting on its Kev stage takes that stage's final state (answered by kev); its timings and
+    tokens are the sums over its stages. No-op (False) while the stage is unfinished or the parent is not waiting."""
     stages = session.scalars(
         select(Job).where(Job.parent_job_id == parent_id).order_by(Job.created_at)
         .execution_options(populate_existing=True)
@@ -186,7 +187,8 @@ def settle_parent(session: Session, parent_id: uuid.UUID) -> bool:
                else (stage.created_at - parent.created_at).total_seconds() * 1000 + stage.ttft_ms)
     settled = _move(
         session, RUNNING, status, Job.id == parent_id, Job.lease_owner.is_(None),
-        result_text=stage.result_text, decision=stage.decision, error_code=error_code, error_message=error_message,
+        answered_by=stage.adapter, result_text=stage.result_text, decision=stage.decision, error_code=error_code,
+        error_message=error_message,
         finish_reason=stage.finish_reason, logprobs=stage.logprobs, finished_at=now, total_ms=(now - parent.created_at).total_seconds() * 1000, ttft_ms=ttft_ms,
         switch_ms=total("switch_ms"), prefill_ms=total("prefill_ms"), decode_ms=total("decode_ms"),
         prompt_tokens=total("prompt_tokens"), completion_tokens=total("completion_tokens"),

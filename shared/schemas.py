@@ -378,8 +378,11 @@ class JobStage(BaseModel):
 class JobOut(BaseModel):
     id: uuid.UUID
     status: str
-    adapter: str
+    adapter: str = Field(description="the adapter that runs it first: the requested one, laya for `auto`")
     requested_adapter: RequestedAdapter
+    answered_by: Literal["kev", "laya"] | None = Field(
+        default=None, description="the adapter whose answer (or failure) the job ended with: the requested one, or "
+        "for `auto` laya, kev once Laya escalated; null while queued or running, and when cancelled")
     input: str | dict[str, Any]
     params: dict[str, Any]
     metadata: dict[str, Any] | None

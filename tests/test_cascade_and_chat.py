@@ -100,6 +100,51 @@ def test_an_unsure_laya_escalates_to_kev_and_the_parent_returns_kevs_answer(env,
     assert api.get(f"/v1/jobs/{laya['id']}").json()["parent_job_id"] == job_id
 
 
+def forced_decision(label: str) -> dict:
+    """A response format under which the only answer is `{"decision": label}`: what the model writes is known."""
+    schema = {"type": "object", "properties": {"decision": {"enum": [label]}}, "required": ["decision"],
+              "additionalProperties": False}
+    return {"type": "json_schema", "json_schema": {"name": "d", "schema": schema}}
+
+
+# Any decision Laya writes is sure enough, so an `auto` job escalates exactly when her answer holds none.
+@pytest.mark.integration
+@pytest.mark.parametrize("env", [{"KEVLAYA_CASCADE_THRESHOLD": "0"}], indirect=True)
+def test_auto_says_who_answered_in_the_job_and_the_chat_completion(env, api, start_process):
+    start_worker(start_process, env, api)
+    question = "Train or flight to Berlin? Options: train, flight"
+    confident = submit(api, "auto", question, max_new_tokens=80, response_format=forced_decision("train"))
+    unsure = submit(api, "auto", question, max_new_tokens=6)  # noise: no decision, so Kev answers
+    kev, laya = submit(api, "kev", question, max_new_tokens=6), submit(api, "laya", question, max_new_tokens=6)
+    confident_job, escalated, kev_job, laya_job = wait_finished(api, [confident, unsure, kev, laya])
+
+    assert confident_job["status"] == "succeeded" and confident_job["cascade"] is None
+    assert confident_job["result"]["decision"]["decision"] == "train"
+    assert (confident_job["requested_adapter"], confident_job["answered_by"]) == ("auto", "laya")
+    assert escalated["status"] == "succeeded" and [s["adapter"] for s in escalated["cascade"]] == ["laya", "kev"]
+    assert (escalated["requested_adapter"], escalated["answered_by"]) == ("auto", "kev")
+    assert (kev_job["answered_by"], laya_job["answered_by"]) == ("kev", "laya")  # a role's own job: itself
+    stage_laya, stage_kev = (api.get(f"/v1/jobs/{s['id']}").json() for s in escalated["cascade"])
+    assert (stage_laya["answered_by"], stage_kev["answered_by"]) == ("laya", "kev")
+    listed = {j["id"]: j["answered_by"] for j in api.get("/v1/jobs", params={"adapter": "auto"}).json()["jobs"]}
+    assert listed == {confident: "laya", unsure: "kev"}
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+                    max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": question}]
+    sure = client.chat.completions.create(model="auto", max_tokens=80, temperature=0, messages=messages,
+                                          response_format=forced_decision("flight"))
+    assert sure.model == "auto" and sure.model_extra["kevlaya"]["answered_by"] == "laya"
+    assert sure.model_extra["kevlaya"]["decision"]["decision"] == "flight"
+    by_kev = client.chat.completions.create(model="auto", max_tokens=6, temperature=0, messages=messages)
+    assert by_kev.model == "auto" and by_kev.model_extra["kevlaya"]["answered_by"] == "kev"
+    assert api.get(f"/v1/jobs/{by_kev.model_extra['kevlaya']['job_id']}").json()["answered_by"] == "kev"
+    streamed = list(client.chat.completions.create(model="auto", max_tokens=6, temperature=0, messages=messages,
+                                                   stream=True))
+    assert streamed[-1].model_extra["kevlaya"]["answered_by"] == "kev"  # the last chunk, with the finish reason
+    assert streamed[-1].choices[0].finish_reason is not None
+
+
 @pytest.mark.integration
 def test_the_official_openai_client_gets_answers_from_each_model(env, api, start_process):
     start_worker(start_process, env, api)

@@ -41,6 +41,39 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database_url):
         engine.dispose()
 
 
+def test_jobs_finished_before_answered_by_existed_get_it_from_what_they_hold(database_url):
+    """Migration 0007: an `auto` job with a Kev stage was answered by kev; other finished jobs by their adapter."""
+    import uuid
+    from datetime import datetime
+
+    import sqlalchemy as sa
+
+    downgrade(database_url, "0006")
+    jobs = sa.table("jobs", sa.column("id", sa.Uuid()), sa.column("adapter", sa.String()),
+                    sa.column("requested_adapter", sa.String()), sa.column("status", sa.String()),
+                    sa.column("input", sa.JSON()), sa.column("params", sa.JSON()), sa.column("attempts", sa.Integer()),
+                    sa.column("parent_job_id", sa.Uuid()), sa.column("created_at", sa.DateTime()))
+    ids = {name: uuid.uuid4() for name in ("escalated", "laya_stage", "kev_stage", "answered", "kev", "cancelled")}
+    rows = [("escalated", "laya", "auto", "succeeded", None), ("laya_stage", "laya", "laya", "succeeded", "escalated"),
+            ("kev_stage", "kev", "kev", "succeeded", "escalated"), ("answered", "laya", "auto", "failed", None),
+            ("kev", "kev", "kev", "succeeded", None), ("cancelled", "kev", "kev", "cancelled", None)]
+    engine = create_engine(database_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(jobs.insert(), [
+                {"id": ids[name], "adapter": adapter, "requested_adapter": requested, "status": status, "input": "x",
+                 "params": {}, "attempts": 1, "parent_job_id": ids[parent] if parent else None,
+                 "created_at": datetime(2025, 1, 1)} for name, adapter, requested, status, parent in rows])
+        upgrade(database_url)
+        with engine.connect() as connection:
+            found = dict(connection.execute(sa.select(jobs.c.id, sa.column("answered_by")).select_from(jobs)).all())
+        answered = {name: found[job_id] for name, job_id in ids.items()}
+        assert answered == {"escalated": "kev", "laya_stage": "laya", "kev_stage": "kev", "answered": "laya",
+                            "kev": "kev", "cancelled": None}
+    finally:
+        engine.dispose()
+
+
 def test_keys_create_list_revoke(service_env):
     created = kevlaya("keys", "create", "ci-bot", env=service_env)
     assert created.returncode == 0, created.stderr

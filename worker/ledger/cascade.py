@@ -2,7 +2,7 @@
 
 An escalated `auto` job ends up with two children: a finished record of Laya's stage and the Kev job.
 The parent waits (running, without a lease, so expiry never re-queues it); whatever final state the Kev
-stage reaches settles it (`shared.lifecycle.settle_parent`)."""
+stage reaches settles it (`shared.lifecycle.settle_parent`), and its `answered_by` says kev."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def escalate(session: Session, parent: Job, group_id: uuid.UUID, laya: JobOutcom
         return None
     now = datetime.now(timezone.utc)
     stage = Job(
-        adapter="laya", requested_adapter="laya", status=laya.status, input=parent.input, params=parent.params,
+        adapter="laya", requested_adapter="laya", answered_by="laya", status=laya.status, input=parent.input, params=parent.params,
         parent_job_id=parent.id, api_key_id=parent.api_key_id, batch_id=group_id, attempts=parent.attempts,
         created_at=parent.created_at, started_at=parent.started_at, finished_at=now,
         result_text=laya.result_text, decision=laya.decision, error_code=laya.error_code,
