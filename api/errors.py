@@ -59,7 +59,7 @@ _STATUS_TEXT = {
     409: "The state of the job, file or batch does not allow this",
     413: "Request body, or a stored file, over the configured limit",
     422: "Invalid request; the message names the field",
-    429: "This key's rate limit is used up (see Retry-After)",
+    429: "This key's rate limit is used up, or it holds its most event streams or long-polls (see Retry-After)",
     500: "Unexpected server error",
     503: "The database or the job queue is unavailable (see Retry-After)",
     504: "The job did not finish in time; it goes on",

@@ -42,13 +42,23 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
     """Serve the REST API on KEVLAYA_API_HOST:KEVLAYA_API_PORT."""
     import uvicorn
 
+    from api.connection_limits import connection_caps
     from api.head_limit import BoundedHeadProtocol
 
     require_own_schema()
     settings = get_settings()
+    caps = connection_caps(settings)
+    if caps.clamped:
+        typer.secho(f"KEVLAYA_API_MAX_CONNECTIONS={settings.api_max_connections} is more than the descriptor limit "
+                    f"{caps.fd_limit} allows: {caps.total} (raise `ulimit -n` for more)", fg=typer.colors.YELLOW,
+                    err=True)
+    typer.echo(f"connections: at most {caps.total} per API process, {caps.per_address} per client address "
+               f"(descriptor limit {caps.fd_limit})", err=True)
+    # No WebSocket routes: an upgrade would hand the socket to a protocol outside the connection caps.
     uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
                 reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
-                log_level="info", log_config=api_log_config(settings.log_format), http=BoundedHeadProtocol)
+                log_level="info", log_config=api_log_config(settings.log_format), http=BoundedHeadProtocol,
+                ws="none", backlog=caps.backlog, timeout_keep_alive=settings.api_idle_timeout_s)
 
 
 def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:

@@ -25,6 +25,8 @@ DEFAULT_MODEL_DIR = Path("models/demo")
 GROUPS: dict[str, tuple[str, ...]] = {
     "Endpoints": ("api_host", "api_port", "api_key", "api_workers", "api_writer", "flower_host", "flower_port",
                   "flower_basic_auth", "redis_url"),
+    "Connections": ("api_head_timeout_s", "api_idle_timeout_s", "api_max_connections",
+                    "api_max_connections_per_address", "streams_per_key", "long_polls_per_key"),
     "Database": ("database_url", "db_pool_size", "db_pool_timeout_s", "sqlite_synchronous"),
     "Models": ("base_model", "model_cache_dir", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
@@ -46,6 +48,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 # A line under a group's heading, where the group needs one.
 GROUP_NOTES: dict[str, str] = {
     "Engine": "The worker's decode loop (docs/architecture.md §4, §14).",
+    "Connections": "What one API process lets clients hold open (RELIABILITY.md, Security).",
     "Live job streams": "`GET /v1/jobs/{id}/events` and streamed chat completions.",
     "Batch API": "`/v1/files` and `/v1/batches` (docs/architecture.md §15).",
     "VRAM": "The GPU runtime uses it; the CPU path ignores it.",
@@ -125,6 +128,30 @@ class Settings(BaseSettings):
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis: the Celery broker, the workers' "
                            "heartbeats, finished-job notices and live job streams (run it with "
                            "`maxmemory-policy noeviction`)")
+
+    # Connections (per API process)
+    api_head_timeout_s: float = Field(
+        default=10, gt=0, description="a connection is closed when its request line and headers have not all "
+        "arrived this long after it opened, or after the end of its previous response (a 408 first, when part of a "
+        "head came): idle sockets and heads trickled a line at a time hold nothing for longer")
+    api_idle_timeout_s: float = Field(
+        default=5, gt=0, description="a kept-alive connection on which no new request starts within this is "
+        "closed (uvicorn's keep-alive timeout; `KEVLAYA_API_HEAD_TIMEOUT_S` still bounds the whole wait for a head)")
+    api_max_connections: int | None = Field(
+        default=None, ge=1, description="open connections one API process holds at most; unset: its file-descriptor "
+        "soft limit (`ulimit -n`) less the listen backlog and 256 descriptors for its own database, Redis and files, "
+        "and never more than that. At the cap a new connection closes the one that has waited longest for a request "
+        "head; with none waiting it is refused (503)")
+    api_max_connections_per_address: int | None = Field(
+        default=None, ge=1, description="open connections one client address holds at most (its own connection "
+        "waiting longest for a head is closed first); unset: half of the process's cap. Behind a reverse proxy every "
+        "connection comes from the proxy's address")
+    streams_per_key: int = Field(
+        default=64, ge=1, description="event streams (`GET /v1/jobs/{id}/events`, streamed chat completions) one API "
+        "key may hold open at once in one API process; one more gets 429 `too_many_streams`")
+    long_polls_per_key: int = Field(
+        default=64, ge=1, description="long-polls (`GET /v1/jobs/{id}/wait`, chat completions without `stream`) one "
+        "API key may hold waiting at once in one API process; one more gets 429 `too_many_long_polls`")
 
     # Database
     database_url: str = Field(default="sqlite:///./kevlaya.db", description="SQLAlchemy URL; PostgreSQL: "
@@ -327,7 +354,8 @@ class Settings(BaseSettings):
         default=False, description="benchmarks only: every job generates exactly its `max_new_tokens` (end of "
         "sequence ignored), so serving schemes compared on random weights produce the same number of tokens")
 
-    @field_validator("api_key", "flower_basic_auth", "flower_db", mode="before")
+    @field_validator("api_key", "flower_basic_auth", "flower_db", "api_max_connections",
+                     "api_max_connections_per_address", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if value == "" else value

@@ -10,6 +10,7 @@ from api.chat_schemas import CHAT_FIELDS, ChatCompletion, ChatRequest, completio
 from api.deps import IntakeDep, SubmitterKey, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.event_stream import chat_chunk_stream
+from api.key_caps import HeldStream, long_polls, streams
 from api.submission import read_visible, wait_finished
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])
@@ -26,14 +27,23 @@ async def chat_completions(request: ChatRequest, key: SubmitterKey, intake: Inta
                            ) -> ChatCompletion | StreamingResponse:
     job_request = request.to_job()
     intake.check(job_request, names=CHAT_FIELDS)
-    [accepted] = await intake.store(key, [job_request])
-    timeout_s = intake.settings.chat_timeout_s
+    settings = intake.settings
+    # The key's place is taken before the job is stored: a request over its cap stores nothing.
     if request.stream:
-        job = await run_in_threadpool(read_visible, key, accepted.id)
-        return chat_chunk_stream(key, job, request.model, bool(request.stream_options and
-                                                               request.stream_options.include_usage),
-                                 intake.settings, lambda done: completion(done, request.model).model_dump(mode="json"))
-    finished = await wait_finished(key, accepted.id, timeout_s)
+        give_back = streams.take(key.id, settings.streams_per_key)
+        try:
+            [accepted] = await intake.store(key, [job_request])
+            job = await run_in_threadpool(read_visible, key, accepted.id)
+        except BaseException:
+            give_back()
+            raise
+        return HeldStream(chat_chunk_stream(
+            key, job, request.model, bool(request.stream_options and request.stream_options.include_usage),
+            settings, lambda done: completion(done, request.model).model_dump(mode="json")), give_back)
+    with long_polls.hold(key.id, settings.long_polls_per_key):
+        [accepted] = await intake.store(key, [job_request])
+        finished = await wait_finished(key, accepted.id, settings.chat_timeout_s)
+    timeout_s = settings.chat_timeout_s
     if finished.status == "succeeded":
         return completion(finished, request.model)
     if finished.status == "failed":

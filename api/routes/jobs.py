@@ -20,6 +20,7 @@ from api.deps import (
 )
 from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.event_stream import job_event_stream
+from api.key_caps import HeldStream, long_polls, streams
 from api.presenters import decode_cursor, encode_cursor, jobs_out
 from api.submission import get_visible, visible_to, wait_finished
 from shared import lifecycle
@@ -117,7 +118,8 @@ async def wait_for_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, 
     if timeout > settings.max_wait_timeout_s:
         raise ApiError(422, "invalid_request", f"timeout: at most {settings.max_wait_timeout_s} seconds")
     session.close()  # the key was checked; the wait must not hold a pooled connection
-    return await wait_finished(key, job_id, timeout)
+    with long_polls.hold(key.id, settings.long_polls_per_key):
+        return await wait_finished(key, job_id, timeout)
 
 
 @router.get("/{job_id}/events", response_class=StreamingResponse,
@@ -130,7 +132,8 @@ async def job_events(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, se
     """The job's progress as it happens (docs/architecture.md §8, Events); resumable with `Last-Event-ID`."""
     job = jobs_out(session, [get_visible(session, key, job_id)])[0]
     session.close()  # the stream must not hold a pooled connection
-    return job_event_stream(key, job, last_event_id, settings)
+    stream = job_event_stream(key, job, last_event_id, settings)  # a bad Last-Event-ID is refused first
+    return HeldStream(stream, streams.take(key.id, settings.streams_per_key))
 
 
 @router.delete("/{job_id}", response_model=JobOut, responses=error_responses(404, 409, 422, *AUTH_ERRORS))
