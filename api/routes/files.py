@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from starlette.datastructures import UploadFile
 from api.batch_schemas import FILE_PREFIX, FileDeleted, FileList, FileObject, parse_id
 from api.deps import CurrentKey, FileStoreDep, SessionDep, SettingsDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, RETRY_AFTER_S, ApiError, error_responses
+from api.file_names import content_disposition, shown_name
 from api.file_store import FileStore, Received, TooLarge
 from shared.db import new_session, one_writer
 from shared.models import ApiKey, BatchStatus, FileBatch, StoredFile
@@ -34,7 +34,6 @@ router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[Depends(rej
 log = logging.getLogger("kevlaya.api")
 
 FORM_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f]")
 
 _UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
     "type": "object", "required": ["file", "purpose"], "properties": {
@@ -65,11 +64,6 @@ def storage_errors() -> Iterator[None]:
         log.error("upload refused: the files directory is full (%s)", exc)
         raise ApiError(503, "storage_full", "no space left to store the file; nothing was stored, retry later",
                        headers={"Retry-After": RETRY_AFTER_S}) from None
-
-
-def display_name(name: str | None) -> str:
-    """The client's file name as shown back: control characters (NUL included) dropped, at most 255 characters."""
-    return _UNPRINTABLE.sub("", name or "")[-255:] or "upload.jsonl"
 
 
 def _expiry(form_value: object, anchor: object) -> int | None:
@@ -133,7 +127,7 @@ async def upload_file(request: Request, key: CurrentKey, session: SessionDep, se
             except TooLarge as exc:
                 raise ApiError(413, "payload_too_large", str(exc)) from None
             try:
-                row = await run_in_threadpool(_store, key, received, display_name(upload.filename), expires_s,
+                row = await run_in_threadpool(_store, key, received, shown_name(upload.filename), expires_s,
                                               settings, store)
             finally:
                 received.path.unlink(missing_ok=True)  # still there only if it was not kept
@@ -179,7 +173,9 @@ def file_content(file_id: str, key: CurrentKey, session: SessionDep, store: File
     path = store.path(row.id)
     if not path.is_file():
         raise ApiError(404, "not_found", f"file {file_id}: its content is gone from the files directory")
-    return FileResponse(path, media_type="application/octet-stream", filename=row.filename)
+    # the name is shown again as it would be now: rows stored before names were cleaned hold any text
+    return FileResponse(path, media_type="application/octet-stream",
+                        headers={"Content-Disposition": content_disposition(row.filename)})
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409, 422, *AUTH_ERRORS))
