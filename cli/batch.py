@@ -29,7 +29,11 @@ TRANSIENT = (429, 502, 503, 504)  # a look at the batch that gets one of these i
 
 Url = Annotated[Optional[str], typer.Option(
     help="the API's base URL (default: http://127.0.0.1:8000, or as KEVLAYA_API_HOST and KEVLAYA_API_PORT say)")]
-Key = Annotated[Optional[str], typer.Option(help="the API key (default: KEVLAYA_API_KEY)")]
+Key = Annotated[Optional[str], typer.Option(
+    help="the API key; every user of the machine sees it in the process list: prefer --key-file or KEVLAYA_API_KEY")]
+KeyFile = Annotated[Optional[Path], typer.Option(
+    help="a file holding the API key (default: KEVLAYA_API_KEY); readable by you alone, it stays out of the process "
+    "list and the shell's history")]
 Out = Annotated[Optional[Path], typer.Option(help="where the output file goes (the answered lines)")]
 Errors = Annotated[Optional[Path], typer.Option(help="where the error file goes (the lines that got an error)")]
 Poll = Annotated[float, typer.Option(min=0.1, help="seconds between two looks at the batch")]
@@ -38,13 +42,29 @@ BatchId = Annotated[str, typer.Argument(help="the batch's id (batch_...)")]
 
 # -- talking to the API ----------------------------------------------------------------------------------------
 
-def _client(url: str | None, key: str | None) -> httpx.Client:
+def _key(key: str | None, key_file: Path | None) -> str:
+    """--key, else the file's first line, else KEVLAYA_API_KEY."""
+    if key:
+        return key
+    if key_file is not None:
+        try:
+            lines = key_file.read_text().split()
+        except OSError as exc:
+            fail(f"--key-file {key_file}: {exc.strerror}")
+        if not lines:
+            fail(f"--key-file {key_file}: empty")
+        return lines[0]
+    settings = get_settings()
+    if settings.api_key is None:
+        fail("no API key: set KEVLAYA_API_KEY or pass --key-file")
+    return settings.api_key.get_secret_value()
+
+
+def _client(url: str | None, key: str | None, key_file: Path | None = None) -> httpx.Client:
     import httpx
 
     settings = get_settings()
-    key = key or (settings.api_key.get_secret_value() if settings.api_key else None)
-    if not key:
-        fail("no API key: pass --key or set KEVLAYA_API_KEY")
+    key = _key(key, key_file)
     if url is None:
         host = "127.0.0.1" if settings.api_host in ("0.0.0.0", "::") else settings.api_host
         url = f"http://{f'[{host}]' if ':' in host else host}:{settings.api_port}"
@@ -220,6 +240,7 @@ def batch_run(
         help="JSONL, one request a line: {custom_id, method: POST, url: /v1/chat/completions, body}")],
     url: Url = None,
     key: Key = None,
+    key_file: KeyFile = None,
     window: Annotated[str, typer.Option(help="the completion window: lines not run by then expire (1s to 7d)")]
     = "24h",
     out: Out = None,
@@ -237,7 +258,7 @@ def batch_run(
     out = out or file.with_suffix(".output.jsonl")
     errors = errors or file.with_suffix(".errors.jsonl")
     _check_destinations(out, errors)
-    with _client(url, key) as client:
+    with _client(url, key, key_file) as client:
         with file.open("rb") as source:
             uploaded = _call(client, "POST", "/v1/files", data={"purpose": "batch"},
                              files={"file": (file.name, source, "application/jsonl")})
@@ -256,6 +277,7 @@ def batch_wait(
     batch_id: BatchId,
     url: Url = None,
     key: Key = None,
+    key_file: KeyFile = None,
     out: Out = None,
     errors: Errors = None,
     poll: Poll = 1.0,
@@ -267,16 +289,16 @@ def batch_wait(
     out = out or Path(f"{batch_id}.output.jsonl")
     errors = errors or Path(f"{batch_id}.errors.jsonl")
     _check_destinations(out, errors)
-    with _client(url, key) as client:
+    with _client(url, key, key_file) as client:
         _finish(client, batch_id, out, errors, poll, _resume(batch_id, url, out, errors))
 
 
 @app.command("cancel")
-def batch_cancel(batch_id: BatchId, url: Url = None, key: Key = None) -> None:
+def batch_cancel(batch_id: BatchId, url: Url = None, key: Key = None, key_file: KeyFile = None) -> None:
     """Cancel a batch and print its new status.
 
     Its queued lines are not run; lines already running finish: the batch is `cancelling` until they have, then
     `cancelled` (`kevlaya batch wait` downloads what they answered)."""
-    with _client(url, key) as client:
+    with _client(url, key, key_file) as client:
         batch = _call(client, "POST", f"{_batch_path(batch_id)}/cancel")
     typer.echo(f"{batch['id']} {batch['status']}")

@@ -18,14 +18,15 @@ def db_upgrade(
     wait: Annotated[float, typer.Option(help="seconds to wait for the database to answer")] = 60,
 ) -> None:
     """Apply migrations to KEVLAYA_DATABASE_URL (waits for the database first)."""
+    from shared.logs import masked_url
     from shared.migrate import newer_schema, upgrade, wait_for_database
 
     url = get_settings().database_url
     try:
         wait_for_database(url, wait)
     except Exception as exc:
-        fail(f"database {url} does not answer: {exc}")
+        fail(f"database {masked_url(url)} does not answer: {exc}")
     if problem := newer_schema(url):
         fail(problem)
     upgrade(url, revision)
-    typer.echo(f"database at {revision}: {url}")
+    typer.echo(f"database at {revision}: {masked_url(url)}")  # its output goes to compose's logs

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
 from shared import redis_server
 from shared.keys import generate_key
+from shared.logs import masked_url
 from shared.settings import Settings, get_settings
 
 log = logging.getLogger("kevlaya.run")
@@ -22,33 +25,60 @@ STATE_DIR = Path(".kevlaya")
 def ensure_redis(url: str) -> subprocess.Popen | None:
     """Use the Redis at `url`; if it is local and down, start one (persistent, never evicting)."""
     if redis_server.answers(url):
-        log.info("redis: using %s", url)
+        log.info("redis: using %s", masked_url(url))
         return None
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost"):
-        raise SystemExit(f"redis at {url} does not answer; start it or set KEVLAYA_REDIS_URL")
+        raise SystemExit(f"redis at {masked_url(url)} does not answer; start it or set KEVLAYA_REDIS_URL")
     try:
         binary = redis_server.redis_server_binary()
     except redis_server.RedisServerError as exc:
-        raise SystemExit(f"redis at {url} does not answer and none can be started: {exc}") from None
+        raise SystemExit(f"redis at {masked_url(url)} does not answer and none can be started: {exc}") from None
     data_dir = STATE_DIR / "redis"
     port = parsed.port or 6379
-    log.info("redis: not running at %s, starting %s on port %s (data in %s)", url, binary, port, data_dir)
+    log.info("redis: not running at %s, starting %s on port %s (data in %s)", masked_url(url), binary, port,
+             data_dir)
     try:
         return redis_server.start_redis_server(port, data_dir, persistent=True, binary=binary)
     except redis_server.RedisServerError as exc:
         raise SystemExit(str(exc)) from None
 
 
-def local_api_key(settings: Settings) -> str:
+def kept_secret(name: str, make: Callable[[], str]) -> tuple[str, bool]:
+    """The secret kept in `.kevlaya/<name>`, made (and written readable by this user alone) on first use; True when
+    made now."""
+    path = STATE_DIR / name
+    STATE_DIR.mkdir(mode=0o700, exist_ok=True)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, even briefly
+    except FileExistsError:
+        return path.read_text().strip(), False
+    secret = make()
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secret + "\n")
+    return secret, True
+
+
+def local_api_key(settings: Settings) -> tuple[str, str]:
+    """The admin key, and what to print about it: the key itself only when it was made now (shown once), else where
+    it is kept."""
     if settings.api_key:
-        return settings.api_key.get_secret_value()
+        return settings.api_key.get_secret_value(), "from KEVLAYA_API_KEY"
+    key, made = kept_secret("api_key", generate_key)
     path = STATE_DIR / "api_key"
-    if not path.exists():
-        STATE_DIR.mkdir(exist_ok=True)
-        path.write_text(generate_key() + "\n")
-        path.chmod(0o600)
-    return path.read_text().strip()
+    return key, (f"{key}  (new: shown this once, kept in {path}, readable by you alone)" if made else f"in {path}")
+
+
+def flower_login(settings: Settings) -> tuple[str, str]:
+    """Flower's `user:password`, and what to print about it, as for the API key: KEVLAYA_FLOWER_BASIC_AUTH, else a
+    generated password kept in `.kevlaya/flower_auth`."""
+    if settings.flower_basic_auth:
+        return settings.flower_basic_auth.get_secret_value(), "login from KEVLAYA_FLOWER_BASIC_AUTH"
+    login, made = kept_secret("flower_auth", lambda: f"kevlaya:{secrets.token_urlsafe(18)}")
+    path = STATE_DIR / "flower_auth"
+    user, _, password = login.partition(":")
+    return login, (f"login {user} / {password}  (new: shown this once, kept in {path})" if made
+                   else f"login in {path}")
 
 
 def run_local(with_flower: bool = True) -> int:
@@ -60,24 +90,27 @@ def run_local(with_flower: bool = True) -> int:
         log.error("%s", problem)
         return 2
     upgrade(settings.database_url)
-    log.info("database: %s (migrated)", settings.database_url)
+    log.info("database: %s (migrated)", masked_url(settings.database_url))
     kevlaya = [sys.executable, "-m", "cli"]
     # The base first (a GGUF base is read into its cache once), so the API and the worker both start on it.
     if subprocess.run([*kevlaya, "models", "prepare"]).returncode != 0:
         return 2
     redis_process = ensure_redis(settings.redis_url)
-    key = local_api_key(settings)
+    key, key_note = local_api_key(settings)
+    # Secrets reach the children in their environment, which only this user can read; never on a command line.
     env = {**os.environ, "KEVLAYA_API_KEY": key}
     children = {
         "worker": subprocess.Popen([*kevlaya, "worker"], env=env),
         "api": subprocess.Popen([*kevlaya, "api"], env=env),
     }
+    flower_note = ""
     if with_flower:
-        children["flower"] = subprocess.Popen([*kevlaya, "flower"], env=env)
+        login, flower_note = flower_login(settings)
+        children["flower"] = subprocess.Popen([*kevlaya, "flower"], env={**env, "KEVLAYA_FLOWER_BASIC_AUTH": login})
     print(
         f"\n  API     http://{settings.api_host}:{settings.api_port}  (docs at /docs)\n"
-        + (f"  Flower  http://{settings.flower_host}:{settings.flower_port}\n" if with_flower else "")
-        + f"  API key {key}  (saved in {STATE_DIR / 'api_key'} unless KEVLAYA_API_KEY is set)\n"
+        + (f"  Flower  http://{settings.flower_host}:{settings.flower_port}  {flower_note}\n" if with_flower else "")
+        + f"  API key {key_note}\n"
         "  Ctrl-C stops everything.\n",
         flush=True,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import socket
 import sys
 from typing import Annotated, Any
@@ -82,6 +83,26 @@ def worker_health() -> None:
         raise typer.Exit(1)
 
 
+LOCAL_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def _flower_answers_only(hosts: tuple[str, ...]) -> None:
+    """Flower (Tornado) answers whatever Host a request names, so a web page whose name was rebound to this address
+    could read it in the user's browser. Its pages are served here only to requests naming one of `hosts` (others
+    get 404); Flower has no option of its own for this."""
+    from flower.app import Flower
+    from tornado.routing import HostMatches, Rule
+
+    pattern = "^(" + "|".join(re.escape(host) for host in hosts) + ")$"
+    build = Flower.__init__
+
+    def checked(self: Flower, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        self.default_router.rules = [Rule(HostMatches(pattern), self.wildcard_router)]
+
+    Flower.__init__ = checked  # type: ignore[method-assign]
+
+
 def flower() -> None:
     """Serve Flower (queue monitoring) on KEVLAYA_FLOWER_HOST:KEVLAYA_FLOWER_PORT."""
     settings = get_settings()
@@ -93,8 +114,10 @@ def flower() -> None:
     os.environ.pop("FLOWER_BASIC_AUTH", None)
     if settings.flower_basic_auth:
         os.environ["FLOWER_BASIC_AUTH"] = settings.flower_basic_auth.get_secret_value()
-    elif settings.flower_host not in ("127.0.0.1", "localhost", "::1"):
+    elif settings.flower_host not in LOCAL_NAMES:
         fail("Flower listens beyond localhost: set KEVLAYA_FLOWER_BASIC_AUTH=user:password")
+    if settings.flower_host in LOCAL_NAMES:  # beyond, the names it is reached by are not known here
+        _flower_answers_only(("127.0.0.1", "localhost", "[::1]", "::1"))
     _run_celery(args)
 
 

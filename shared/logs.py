@@ -7,6 +7,7 @@ import json
 import logging
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 FIELDS = "fields"  # the LogRecord attribute that holds a line's structured fields
 
@@ -78,3 +79,12 @@ def configure_logging(log_format: str, level: int | str = logging.INFO) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+def masked_url(url: str) -> str:
+    """`url` with its password shown as `***`, for log lines and messages (a database or Redis URL carries one)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.netloc.rpartition("@")[0].partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.netloc.rpartition('@')[2]}"))

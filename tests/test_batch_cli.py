@@ -140,3 +140,25 @@ def test_ctrl_c_leaves_the_batch_running_and_the_printed_wait_command_fetches_it
     assert sorted(line["custom_id"] for line in output) == ["r0", "r1", "r2", "r3"]
     assert not (tmp_path / "questions.errors.jsonl").exists()
     assert "errors: none" in waited.stdout
+
+
+def test_the_key_can_come_from_a_file_and_stay_out_of_the_process_list(env, api, tmp_path):
+    source = write_jsonl(tmp_path / "questions.jsonl", [request_line("r0")])
+    with source.open("rb") as content:
+        uploaded = api.post("/v1/files", data={"purpose": "batch"}, files={"file": (source.name, content)}).json()
+    batch = api.post("/v1/batches", json={"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
+                                          "completion_window": "24h"}).json()
+    key_file, wrong_file = tmp_path / "key", tmp_path / "wrong-key"
+    key_file.write_text(API_KEY + "\n")
+    wrong_file.write_text("kl_not_a_key\n")
+    command = [str(KEVLAYA), "batch", "cancel", batch["id"], "--url", f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}"]
+    clean = {name: value for name, value in env.items() if name != "KEVLAYA_API_KEY"}
+
+    refused = subprocess.run([*command, "--key-file", str(wrong_file)], env=clean, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "401" in refused.stderr, refused.stderr  # the file's key was the one sent
+    done = subprocess.run([*command, "--key-file", str(key_file)], env=clean, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split()[0] == batch["id"]
+    assert API_KEY not in " ".join(command)  # nothing secret in what `ps` shows
