@@ -34,8 +34,9 @@ def escalate(session: Session, parent: Job, group_id: uuid.UUID, laya: JobOutcom
         return None
     now = datetime.now(timezone.utc)
     stage = Job(
-        adapter="laya", requested_adapter="laya", answered_by="laya", status=laya.status, input=parent.input, params=parent.params,
-        parent_job_id=parent.id, api_key_id=parent.api_key_id, batch_id=group_id, attempts=parent.attempts,
+        adapter="laya", requested_adapter="laya", answered_by="laya", status=laya.status, input=parent.input,
+        params=parent.params, parent_job_id=parent.id, api_key_id=parent.api_key_id, batch_id=group_id,
+        attempts=parent.attempts,
         created_at=parent.created_at, started_at=parent.started_at, finished_at=now,
         result_text=laya.result_text, decision=laya.decision, error_code=laya.error_code,
         error_message=laya.error_message, switch_ms=laya.switch_ms, prefill_ms=laya.prefill_ms,
