@@ -18,6 +18,8 @@ def keys_create(
     name: Annotated[str, typer.Argument(help="who or what the key is for")],
     admin: Annotated[bool, typer.Option(help="may see every job, not only its own")] = False,
     rate_limit: Annotated[Optional[int], typer.Option(help="requests per minute this key may make (default: unlimited)")] = None,
+    weight: Annotated[float, typer.Option(min=0.01, help="the key's share of the slots against other keys with work "
+                                          "queued: a key of weight 2 holds twice the slots of one of weight 1")] = 1.0,
 ) -> None:
     """Create an API key and print it (only this once)."""
     require_database()
@@ -25,7 +27,8 @@ def keys_create(
     from shared.keys import create_key
 
     with session_scope() as session:
-        row, plain = create_key(session, name, admin=admin, rate_limit_per_minute=rate_limit)
+        row, plain = create_key(session, name, admin=admin, rate_limit_per_minute=rate_limit,
+                                share_weight=weight)
     typer.echo(f"id:  {row.id}\nkey: {plain}")
 
 
@@ -41,7 +44,8 @@ def keys_list() -> None:
     with session_scope() as session:
         for row in session.scalars(select(ApiKey).order_by(ApiKey.created_at)):
             state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
-            typer.echo(f"{row.id}  {row.name:<20} {'admin' if row.is_admin else 'user ':<6} {state}")
+            weight = f"  weight {row.share_weight:g}" if row.share_weight != 1 else ""
+            typer.echo(f"{row.id}  {row.name:<20} {'admin' if row.is_admin else 'user ':<6} {state}{weight}")
 
 
 @app.command("revoke")

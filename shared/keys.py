@@ -22,10 +22,12 @@ def generate_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
-def create_key(session: Session, name: str, *, admin: bool = False, rate_limit_per_minute: int | None = None) -> tuple[ApiKey, str]:
+def create_key(session: Session, name: str, *, admin: bool = False, rate_limit_per_minute: int | None = None,
+               share_weight: float = 1.0) -> tuple[ApiKey, str]:
     """Store a new key; returns the row and the plain key (the only time it exists)."""
     plain = generate_key()
-    row = ApiKey(name=name, key_hash=hash_key(plain), is_admin=admin, rate_limit_per_minute=rate_limit_per_minute)
+    row = ApiKey(name=name, key_hash=hash_key(plain), is_admin=admin, rate_limit_per_minute=rate_limit_per_minute,
+                 share_weight=share_weight)
     session.add(row)
     session.flush()
     return row, plain

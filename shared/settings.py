@@ -30,7 +30,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Database": ("database_url", "db_pool_size", "db_pool_timeout_s", "sqlite_synchronous"),
     "Models": ("base_model", "model_cache_dir", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
-    "Engine": ("max_batch", "max_wait_ms", "engine_window_tokens", "engine_prefill_tokens",
+    "Engine": ("max_batch", "max_wait_ms", "key_spare_slots", "engine_window_tokens", "engine_prefill_tokens",
                "engine_prefill_chunk_tokens", "engine_prefill_between_steps", "engine_latency_steps",
                "engine_batch_prefill_tokens", "engine_cuda_graphs", "engine_kv_dtype",
                "engine_workspace_gb", "engine_prefill_share", "engine_switch_interval_ms"),
@@ -199,6 +199,10 @@ class Settings(BaseSettings):
     max_wait_ms: int = Field(
         default=2000, ge=0, description="fairness bound: an adapter whose oldest job has waited longer takes the "
         "next free slots first, and its claimed jobs are neither reordered nor paced")
+    key_spare_slots: int = Field(
+        default=1, ge=0, description="slots a worker keeps free for an API key that holds none, so its first job "
+        "starts at the next step instead of waiting for another key's row to finish; a key holding none may always "
+        "take one (docs/fair-share.md)")
     engine_window_tokens: int = Field(
         default=1024, ge=16, description="the most tokens (prompt + new) one job may hold; each slot reserves this "
         "much key/value cache, and the API refuses a longer job (422)")

@@ -202,3 +202,12 @@ def test_interactive_jobs_come_before_every_keys_batch_lines_and_lines_take_turn
     assert claim_one().id == interactive
     assert claim_one().api_key_id == a  # the oldest line, nothing held
     assert claim_one().id == line  # a's lines hold a slot: b's one line is next
+
+
+def test_a_key_of_weight_two_holds_twice_the_slots_of_a_key_of_weight_one(service_env):
+    heavy, light = add_key("heavy", share_weight=2.0), add_key("light")
+    add_key_jobs(heavy, 50, age_s=60)
+    add_key_jobs(light, 50, age_s=30)
+    with session_scope() as session:
+        _, jobs = claim_group(session, "laya", 9, "w1", lease_s=30)
+    assert Counter(job.api_key_id for job in jobs) == {heavy: 6, light: 3}

@@ -401,10 +401,12 @@ def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_st
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
-    # no latency role: Laya's jobs are prefilled with Kev's (not apart), so all four rows finish at one step
+    # no latency role: Laya's jobs are prefilled with Kev's (not apart), so all four rows finish at one step; no
+    # spare slot for another key, so the four jobs of one key take all four slots
     settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
                         kev={"path": str(tiny_model["kev"])},
-                        laya={"path": str(tiny_model["laya"]), "reserved_slots": 0}, max_batch=4, ignore_eos=True)
+                        laya={"path": str(tiny_model["laya"]), "reserved_slots": 0}, max_batch=4, ignore_eos=True,
+                        key_spare_slots=0)
     with session_scope() as session:
         jobs = [Job(id=uuid.uuid4(), adapter=a, requested_adapter=a, input=f"Question {i}?",
                     params={**TEXT, "max_new_tokens": 5}) for i, a in enumerate(["kev", "laya", "kev", "laya"])]

@@ -66,3 +66,11 @@ def test_ties_go_to_the_key_served_longest_ago_then_to_the_oldest_job():
     assert share_slots([queue(A, 5, age_s=1), queue(B, 5, age_s=2)], 1, turns) == [(0, B, 1)]
     turns.served({B})
     assert share_slots([queue(A, 5, age_s=1), queue(B, 5, age_s=2)], 1, turns) == [(0, A, 1)]
+
+
+def test_spare_slots_wait_for_a_key_that_holds_none():
+    assert share_slots([queue(A, 100)], 8, spare=1) == [(0, A, 7)]  # its first slot counts: one stays free
+    assert share_slots([queue(A, 100, held=7)], 1, spare=1) == []
+    assert share_slots([queue(A, 100, held=7), queue(B, 3, age_s=-1)], 1, spare=1) == [(0, B, 1)]
+    assert share_slots([queue(A, 100)], 1, spare=1) == [(0, A, 1)]  # holding none, a key always gets one
+    assert share_slots([queue(A, 100, held=3), queue(B, 100)], 4, spare=2) == [(0, B, 2)]

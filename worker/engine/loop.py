@@ -29,7 +29,7 @@ from worker.engine.policy import (
 from worker.engine.token_stream import TokenPublisher
 from worker.engine.writer import ResultWriter
 from worker.generation import GenerationRequest, GenerationResult
-from worker.ledger.claims import claim_group, queue_snapshot, worker_name
+from worker.ledger.claims import claim_group, claimable, queue_snapshot, worker_name
 from worker.ledger.fair_share import KeyTurns
 from worker.ledger.leases import leases_kept
 from worker.ledger.settle import failed, generation_request, unreadable
@@ -200,11 +200,15 @@ class Engine:
         with session_scope() as session:
             plan = plan_slots(queue_snapshot(session), free, self.settings.max_wait_ms, self.expected_tokens,
                               self._reserved(), self._in_flight(), self._batch_room())
+            # Slots the plan leaves free (a reservation's) are spare already; a claim keeps only the rest.
+            unplanned = free - sum(count for _, count in plan)
+            spare = max(0, min(self.settings.key_spare_slots, self.decoder.limit - 1) - unplanned)
+            plan = [(a, count) for a, count in plan if claimable(session, a, count, self.turns, spare)]
         claimed = 0
         for adapter, count in plan:
             with write_scope() as session:
                 group, jobs = claim_group(session, adapter, count, self.worker, self.settings.lease_seconds,
-                                           self.turns)
+                                          self.turns, spare)
             if jobs:
                 claimed += len(jobs)
                 self._start(group, jobs)

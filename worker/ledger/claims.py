@@ -14,8 +14,10 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from shared import lifecycle
-from shared.models import ClaimGroup, Job, JobStatus, Priority
+from shared.models import ApiKey, ClaimGroup, Job, JobStatus, Priority
 from worker.ledger.fair_share import KeyQueue, KeyTurns, share_slots
+
+MIN_WEIGHT = 0.01  # a weight set to 0 by hand in the database still gets a turn now and then
 
 
 def worker_name() -> str:
@@ -70,11 +72,11 @@ def queue_snapshot(session: Session, now: datetime | None = None) -> QueueSnapsh
 
 
 def claim_group(session: Session, adapter: str, limit: int, worker: str, lease_s: float,
-                turns: KeyTurns | None = None) -> tuple[ClaimGroup, list[Job]]:
+                turns: KeyTurns | None = None, spare: int = 0) -> tuple[ClaimGroup, list[Job]]:
     """Move up to `limit` queued jobs of `adapter` to `running`, atomically, as one claim group: interactive jobs
     first, then the lines of file batches, and within each the keys in turn (`fair_share.share_slots`), each
     key's oldest jobs first. `turns` is this worker's memory of whom it served last (None: ties go to the oldest
-    job).
+    job); `spare` of the `limit` slots are only for keys that hold none.
 
     The group's row is written first, so on SQLite this transaction already holds the write lock before it
     reads; on PostgreSQL `FOR UPDATE SKIP LOCKED` lets concurrent workers take disjoint rows (a key's jobs another
@@ -84,7 +86,7 @@ def claim_group(session: Session, adapter: str, limit: int, worker: str, lease_s
     session.add(group)
     session.flush()
     ids: list[uuid.UUID] = []
-    for priority, key, count in share_slots(key_queues(session, adapter), limit, turns):
+    for priority, key, count in share_slots(key_queues(session, adapter), limit, turns, spare):
         ids += session.scalars(
             select(Job.id)
             .where(Job.status == JobStatus.QUEUED, Job.adapter == adapter, Job.priority == priority,
@@ -100,6 +102,12 @@ def claim_group(session: Session, adapter: str, limit: int, worker: str, lease_s
     elif turns is not None:
         turns.served({job.api_key_id for job in jobs})
     return group, sorted(jobs, key=lambda j: (j.created_at, str(j.id)))
+
+
+def claimable(session: Session, adapter: str, limit: int, turns: KeyTurns | None = None, spare: int = 0) -> int:
+    """How many jobs `claim_group` would take now, read without writing: a look that would take none (every key
+    with queued jobs holds a slot and only spare slots are free) leaves the write lock alone."""
+    return sum(n for _, _, n in share_slots(key_queues(session, adapter), limit, turns, spare))
 
 
 def key_queues(session: Session, adapter: str) -> list[KeyQueue]:
@@ -118,13 +126,17 @@ def key_queues(session: Session, adapter: str) -> list[KeyQueue]:
     ).all())
     weights = key_weights(session, {key for key, *_ in queued if key is not None})
     return [KeyQueue(priority=priority, key=key, queued=count, held=held.get((key, priority), 0),
-                     oldest=_aware(first), weight=weights.get(key, 1.0))
+                     oldest=_aware(first), weight=max(weights.get(key, 1.0), MIN_WEIGHT))
             for key, priority, count, first in queued]
 
 
 def key_weights(session: Session, keys: set[uuid.UUID]) -> dict[uuid.UUID, float]:
-    """Every key weighs 1 until keys carry a weight of their own."""
-    return {}
+    """The keys' `share_weight`s that are not 1."""
+    if not keys:
+        return {}
+    return dict(session.execute(
+        select(ApiKey.id, ApiKey.share_weight).where(ApiKey.id.in_(keys), ApiKey.share_weight != 1.0)
+    ).all())
 
 
 def _aware(moment: datetime | str) -> datetime:

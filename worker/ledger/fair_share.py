@@ -44,9 +44,12 @@ class KeyTurns:
             self._last[key] = claim
 
 
-def share_slots(queues: list[KeyQueue], limit: int, turns: KeyTurns | None = None) -> list[tuple[int, Key, int]]:
+def share_slots(queues: list[KeyQueue], limit: int, turns: KeyTurns | None = None,
+                spare: int = 0) -> list[tuple[int, Key, int]]:
     """(priority, key, count) for up to `limit` slots: every interactive job before any batch line; within a
-    priority, each slot to the lowest (held + given + 1) / weight."""
+    priority, each slot to the lowest (held + given + 1) / weight. A key that holds a slot there already leaves
+    the last `spare` slots free: they wait for a key that holds none, whose first job then starts at the next step
+    instead of when another key's row finishes (a key holding none may always take one)."""
     last = turns.last if turns is not None else (lambda _key: 0)
 
     def entry(i: int) -> tuple:
@@ -56,11 +59,13 @@ def share_slots(queues: list[KeyQueue], limit: int, turns: KeyTurns | None = Non
     given = [0] * len(queues)
     heap = [entry(i) for i, q in enumerate(queues) if q.queued > 0]
     heapq.heapify(heap)
-    for _ in range(limit):
-        if not heap:
-            break
+    left = limit
+    while heap and left > 0:
         i = heapq.heappop(heap)[-1]
+        if queues[i].held + given[i] > 0 and left <= spare:
+            continue  # this key holds a slot already: what is left is spare
         given[i] += 1
+        left -= 1
         if given[i] < queues[i].queued:
             heapq.heappush(heap, entry(i))
     return [(q.priority, q.key, n) for q, n in zip(queues, given, strict=True) if n > 0]
