@@ -147,10 +147,10 @@ class Settings(BaseSettings):
         "waiting longest for a head is closed first); unset: half of the process's cap. Behind a reverse proxy every "
         "connection comes from the proxy's address")
     streams_per_key: int = Field(
-        default=64, ge=1, description="event streams (`GET /v1/jobs/{id}/events`, streamed chat completions) one API "
+        default=256, ge=1, description="event streams (`GET /v1/jobs/{id}/events`, streamed chat completions) one API "
         "key may hold open at once in one API process; one more gets 429 `too_many_streams`")
     long_polls_per_key: int = Field(
-        default=64, ge=1, description="long-polls (`GET /v1/jobs/{id}/wait`, chat completions without `stream`) one "
+        default=256, ge=1, description="long-polls (`GET /v1/jobs/{id}/wait`, chat completions without `stream`) one "
         "API key may hold waiting at once in one API process; one more gets 429 `too_many_long_polls`")
 
     # Database
