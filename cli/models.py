@@ -1,5 +1,5 @@
 """Model-lab commands (`modellab/`): `models random`, `models build-demo`, `models questions`, `models data`,
-`models calibrate`, `models prepare`, `models verify`, `train` and `eval`."""
+`models prose-data`, `models calibrate`, `models prepare`, `models verify`, `train` and `eval`."""
 
 from __future__ import annotations
 
@@ -129,6 +129,26 @@ def models_questions(
     typer.echo(f"written {count} questions to {out}")
 
 
+@app.command("prose-data")
+def models_prose_data(
+    out: Annotated[Path, typer.Option(help="directory for kev/train.jsonl, laya/train.jsonl, val_scenarios.jsonl "
+                                           "and test_questions.jsonl")],
+    train: Annotated[int, typer.Option(min=1, help="plain-words training questions (training domains)")] = 6000,
+    templated: Annotated[int, typer.Option(min=0, help="templated scenarios mixed in")] = 2000,
+    val: Annotated[int, typer.Option(min=1, help="validation questions (for `kevlaya models calibrate`)")] = 400,
+    test: Annotated[int, typer.Option(min=1, help="held-out questions: unseen domains and phrasings")] = 400,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Write the roles' training data for a real base: decision questions in plain words (named options, figures in
+    any order and unit, objectives and limits said many ways) mixed with templated scenarios, and the held-out
+    questions of domains and phrasings training never sees (modellab/prose_questions.py)."""
+    from modellab.prose_questions import write_dataset
+
+    for name, path in write_dataset(out, n_train=train, n_templated=templated, n_val=val, n_test=test,
+                                    seed=seed).items():
+        typer.echo(f"{name}: {path}")
+
+
 @app.command("data")
 def models_data(
     out: Annotated[Path, typer.Option(help="directory to write the data into")] = Path("build/demo-data"),
@@ -252,6 +272,12 @@ def train(
     system_prompt: Annotated[Optional[str], typer.Option(help="(default: the adapter's serving system prompt)")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda (CUDA: QLoRA on an NF4 base)")] = "auto",
+    quantization: Annotated[str, typer.Option(help="on CUDA: auto or nf4 trains on an NF4 base (QLoRA), none on the "
+                                                   "full-precision base")] = "auto",
+    save_dtype: Annotated[str, typer.Option(help="the adapter's weights as written: float32 or float16 (half the "
+                                                 "size)")] = "float32",
+    balance: Annotated[bool, typer.Option(help="oversample every label up to the most frequent one's count; "
+                                               "--no-balance trains on the data as it is")] = True,
 ) -> None:
     """Train a Kev or Laya LoRA adapter on a base model (QLoRA on CUDA, full-precision base on the CPU)."""
     import logging
@@ -261,6 +287,10 @@ def train(
 
     if adapter not in ADAPTERS:
         fail("--adapter must be kev or laya")
+    if quantization not in ("auto", "nf4", "none"):
+        fail("--quantization must be auto, nf4 or none")
+    if save_dtype not in ("float32", "float16"):
+        fail("--save-dtype must be float32 or float16")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     defaults = preset(adapter)
     if base.is_file() and base.suffix.lower() == ".gguf":
@@ -279,7 +309,8 @@ def train(
             lr=defaults["lr"] if lr is None else lr,
             target_modules=tuple(t.strip() for t in targets.split(",") if t.strip()), epochs=epochs,
             max_steps=max_steps, batch_size=batch_size, grad_accum=grad_accum, max_seq_tokens=max_seq_tokens,
-            eval_file=eval_file, seed=seed, device=device,
+            eval_file=eval_file, seed=seed, device=device, quantization=quantization, save_dtype=save_dtype,
+            balance_labels=balance,
         )
         report = train_adapter(config)
     except DataError as exc:  # every problem with its line number, no traceback: the file is at fault

@@ -63,6 +63,7 @@ class Scenario:
     max_risk: str | None = None
     deadline: int | None = None
     question: str | None = None  # the plain words it is asked in, when not the scenario format (render_question)
+    min_quality: int | None = None  # plain-words questions only (modellab/prose_questions.py): "at least 4 stars"
 
     @property
     def label(self) -> str:
@@ -76,6 +77,7 @@ class Scenario:
             "max_risk": self.max_risk,
             "deadline": self.deadline,
             **({"question": self.question} if self.question is not None else {}),
+            **({"min_quality": self.min_quality} if self.min_quality is not None else {}),
         }
 
     @classmethod
@@ -87,6 +89,7 @@ class Scenario:
             max_risk=data.get("max_risk"),
             deadline=data.get("deadline"),
             question=data.get("question"),
+            min_quality=data.get("min_quality"),
         )
 
 
@@ -114,6 +117,7 @@ def feasible(s: Scenario, o: Option) -> bool:
         (s.budget is None or o.cost <= s.budget)
         and (s.max_risk is None or RISKS.index(o.risk) <= RISKS.index(s.max_risk))
         and (s.deadline is None or o.days <= s.deadline)
+        and (s.min_quality is None or o.quality >= s.min_quality)
     )
 
 

@@ -236,6 +236,27 @@ def test_train_command_trains_and_prints_the_report(base: Path, tmp_path: Path) 
     assert verify_manifest(tmp_path / "out") == []
 
 
+def test_train_command_writes_half_precision_weights_and_can_leave_the_labels_as_they_are(base: Path,
+                                                                                       tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    data = write_jsonl(tmp_path / "data.jsonl", RECORDS[:2] + RECORDS[:1])  # A twice, B once
+    result = kevlaya("train", str(data), "--adapter", "laya", "--base", str(base), "--out", str(tmp_path / "out"),
+                     "--max-steps", "2", "--batch-size", "2", "--device", "cpu", "--save-dtype", "float16",
+                     "--no-balance")
+    assert result.returncode == 0, result.stderr
+    with safe_open(tmp_path / "out" / "adapter_model.safetensors", "pt") as weights:
+        assert {str(weights.get_tensor(k).dtype) for k in weights.keys()} == {"torch.float16"}
+    record = json.loads((tmp_path / "out" / "training.json").read_text())
+    assert record["report"]["samples"] == 3 and record["report"]["labels_after"] == {}
+    assert verify_manifest(tmp_path / "out") == []
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "out")
+    assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+    bad = kevlaya("train", str(data), "--adapter", "laya", "--base", str(base), "--out", str(tmp_path / "x"),
+                  "--save-dtype", "int8")
+    assert bad.returncode == 2 and "--save-dtype must be float32 or float16" in bad.stderr
+
+
 def test_quick_demo_build_loads_and_verifies(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     result = kevlaya("models", "build-demo", "--quick", "--out", str(out), "--data-dir", str(tmp_path / "data"),

@@ -32,15 +32,17 @@ from modellab.training.loop import LoopSettings, make_report, run_loop, seed_eve
 from modellab.training.scoring import score_decisions
 from shared.base_match import record_base
 from shared.manifest import write_manifest
-from worker.model.loading import load_causal_lm, resolve_device
+from worker.model.loading import adapters_to, load_causal_lm, resolve_device
 from worker.model.quantization import nf4_config
 
 log = logging.getLogger("kevlaya.training")
 
 
-def _load_trainable_base(path: Path, device: str, gradient_checkpointing: bool) -> PreTrainedModel:
+def _load_trainable_base(path: Path, device: str, gradient_checkpointing: bool, nf4: bool) -> PreTrainedModel:
     if device == "cpu":
         return load_causal_lm(path, dtype=torch.float32)
+    if not nf4:  # the full-precision base on the GPU: adapters that fit the weights the CPU serves exactly
+        return load_causal_lm(path, dtype=torch.float32, device_map={"": 0})
     from peft import prepare_model_for_kbit_training
 
     model = load_causal_lm(path, quantization_config=nf4_config(torch.float16), dtype=torch.float16,
@@ -48,8 +50,9 @@ def _load_trainable_base(path: Path, device: str, gradient_checkpointing: bool) 
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
 
 
-def _optimizer(params: list[torch.nn.Parameter], device: str, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    if device == "cpu":
+def _optimizer(params: list[torch.nn.Parameter], quantized: bool, lr: float, weight_decay: float
+               ) -> torch.optim.Optimizer:
+    if not quantized:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     import bitsandbytes as bnb
 
@@ -100,8 +103,8 @@ def train_adapter(config: TrainConfig) -> TrainReport:
     else:
         examples, before, after = kept, {}, {}
 
-    model = _load_trainable_base(config.base_model, device, config.gradient_checkpointing)
-    quantized = device == "cuda"
+    quantized = device == "cuda" and config.quantization != "none"
+    model = _load_trainable_base(config.base_model, device, config.gradient_checkpointing, quantized)
     lora = LoraConfig(r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout,
                       target_modules=list(config.target_modules), task_type="CAUSAL_LM")
     torch.manual_seed(config.seed)  # LoRA A's initialisation
@@ -109,7 +112,7 @@ def train_adapter(config: TrainConfig) -> TrainReport:
     if device == "cpu":
         model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _optimizer(params, device, config.lr, config.weight_decay)
+    optimizer = _optimizer(params, quantized, config.lr, config.weight_decay)
     per_step = config.batch_size * config.grad_accum
     total = config.max_steps or math.ceil(config.epochs * len(examples) / per_step)
     log.info("training %s adapter (r=%d, alpha=%d, %s; %d trainable parameters) on %s: %d examples, %d steps",
@@ -140,6 +143,8 @@ def train_adapter(config: TrainConfig) -> TrainReport:
     report = make_report(result, total, len(examples), device, filtered=filtered, labels_before=before,
                      labels_after=after, eval=scores, quantized=quantized)
     report.seconds = time.perf_counter() - started  # the whole run, loading and evaluation included
+    if config.save_dtype != "float32":
+        adapters_to(model, getattr(torch, config.save_dtype))
     _save_adapter(model, config.output_dir)
     record = {
         "config": config.to_json(), "report": asdict(report), "losses": result.losses,

@@ -42,6 +42,8 @@ class TrainConfig:
     balance_labels: bool = True
     seed: int = 0
     device: str = "auto"  # "auto" | "cpu" | "cuda"
+    quantization: str = "auto"  # on CUDA: "auto"/"nf4" trains on an NF4 base (QLoRA), "none" on the full-precision one
+    save_dtype: str = "float32"  # the adapter's weights as written: "float16" halves the file
     gradient_checkpointing: bool = False  # saves activation memory on big bases at the cost of a second forward
     eval_file: Path | None = None
     eval_samples: int = 256
