@@ -89,7 +89,7 @@ class ApiKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
     rate_limit_per_minute: Mapped[int | None] = mapped_column(Integer)
-    # the key's share of the slots against other keys with work queued (docs/fair-share.md; migration 0008)
+    # the key's share of the slots against other keys with work queued (docs/architecture.md §3; migration 0008)
     share_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None]
@@ -126,7 +126,7 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         UniqueConstraint("api_key_id", "idempotency_key", name="uq_jobs_api_key_idempotency"),
-        # claims: each key's oldest queued jobs per adapter and priority (migration 0008, docs/fair-share.md)
+        # claims: each key's oldest queued jobs per adapter and priority (migration 0008, docs/architecture.md §3)
         Index("ix_jobs_claim_by_key", "status", "adapter", "priority", "api_key_id", "created_at"),
         Index("ix_jobs_created_id", "created_at", "id"),
         # /v1/stats reads a window of jobs from this index alone, and finds escalations (migration 0003)

@@ -202,7 +202,7 @@ class Settings(BaseSettings):
     key_spare_slots: int = Field(
         default=1, ge=0, description="slots a worker keeps free for an API key that holds none, so its first job "
         "starts at the next step instead of waiting for another key's row to finish; a key holding none may always "
-        "take one (docs/fair-share.md)")
+        "take one (docs/architecture.md §3)")
     engine_window_tokens: int = Field(
         default=1024, ge=16, description="the most tokens (prompt + new) one job may hold; each slot reserves this "
         "much key/value cache, and the API refuses a longer job (422)")

@@ -134,7 +134,7 @@ def test_interactive_jobs_are_claimed_before_older_batch_lines_of_their_adapter(
     assert {j.id for j in jobs} == {interactive[0], lines[0]}
 
 
-# -- fair share per key (docs/fair-share.md) ---------------------------------------------------------------------
+# -- fair share per key (docs/architecture.md §3) ---------------------------------------------------------------------
 
 def add_key(name: str, **columns) -> uuid.UUID:
     key = ApiKey(name=name, key_hash=uuid.uuid4().hex + uuid.uuid4().hex, **columns)

@@ -1,5 +1,5 @@
 """Fair share per key with real processes (API → Redis → worker → SQL, loopback), on SQLite and PostgreSQL: a key
-with 2,048 queued jobs delays another key's single Laya job by one claim round at most (docs/fair-share.md)."""
+with 2,048 queued jobs delays another key's single Laya job by one claim round at most (docs/architecture.md §3)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_a_keys_2048_queued_jobs_delay_another_keys_laya_job_by_one_claim_round_
     # The backlog delays the job by one claim round at most: its wait for a slot (the next look at the queue, inside
     # a step of the backlog's rows) stays within twice an idle job's whole time; before keys took turns it waited
     # for the whole backlog. Its decode under load also pays for the rows beside it and the worker's other work
-    # (docs/fair-share.md), which a busy 2-core machine makes noisy, so the total is only checked to end.
+    # (docs/architecture.md §3), which a busy 2-core machine makes noisy, so the total is only checked to end.
     idle_ms = statistics.median(idle)
     waits, totals = [w for w, _ in loaded], [t for _, t in loaded]
     seen = f"idle {sorted(round(t) for t in idle)}, loaded waits {sorted(waits)}, totals {sorted(totals)}"

@@ -3,7 +3,7 @@
 Revision ID: 0008
 Revises: 0007
 
-A claim picks, per (adapter, priority), each key's oldest queued jobs (docs/fair-share.md): the index
+A claim picks, per (adapter, priority), each key's oldest queued jobs (docs/architecture.md §3): the index
 (status, adapter, priority, api_key_id, created_at) answers both the per-key counts and each key's oldest jobs, and
 replaces (status, adapter, priority, created_at), whose prefix it keeps for the queue snapshot.
 """

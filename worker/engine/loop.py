@@ -132,7 +132,7 @@ class Engine:
         if reserved := self._reserved():
             log.info("engine: slots reserved per adapter %s of %d", reserved, self.decoder.limit)
         self.worker = worker_name()
-        self.turns = KeyTurns()  # whom this worker's claims served last: keys take turns (docs/fair-share.md)
+        self.turns = KeyTurns()  # whom this worker's claims served last: keys take turns (docs/architecture.md §3)
         self.draining = threading.Event()
         self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
         self.prefilling: list[Claimed] = []  # the jobs of the decoder's prefill under way (passes between steps)

@@ -1,4 +1,4 @@
-"""Whose jobs a claim takes (docs/fair-share.md). Pure: decides from plain data, so it can be tested on its own.
+"""Whose jobs a claim takes (docs/architecture.md §3). Pure: decides from plain data, so it can be tested on its own.
 
 Within each priority, every free slot goes to the key that holds the fewest slots of that adapter and priority
 for its weight, counting the slots this claim has already given it. A slot decodes one token per step, so keys
