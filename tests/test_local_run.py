@@ -137,7 +137,10 @@ def test_make_run_serves_jobs_without_redis_or_postgresql_installed(fresh_clone:
         docs = httpx.get(f"{base}/docs")
         script = re.search(r'<script src="(/[^"]+)"', docs.text).group(1)
         assert httpx.get(f"{base}{script}").status_code == 200  # the docs' assets come from the API itself
-        flower = wait_until(lambda: _get(f"http://127.0.0.1:{flower_port}/"), 60, what="Flower")
+        # Flower behind the login `kevlaya run` generated and keeps beside the API key
+        login = tuple((fresh_clone / ".kevlaya" / "flower_auth").read_text().strip().split(":", 1))
+        assert wait_until(lambda: _get(f"http://127.0.0.1:{flower_port}/"), 60, what="Flower").status_code == 401
+        flower = _get(f"http://127.0.0.1:{flower_port}/", auth=login)
         assert flower.status_code == 200 and "Flower" in flower.text
     finally:
         with contextlib.suppress(ProcessLookupError):  # nothing left of the group if `make run` died early
@@ -177,8 +180,8 @@ def _quote(arg: str) -> str:
     return f'"{arg}"' if " " in arg else arg
 
 
-def _get(url: str) -> httpx.Response | None:
+def _get(url: str, auth: tuple[str, str] | None = None) -> httpx.Response | None:
     try:
-        return httpx.get(url, timeout=5)
+        return httpx.get(url, timeout=5, auth=auth)
     except httpx.TransportError:
         return None
