@@ -118,7 +118,7 @@ def test_models_load_without_hub_kernels(runtime: ReferenceRuntime, model_dirs: 
     from modellab.training.adapters import _load_trainable_base
 
     assert runtime.model.get_base_model().use_kernels is False
-    assert _load_trainable_base(model_dirs["base"], "cpu", gradient_checkpointing=False).use_kernels is False
+    assert _load_trainable_base(model_dirs["base"], "cpu", gradient_checkpointing=False, nf4=False).use_kernels is False
 
 
 @pytest.mark.parametrize("saved", [torch.float32, torch.float16], ids=["saved-fp32", "saved-fp16"])
