@@ -13,16 +13,12 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.base_source import DEFAULT_BASE
 from shared.schemas import check_temperature
 
 Adapter = Literal["kev", "laya"]
 ADAPTERS: tuple[Adapter, ...] = ("kev", "laya")
 
-# The default roles: adapters on the default base (shared/base_source.py `DEFAULT_BASE`, SmolLM2-135M-Instruct).
-DEFAULT_MODEL_DIR = Path("models/smollm2")
-# The project's own tiny model (base and adapters), which tests and benchmarks use as a fixture.
-DEMO_MODEL_DIR = Path("models/demo")
+DEFAULT_MODEL_DIR = Path("models/demo")
 
 # The settings by component, in the order of `Settings`' fields: every field in exactly one group.
 # `kev` and `laya` are the roles' profiles (`AdapterProfile`), read from `KEVLAYA_KEV__*` and `KEVLAYA_LAYA__*`.
@@ -172,7 +168,7 @@ class Settings(BaseSettings):
 
     # Models
     base_model: str = Field(
-        default=DEFAULT_BASE, description="the base model: a local Hugging Face directory, a "
+        default=str(DEFAULT_MODEL_DIR / "base"), description="the base model: a local Hugging Face directory, a "
         "`.gguf` file (read once into `KEVLAYA_MODEL_CACHE_DIR`), or `pkg:<package>/<file>` for a file inside an "
         "installed Python package")
     model_cache_dir: Path = Field(default=Path(".kevlaya/models"), description="where a GGUF base's dequantized "

@@ -129,3 +129,31 @@ def test_kevlaya_models_prepare_refuses_a_bad_base_in_one_line(tmp_path):
     assert done.returncode == 2
     assert "error: base" in done.stderr and "'rwkv7'" in done.stderr
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+SMOLLM2 = {"KEVLAYA_BASE_MODEL": DEFAULT_BASE, "KEVLAYA_MODEL_CACHE_DIR": str(SHARED_CACHE),
+           "KEVLAYA_KEV__PATH": str(ROOT / "models" / "smollm2" / "kev"),
+           "KEVLAYA_LAYA__PATH": str(ROOT / "models" / "smollm2" / "laya")}
+TRAIN_OR_FLY = ("Should I take the train or fly to Lyon? The train takes 2 h and costs 40 EUR; the flight takes 1 h "
+                "plus 2 h of airport time and costs 90 EUR. I care most about cost.")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the database plays no part here
+@pytest.mark.parametrize("env", [SMOLLM2], indirect=True)
+def test_the_real_gguf_base_serves_both_roles_through_the_api_and_the_worker(env, api, start_process):
+    """SmolLM2 from its package, through a real API and worker on the CPU: each role's answer is a decision that
+    names one of the question's options, and Kev's opens with its analysis."""
+    from tests.conftest import start_worker, submit, wait_finished
+
+    build_gguf_cache(locate(DEFAULT_BASE), SHARED_CACHE)  # once, shared with `make run` on this checkout
+    start_worker(start_process, env, api)
+    ids = [submit(api, adapter, TRAIN_OR_FLY, output="decision", choices=["train", "flight"])
+           for adapter in ("laya", "kev")]
+    laya, kev = wait_finished(api, ids, timeout=240)
+    for job in (laya, kev):
+        assert job["status"] == "succeeded", job["error"]
+        assert job["result"]["decision"]["decision"] in ("train", "flight", "none")
+        assert 0 < job["result"]["decision"]["confidence"] <= 1
+    assert kev["result"]["text"].startswith("Goal:") and kev["answered_by"] == "kev"
+    assert laya["result"]["text"].startswith("{") and laya["answered_by"] == "laya"

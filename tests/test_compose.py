@@ -17,8 +17,6 @@ import pytest
 import yaml
 from sqlalchemy.engine import make_url
 
-from shared.base_source import DEFAULT_BASE
-
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
@@ -316,9 +314,9 @@ def test_models_are_mounted_read_only_and_configurable():
         source, read_only = volume_targets(raw_compose()["services"][name])["/app/models"]
         assert source == "./models" and read_only, name
     defaults = service_env(resolved_compose()["services"]["worker"])
-    assert defaults["KEVLAYA_BASE_MODEL"] == DEFAULT_BASE  # the GGUF of the package the image installs
-    assert defaults["KEVLAYA_KEV__PATH"] == "/app/models/smollm2/kev"
-    assert defaults["KEVLAYA_LAYA__PATH"] == "/app/models/smollm2/laya"
+    assert defaults["KEVLAYA_BASE_MODEL"] == "/app/models/demo/base"
+    assert defaults["KEVLAYA_KEV__PATH"] == "/app/models/demo/kev"
+    assert defaults["KEVLAYA_LAYA__PATH"] == "/app/models/demo/laya"
     for name in ("api", *WORKERS):  # the worker writes the GGUF base's cache once, the API reads its tokenizer
         assert service_env(resolved_compose()["services"][name])["KEVLAYA_MODEL_CACHE_DIR"] == "/model-cache"
         source, read_only = volume_targets(raw_compose()["services"][name])["/model-cache"]
