@@ -264,3 +264,11 @@ def test_the_official_openai_client_drives_a_batch_from_upload_to_output(env, ap
     assert batch.id in [b.id for b in client.batches.list(limit=5)]
     assert {f.id for f in client.files.list()} == {uploaded.id, batch.output_file_id, batch.error_file_id}
     assert client.files.delete(uploaded.id).deleted
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the database plays no part here
+def test_an_empty_page_cursor_is_refused_naming_it_not_read_as_no_cursor(client):
+    for path in ("/v1/batches", "/v1/files"):
+        response = client.get(f"{path}?after=", headers=AUTH)
+        assert response.status_code == 422, (path, response.text)
+        assert "after" in response.text

@@ -168,7 +168,8 @@ def test_make_test_subset_passes_without_redis_or_postgresql_installed(fresh_clo
     print(f"make test (subset): {time.monotonic() - started:.1f}s")
     assert run.returncode == 0, output[-5000:]
     summary = next(line for line in reversed(output.splitlines()) if re.search(r" in [0-9.]+s\b", line))
-    assert re.search(r"\b1[0-9] passed\b", summary) and "failed" not in summary and "error" not in summary, summary
+    passed = re.search(r"\b([0-9]+) passed\b", summary)  # the subset grows as claims gain tests
+    assert passed and int(passed[1]) >= 10 and "failed" not in summary and "error" not in summary, summary
     # both databases ran, and the Redis-restart test ran on the wheel's server (`-v` lines, in parallel runs too:
     # "[gw1] [ 50%] PASSED tests/…[postgresql]")
     passed = [line for line in output.splitlines() if re.search(r"\bPASSED\b", line) and "[postgresql]" in line]

@@ -75,7 +75,7 @@ def create_batch(request: BatchCreate, key: CurrentKey, session: SessionDep, kee
 @router.get("", response_model=BatchList, responses=error_responses(404, 422, *AUTH_ERRORS))
 def list_batches(key: CurrentKey, session: SessionDep,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                 after: Annotated[str | None, Query(description="a batch id: the page starts after it")] = None,
+                 after: Annotated[str | None, Query(min_length=1, description="a batch id: the page starts after it")] = None,
                  ) -> BatchList:
     query = select(FileBatch).where(FileBatch.api_key_id == key.id)
     if after:

@@ -141,7 +141,7 @@ def list_files(key: CurrentKey, session: SessionDep,
                purpose: Annotated[Literal["batch", "batch_output"] | None, Query()] = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
                order: Annotated[Literal["asc", "desc"], Query()] = "desc",
-               after: Annotated[str | None, Query(description="a file id: the page starts after it")] = None,
+               after: Annotated[str | None, Query(min_length=1, description="a file id: the page starts after it")] = None,
                ) -> FileList:
     query = select(StoredFile).where(StoredFile.api_key_id == key.id)
     if purpose:
