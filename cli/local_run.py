@@ -83,6 +83,9 @@ def flower_login(settings: Settings) -> tuple[str, str]:
 
 def run_local(with_flower: bool = True) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Everything this command and its children create (the database, keys, uploaded and output files, Redis's
+    # append-only file, the model cache) is private to this user from the start, not chmod-ed afterwards.
+    os.umask(0o077)
     settings = get_settings()
     from shared.migrate import newer_schema, upgrade
 

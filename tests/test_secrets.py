@@ -132,3 +132,34 @@ def test_kevlaya_run_shows_the_key_once_no_password_and_a_flower_behind_a_login(
     assert key not in output and password not in output, banner  # the second start names where they are kept
     assert ".kevlaya/api_key" in banner and ".kevlaya/flower_auth" in banner
     assert PASSWORD not in output
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the SQLite file is one of the files checked
+def test_kevlaya_run_creates_its_database_keys_and_files_private_to_its_user(worker_env, tmp_path):
+    """A local user other than the one who runs it reads nothing `kevlaya run` made: every file and directory it
+    creates has no group or world bits, from the moment it is created."""
+    env = {**worker_env, "KEVLAYA_DATABASE_URL": f"sqlite:///{tmp_path / 'run.db'}",
+           "KEVLAYA_API_PORT": str(free_port()), "KEVLAYA_FLOWER_PORT": str(free_port()),
+           "KEVLAYA_FILES_DIR": ".kevlaya/files", "KEVLAYA_API_KEY": "", "KEVLAYA_FLOWER_BASIC_AUTH": ""}
+    run = Run(env, tmp_path)
+    try:
+        run.banner()
+        key = (tmp_path / ".kevlaya" / "api_key").read_text().strip()
+        api = f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}"
+        wait_until(lambda: _answers(f"{api}/healthz"), 60, what="the API")
+        uploaded = httpx.post(f"{api}/v1/files", headers={"Authorization": f"Bearer {key}"},
+                              data={"purpose": "batch"}, files={"file": ("in.jsonl", b'{"x": 1}\n')}, timeout=30)
+        assert uploaded.status_code in (200, 400, 422), uploaded.text  # stored or refused: either way on disk first
+    finally:
+        run.stop()
+    made = [tmp_path / "run.db", *(tmp_path / ".kevlaya").rglob("*"), tmp_path / ".kevlaya"]
+    assert any(p.name == "api_key" for p in made) and any(p.name == "files" for p in made)
+    loose = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in made if p.stat().st_mode & 0o077}
+    assert not loose, loose
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
