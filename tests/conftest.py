@@ -275,6 +275,30 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 API_KEY = "kl_test_bootstrap_key"
 
 
+@contextlib.contextmanager
+def login_role(database_url: str, password: str, options: str = "") -> Iterator[str]:
+    """The URL of a new PostgreSQL role (`options`: e.g. `CONNECTION LIMIT 2`) that logs in with `password` to this
+    test's database, with the rights the service needs; the role is dropped afterwards."""
+    from sqlalchemy.pool import NullPool
+
+    role = f"kevlaya_role_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(database_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    with admin.connect() as connection:
+        connection.execute(text(f"CREATE ROLE {role} LOGIN {options} PASSWORD '{password}'"))
+        connection.execute(text(f"GRANT ALL ON SCHEMA public TO {role}"))
+        connection.execute(text(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}"))
+        connection.execute(text(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}"))
+    try:
+        yield make_url(database_url).set(username=role, password=password).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :role"),
+                               {"role": role})
+            connection.execute(text(f"DROP OWNED BY {role}"))
+            connection.execute(text(f"DROP ROLE {role}"))
+        admin.dispose()
+
+
 @pytest.fixture
 def service_env(database_url: str, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
                 tmp_path: Path) -> dict[str, str]:

@@ -11,14 +11,13 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from sqlalchemy import Connection, Engine, create_engine, exc, func, select, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import Connection, Engine, create_engine, exc, func, select
 from sqlalchemy.pool import NullPool
 
 from shared.db import get_engine
 from shared.models import Job
 from shared.queue import celery_app as queue_app
-from tests.conftest import AUTH, RedisServer, wait_until
+from tests.conftest import AUTH, RedisServer, login_role, wait_until
 from tests.test_resources import JOB, app_client, stored_jobs
 
 POOL_TIMEOUT_S = 0.5
@@ -75,19 +74,8 @@ def test_a_used_up_connection_pool_answers_503_within_its_timeout_and_serves_aga
 def limited_role(database_url: str) -> Iterator[str]:
     """The URL of a new role that may hold two connections at once (CONNECTION LIMIT 2) to this test's database,
     with the rights the service needs. Superusers ignore the limit, so the service runs as this role."""
-    role, password = f"kevlaya_limited_{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
-    admin = create_engine(database_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as connection:
-        connection.execute(text(f"CREATE ROLE {role} LOGIN CONNECTION LIMIT 2 PASSWORD '{password}'"))
-        connection.execute(text(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}"))
-        connection.execute(text(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}"))
-    yield make_url(database_url).set(username=role, password=password).render_as_string(hide_password=False)
-    with admin.connect() as connection:
-        connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :role"),
-                           {"role": role})
-        connection.execute(text(f"DROP OWNED BY {role}"))
-        connection.execute(text(f"DROP ROLE {role}"))
-    admin.dispose()
+    with login_role(database_url, uuid.uuid4().hex, "CONNECTION LIMIT 2") as url:
+        yield url
 
 
 def rows_of(database_url: str) -> int:

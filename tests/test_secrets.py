@@ -16,11 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
 
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, login_role, wait_until
 
 KEVLAYA = Path(sys.executable).parent / "kevlaya"
 PASSWORD = f"pw{uuid.uuid4().hex}"
@@ -30,20 +28,8 @@ POSTGRESQL = pytest.mark.parametrize("database_url", ["postgresql"], indirect=Tr
 @pytest.fixture
 def password_url(database_url: str) -> Iterator[str]:
     """This test's database as a role that logs in with PASSWORD."""
-    role = f"kevlaya_pw_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(database_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as connection:
-        connection.execute(text(f"CREATE ROLE {role} LOGIN PASSWORD '{PASSWORD}'"))
-        connection.execute(text(f"GRANT ALL ON SCHEMA public TO {role}"))
-        connection.execute(text(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}"))
-        connection.execute(text(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}"))
-    yield make_url(database_url).set(username=role, password=PASSWORD).render_as_string(hide_password=False)
-    with admin.connect() as connection:
-        connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = :role"),
-                           {"role": role})
-        connection.execute(text(f"DROP OWNED BY {role}"))
-        connection.execute(text(f"DROP ROLE {role}"))
-    admin.dispose()
+    with login_role(database_url, PASSWORD) as url:
+        yield url
 
 
 def kevlaya(*args: str, env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess:
