@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import hmac
-import logging
 import time
 from collections.abc import Iterator
 from typing import Annotated
 
-import redis
 from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from api.auth_throttle import AuthThrottle
 from api.batch_keeper import BatchKeeper
 from api.errors import ApiError, unauthorized
 from api.file_store import FileStore
 from api.intake import Intake
 from shared.db import new_session
-from shared.keys import ensure_bootstrap_key, find_key, hash_key, is_revoked
+from shared.keys import ensure_bootstrap_key, find_key, hash_key, is_revoked, weak_key_problem
 from shared.models import ApiKey
-from shared.queue import redis_client
 from shared.settings import Settings, get_settings
 
 
@@ -71,7 +69,6 @@ IntakeDep = Annotated[Intake, Depends(get_intake)]
 
 _bearer = HTTPBearer(auto_error=False)
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-log = logging.getLogger("kevlaya.api")
 
 
 def _bearer_key(credentials: HTTPAuthorizationCredentials | None) -> str:
@@ -84,13 +81,15 @@ def _stored_key(session: Session, settings: Settings, plain: str) -> ApiKey:
     """The key's row, valid and not revoked, or 401."""
     bootstrap = settings.api_key.get_secret_value() if settings.api_key else None
     if bootstrap and hmac.compare_digest(plain.encode(), bootstrap.encode()):
+        if problem := weak_key_problem(bootstrap):  # `kevlaya api` refuses to start with it; an app built otherwise
+            raise unauthorized(problem)
         try:
+            # Revocable like any key (`kevlaya keys revoke`); a new value gets a fresh row and revokes the old ones.
             row = ensure_bootstrap_key(session, plain)
             session.commit()
-        except IntegrityError:  # another request created it first
+        except IntegrityError:  # another request or API process created it first
             session.rollback()
             row = find_key(session, plain)
-        # Revocable like any key (`kevlaya keys revoke`); a new KEVLAYA_API_KEY value gets a fresh row.
     else:
         row = find_key(session, plain)
         if row is None:
@@ -100,11 +99,28 @@ def _stored_key(session: Session, settings: Settings, plain: str) -> ApiKey:
     return row
 
 
-def current_key(session: SessionDep, settings: SettingsDep, credentials: BearerDep) -> ApiKey:
-    row = _stored_key(session, settings, _bearer_key(credentials))
-    if row.rate_limit_per_minute is not None:
-        _enforce_rate_limit(row)
-    return row
+def _client_address(request: Request) -> str:
+    return request.client.host if request.client else ""
+
+
+def _checked_key(request: Request, session: Session, settings: Settings, plain: str) -> ApiKey:
+    """`_stored_key`, with a wrong or revoked key counted against the client's address (api/auth_throttle.py)."""
+    try:
+        return _stored_key(session, settings, plain)
+    except ApiError as refused:
+        if refused.status_code == 401:
+            _auth_throttle(request).failed(_client_address(request), settings)
+        raise
+
+
+def _auth_throttle(request: Request) -> AuthThrottle:
+    return request.app.state.auth_throttle
+
+
+def current_key(request: Request, session: SessionDep, settings: SettingsDep, credentials: BearerDep) -> ApiKey:
+    # Reads are not rate limited: a key's rate counts the jobs it submits (api/job_rate.py).
+    _auth_throttle(request).check(_client_address(request), settings)
+    return _checked_key(request, session, settings, _bearer_key(credentials))
 
 
 class KeyCache:
@@ -128,40 +144,24 @@ class KeyCache:
 
 
 async def submitter_key(request: Request, credentials: BearerDep) -> ApiKey:
-    plain, settings = _bearer_key(credentials), get_settings()
+    """The key, as `current_key` checks it; its rate limit is charged per job when the jobs are stored
+    (api/intake.py, api/job_rate.py)."""
+    settings = get_settings()
+    _auth_throttle(request).check(_client_address(request), settings)
+    plain = _bearer_key(credentials)
     cache: KeyCache = request.app.state.key_cache
     key_hash = hash_key(plain)
     row = cache.get(key_hash)
     if row is None:
         def read() -> ApiKey:
             with new_session() as session:
-                return _stored_key(session, settings, plain)
+                return _checked_key(request, session, settings, plain)
 
         row = await run_in_threadpool(read)
         cache.put(key_hash, row)
     elif is_revoked(row):  # revoked at a time set in advance
         raise unauthorized("API key revoked")
-    if row.rate_limit_per_minute is not None:
-        await run_in_threadpool(_enforce_rate_limit, row)
     return row
-
-
-def _enforce_rate_limit(key: ApiKey) -> None:
-    """A fixed one-minute window per key, counted in Redis so every API process shares it."""
-    window = int(time.time() // 60)
-    counter = f"kevlaya:rate:{key.id}:{window}"
-    try:
-        pipeline = redis_client().pipeline()
-        pipeline.incr(counter)
-        pipeline.expire(counter, 120)
-        used = pipeline.execute()[0]
-    except redis.RedisError:
-        log.warning("rate limit of key %s not checked: Redis unavailable", key.id)
-        return  # reads must keep working while Redis is down; submits refuse on their own
-    if used > key.rate_limit_per_minute:
-        retry_after = str(60 - int(time.time()) % 60)
-        raise ApiError(429, "rate_limited", f"this key allows {key.rate_limit_per_minute} requests per minute",
-                       headers={"Retry-After": retry_after})
 
 
 CurrentKey = Annotated[ApiKey, Depends(current_key)]

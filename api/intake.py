@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from api.errors import ApiError
+from api.job_rate import charge_jobs
 from api.job_writer import JobWriter
 from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
 from api.submission import Accepted
@@ -37,4 +38,5 @@ class Intake:
             self.budget.check(request, field_prefix, names)
 
     async def store(self, key: ApiKey, requests: list[JobCreate]) -> list[Accepted]:
+        await charge_jobs(key, len(requests))  # the key's rate limit counts jobs, not requests
         return await self.writer.store(key, requests)

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.telemetry import TelemetryConfig
 
+from api.auth_throttle import AuthThrottle
 from api.batch_keeper import BatchKeeper
 from api.body_limit import BodySizeLimit
 from api.chat_schemas import CHAT_FIELDS
@@ -114,6 +115,7 @@ def create_app() -> FastAPI:
               else JobWriter(WakeupPublisher(settings.max_batch), on_unit))
     app.state.intake = Intake(settings, PromptBudget.load(settings), writer)
     app.state.key_cache = KeyCache()
+    app.state.auth_throttle = AuthThrottle()
     app.state.file_store = FileStore(settings.files_dir)
     intake = app.state.intake
     app.state.batch_keeper = BatchKeeper(settings, app.state.file_store,

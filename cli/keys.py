@@ -17,19 +17,36 @@ app = typer.Typer(help="API keys (stored hashed; the key is shown once).", no_ar
 def keys_create(
     name: Annotated[str, typer.Argument(help="who or what the key is for")],
     admin: Annotated[bool, typer.Option(help="may see every job, not only its own")] = False,
-    rate_limit: Annotated[Optional[int], typer.Option(help="requests per minute this key may make (default: unlimited)")] = None,
+    rate_limit: Annotated[Optional[int], typer.Option(
+        min=0, help="jobs a minute this key may submit, in a moving window (a batch of 256 counts 256); 0: unlimited "
+        "(default: KEVLAYA_NEW_KEY_RATE_LIMIT, 600)")] = None,
     weight: Annotated[float, typer.Option(min=0.01, help="the key's share of the slots against other keys with work "
                                           "queued: a key of weight 2 holds twice the slots of one of weight 1")] = 1.0,
 ) -> None:
     """Create an API key and print it (only this once)."""
+    from shared.keys import BOOTSTRAP_NAME
+    from shared.settings import get_settings
+
+    if name == BOOTSTRAP_NAME:  # the rows of KEVLAYA_API_KEY's values, revoked when it changes
+        fail(f"the name {BOOTSTRAP_NAME!r} is kept for the key of KEVLAYA_API_KEY: choose another")
     require_database()
     from shared.db import session_scope
     from shared.keys import create_key
 
+    per_minute = get_settings().new_key_rate_limit if rate_limit is None else rate_limit
     with session_scope() as session:
-        row, plain = create_key(session, name, admin=admin, rate_limit_per_minute=rate_limit,
+        row, plain = create_key(session, name, admin=admin, rate_limit_per_minute=per_minute or None,
                                 share_weight=weight)
-    typer.echo(f"id:  {row.id}\nkey: {plain}")
+    limit = f"{per_minute} jobs a minute" if per_minute else "unlimited"
+    typer.echo(f"id:  {row.id}\nkey: {plain}\nrate limit: {limit}")
+
+
+@app.command("generate")
+def keys_generate() -> None:
+    """Print a new random key, stored nowhere: a value for KEVLAYA_API_KEY."""
+    from shared.keys import generate_key
+
+    typer.echo(generate_key())
 
 
 @app.command("list")
@@ -45,7 +62,8 @@ def keys_list() -> None:
         for row in session.scalars(select(ApiKey).order_by(ApiKey.created_at)):
             state = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
             weight = f"  weight {row.share_weight:g}" if row.share_weight != 1 else ""
-            typer.echo(f"{row.id}  {row.name:<20} {'admin' if row.is_admin else 'user ':<6} {state}{weight}")
+            rate = f"  {row.rate_limit_per_minute} jobs/min" if row.rate_limit_per_minute else ""
+            typer.echo(f"{row.id}  {row.name:<20} {'admin' if row.is_admin else 'user ':<6} {state}{weight}{rate}")
 
 
 @app.command("revoke")

@@ -52,12 +52,17 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
     if caps.clamped:
         typer.secho(f"KEVLAYA_API_MAX_CONNECTIONS={settings.api_max_connections} is more than the descriptor limit "
                     f"{caps.fd_limit} allows: {caps.total} (raise `ulimit -n` for more)", fg=typer.colors.YELLOW,
+    from api.bootstrap_key import retire_replaced_keys, start_problem
                     err=True)
     typer.echo(f"connections: at most {caps.total} per API process, {caps.per_address} per client address "
                f"(descriptor limit {caps.fd_limit})", err=True)
     # No WebSocket routes: an upgrade would hand the socket to a protocol outside the connection caps.
     uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
                 reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
+    if problem := start_problem(settings):
+        fail(problem)
+    for note in retire_replaced_keys(settings):
+        typer.echo(note, err=True)
                 log_level="info", log_config=api_log_config(settings.log_format), http=BoundedHeadProtocol,
                 ws="none", backlog=caps.backlog, timeout_keep_alive=settings.api_idle_timeout_s)
 

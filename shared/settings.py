@@ -27,6 +27,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                   "flower_basic_auth", "redis_url"),
     "Connections": ("api_head_timeout_s", "api_idle_timeout_s", "api_max_connections",
                     "api_max_connections_per_address", "streams_per_key", "long_polls_per_key"),
+    "Keys": ("new_key_rate_limit", "auth_failures_per_address", "auth_failure_window_s"),
     "Database": ("database_url", "db_pool_size", "db_pool_timeout_s", "sqlite_synchronous"),
     "Models": ("base_model", "model_cache_dir", "device", "quantization", "verify_manifests"),
     "Roles": ("kev", "laya", "cascade_threshold"),
@@ -49,6 +50,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 GROUP_NOTES: dict[str, str] = {
     "Engine": "The worker's decode loop (docs/architecture.md §4, §14).",
     "Connections": "What one API process lets clients hold open (RELIABILITY.md, Security).",
+    "Keys": "API keys' limits (RELIABILITY.md, Security).",
     "Live job streams": "`GET /v1/jobs/{id}/events` and streamed chat completions.",
     "Batch API": "`/v1/files` and `/v1/batches` (docs/architecture.md §15).",
     "VRAM": "The GPU runtime uses it; the CPU path ignores it.",
@@ -111,9 +113,11 @@ class Settings(BaseSettings):
     api_host: str = Field(default="127.0.0.1", description="the address the API listens on")
     api_port: int = Field(default=8000, description="the port the API listens on")
     api_key: SecretStr | None = Field(
-        default=None, description="the bootstrap admin key; `kevlaya keys revoke` revokes it like any key, and a new "
-        "value gets a fresh key (keys made with `kevlaya keys create --rate-limit N` get 429 past N requests a "
-        "minute)")
+        default=None, description="the bootstrap admin key, at least 32 characters with at least 10 different ones "
+        "(`kevlaya keys generate` makes one); the API refuses to start with a weaker one. It is a key like any "
+        "other (`kevlaya keys revoke` revokes it) without a rate limit; a new value revokes the old one, at the "
+        "API's start and at its first use, and so does unsetting it at the API's start. A value once revoked "
+        "stays revoked")
     api_workers: int = Field(default=1, ge=1, description="API processes (uvicorn workers) on the one port; each "
                              "loads the tokenizer and keeps its own database connections")
     api_writer: Literal["process", "thread"] = Field(
@@ -162,6 +166,22 @@ class Settings(BaseSettings):
         default=3, gt=0, description="how long a request or thread waits for a free database connection of its "
         "process when every one is in use (slow requests holding them all); then the API answers 503 "
         "`database_unavailable` with `Retry-After`, before a client's own timeout would cut it off")
+    # Keys
+    new_key_rate_limit: int = Field(
+        default=600, ge=0, description="the rate limit of a key made by `kevlaya keys create` without `--rate-limit`: "
+        "jobs a minute in a moving window, counted per job (`POST /v1/jobs/batch` of 256 costs 256; Batch API "
+        "lines are not counted); past it, 429 `rate_limited` with `Retry-After`. `0`: unlimited. Set when the key "
+        "is made; the bootstrap key has none")
+    auth_failures_per_address: int = Field(
+        default=20, ge=1, description="failed authentications (a wrong or revoked key) one client address may make "
+        "within `KEVLAYA_AUTH_FAILURE_WINDOW_S`; past them it gets 429 `too_many_auth_failures` with `Retry-After`, "
+        "whatever key it sends, until its oldest failure leaves the window. Counted in Redis across API processes "
+        "(with Redis away, not counted). Behind a reverse proxy every request comes from the proxy's address "
+        "unless it sends `X-Forwarded-For` from 127.0.0.1")
+    auth_failure_window_s: int = Field(
+        default=60, ge=1, description="the moving window, in seconds, in which `KEVLAYA_AUTH_FAILURES_PER_ADDRESS` "
+        "failures are counted")
+
     sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
         default="FULL", description="SQLite's durability: `FULL`, an accepted job survives power loss; `NORMAL` "
         "(WAL), it survives a crash of the process, not of the machine, and a commit saves an fsync")
