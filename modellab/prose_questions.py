@@ -436,6 +436,12 @@ def _goal(f: Facts) -> str:
     return _GOALS.get(f.objective) or f"most {f.domain.amount[0]}"
 
 
+def _wins(f: Facts) -> str:
+    """Which way the objective's comparison goes, written beside every comparison: a small model that reads the
+    sign right still picks the wrong side when the direction is only in the question."""
+    return "lower wins" if f.objective in _LOWER_IS_BETTER else "higher wins"
+
+
 def _value(f: Facts, attribute: str, name: str) -> str:
     """A figure as the answers write it: number and short unit."""
     value, d = f.values[attribute][name], f.domain
@@ -453,10 +459,10 @@ def _value(f: Facts, attribute: str, name: str) -> str:
     return f"{value} risk"
 
 
-def _short(f: Facts, name: str) -> str:
-    """An option with its value on the objective: `train 40`, `Acme low`."""
-    value = f.values[f.objective][name]
-    return f"{name} {value}"
+def _item(f: Facts, name: str) -> str:
+    """An option as the answers' `options` list names it: `train: 40`. The name is what comes before ": ", the
+    decision is held to those names when the question lists no options (shared/grammar.py)."""
+    return f"{name}: {_bare(f, f.objective, name)}"
 
 
 def _limit_words(f: Facts) -> str:
@@ -478,24 +484,33 @@ def _bare(f: Facts, attribute: str, name: str) -> str:
     return str(f.values[attribute][name])
 
 
-def _scan(f: Facts) -> list[tuple[str, str | None, bool]]:
-    """The kept options in the question's order, each against the best so far: (option, the best's value before it
-    or None for the first, whether it beats it). One comparison of two values at a time, which a small model reads
-    far more reliably than picking the best of several at once."""
+def _sign(f: Facts, attribute: str, left: str, right: str) -> str:
+    """How two values of `attribute` compare: `<`, `=` or `>` (risk levels by their order)."""
+    def level(name: str) -> Any:
+        value = f.values[attribute][name]
+        return RISKS.index(value) if attribute == "risk" else value
+    a, b = level(left), level(right)
+    return "<" if a < b else ">" if a > b else "="
+
+
+def _scan(f: Facts) -> list[tuple[str, str | None]]:
+    """The kept options in the question's order, each with the best option before it (None for the first). One
+    comparison of two values at a time, which a small model reads far more reliably than the best of several."""
     steps, best = [], None
     for n in f.kept:
-        better = best is None or f.rank(n) < f.rank(best)
-        steps.append((n, None if best is None else _bare(f, f.objective, best), better))
-        best = n if better else best
+        steps.append((n, best))
+        best = n if best is None or f.rank(n) < f.rank(best) else best
     return steps
 
 
-def laya_answer(f: Facts) -> str:
-    """The kept options as a running comparison (`"bus 5 vs 4 better"`), then the decision: the last to beat."""
-    options = [f"{n} {_bare(f, f.objective, n)}" + ("" if against is None else
-                                                     f" vs {against} {'better' if better else 'worse'}")
-               for n, against, better in _scan(f)]
-    return json.dumps({"options": options, "decision": f.label})
+def _compared(f: Facts, name: str, best: str | None) -> str:
+    """One option against the best so far, the sign then the direction then the winner:
+    `5 < 8, higher wins -> Harbour View`; the first kept option is only its value."""
+    value = _bare(f, f.objective, name)
+    if best is None:
+        return value
+    winner = name if f.rank(name) < f.rank(best) else best
+    return f"{value} {_sign(f, f.objective, name, best)} {_bare(f, f.objective, best)}, {_wins(f)} -> {winner}"
 
 
 def _check(f: Facts, name: str) -> str:
@@ -507,30 +522,32 @@ def _check(f: Facts, name: str) -> str:
     return f"{value} {sign} {threshold} -> {'keep' if ok else 'drop'}"
 
 
+def laya_answer(f: Facts) -> str:
+    """Every option in the question's order: one that fails the limit with its check (`2300 > 2200 -> drop`), a
+    kept one against the best so far; then the decision, the last winner."""
+    scan = dict(_scan(f))
+    options = [f"{n}: {_compared(f, n, scan[n]) if f.ok(n) else _check(f, n)}" for n in f.names]
+    return json.dumps({"options": options, "decision": f.label})
+
+
 def kev_answer(f: Facts) -> str:
     """The goal and limit, each option's figures and its limit check, a running comparison of the kept ones, the
-    decision object."""
-    lines = [f"Goal: {_goal(f)}. Limit: {_limit_words(f)}."]
+    decision object (the kept options first, as Laya writes it)."""
+    lines = [f"Goal: {_goal(f)} ({_wins(f)}). Limit: {_limit_words(f)}."]
     relevant = [f.objective] + ([f.limit[0]] if f.limit and f.limit[0] != f.objective else [])
     for n in f.names:
         figures = ", ".join(_value(f, a, n) for a in relevant)
         lines.append(f"{n}: {figures}" + (f"; {_check(f, n)}" if f.limit else ""))
     kept = f.kept
     if kept:
-        best = kept[0]
-        for n, against, better in _scan(f):
-            if against is None:
-                lines.append(f"{n} {_bare(f, f.objective, n)} -> best so far")
-            else:
-                lines.append(f"{n} {_bare(f, f.objective, n)} vs {against} -> "
-                             f"{f'{n} is better' if better else f'{best} stays'}")
-            best = n if better else best
+        for n, best in _scan(f):
+            lines.append(f"{n} {_compared(f, n, best)}" if best else f"{n} {_bare(f, f.objective, n)} -> best so far")
         lines.append(f"Best: {f.label}")
-        answer = {"decision": f.label, "rationale": f"{_goal(f)} within the limit" if f.limit else _goal(f),
-                  "options": [_short(f, n) for n in kept]}
+        answer = {"options": [_item(f, n) for n in kept], "decision": f.label,
+                  "rationale": f"{_goal(f)} within the limit" if f.limit else _goal(f)}
     else:
         lines.append(f"No option meets the limit -> {NONE}")
-        answer = {"decision": NONE, "rationale": "no option meets the limit", "options": []}
+        answer = {"options": [], "decision": NONE, "rationale": "no option meets the limit"}
     lines.append(json.dumps(answer))
     return "\n".join(lines)
 

@@ -6,7 +6,10 @@ library cannot enforce, and the worker compiles the same text once per row (work
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from llguidance import LLMatcher
@@ -40,12 +43,65 @@ def decision_schema(choices: list[str] | None) -> dict[str, Any]:
 
 
 def decision_grammar(choices: list[str] | None, analysis: bool) -> str:
-    """A decision object, after free analysis lines when `analysis` (the object alone otherwise)."""
+    """A decision object naming one of `choices` (or any string when None), after free analysis lines when
+    `analysis` (the object alone otherwise)."""
     schema = json.dumps({**decision_schema(choices), "x-guidance": COMPACT_JSON})
     if not analysis:
         return LLMatcher.grammar_from_json_schema(schema)
     return LLMatcher.grammar_from_lark(f"start: ANALYSIS? decision\nANALYSIS: {ANALYSIS_LINES}\n"
                                        f"decision: %json {schema}\n")
+
+
+_STRING = json.dumps({"type": "string", "x-guidance": COMPACT_JSON})
+_STRINGS = json.dumps({"type": "array", "items": {"type": "string"}, "x-guidance": COMPACT_JSON})
+
+
+@dataclass(frozen=True)
+class OwnOptionsDecision:
+    """A decision held to the options its own answer lists, for a question that names none the service can read:
+    the answer's head is generated under `head` (the analysis lines when `analysis`, then the object's `options`
+    list, through `"decision":`); `rest(head_text)` is then the grammar of the remainder, the decision one of
+    the names that list gives (or "none"). A grammar cannot refer back to what it generated, so the row's grammar
+    is swapped where the head ends (worker/decoder/slot_decoder.py)."""
+
+    analysis: bool
+
+    @property
+    def head(self) -> str:
+        return _options_head(self.analysis)
+
+    @staticmethod
+    def rest(head_text: str) -> str:
+        names = option_names(json.loads(head_text[head_text.index("{"):] + ' ""}')["options"])
+        decision = json.dumps({"enum": [*dict.fromkeys([*names, NONE])], "x-guidance": COMPACT_JSON})
+        return LLMatcher.grammar_from_lark(
+            f'start: " " decision rationale? risks? "}}"\ndecision: %json {decision}\n'
+            f'rationale: ", \\"rationale\\": " %json {_STRING}\nrisks: ", \\"risks\\": " %json {_STRINGS}\n')
+
+
+def first_part(grammar: str | OwnOptionsDecision) -> str:
+    """The grammar a row starts under."""
+    return grammar.head if isinstance(grammar, OwnOptionsDecision) else grammar
+
+
+@functools.cache
+def _options_head(analysis: bool) -> str:
+    start = 'start: ANALYSIS? options\nANALYSIS: ' + ANALYSIS_LINES if analysis else "start: options"
+    return LLMatcher.grammar_from_lark(
+        f'{start}\noptions: "{{\\"options\\": [" (item (", " item)*)? "], \\"decision\\":"\nitem: %json {_STRING}\n')
+
+
+def option_names(items: list[str]) -> list[str]:
+    """The names an answer's `options` list gives: each item up to its first ": " ("train: 40" names "train"); an
+    item without one names itself and each leading run of its words ("train 40": "train", "train 40")."""
+    names = []
+    for item in items:
+        if ": " in item:
+            names.append(item.split(": ", 1)[0].strip())
+        else:
+            words = item.split()
+            names.extend(" ".join(words[:k]) for k in range(1, len(words) + 1))
+    return [name for name in dict.fromkeys(names) if name and not re.fullmatch(r"\W*", name)]
 
 
 def json_grammar(schema: dict[str, Any] | None) -> str:

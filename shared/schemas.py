@@ -298,10 +298,14 @@ def job_choices(params: dict[str, Any], messages: list[dict[str, str]]) -> list[
     return params.get("choices") or offered_options("\n".join(m["content"] for m in messages if m["role"] == "user"))
 
 
-def answer_grammar(params: dict[str, Any], messages: list[dict[str, str]], analysis: bool) -> str | None:
-    """The grammar a stored job's answer is generated under (shared/grammar.py), or None: free text."""
+def answer_grammar(params: dict[str, Any], messages: list[dict[str, str]],
+                   analysis: bool) -> str | grammar.OwnOptionsDecision | None:
+    """The grammar a stored job's answer is generated under (shared/grammar.py), or None: free text. A decision
+    names one of the options the question offers, or, where it offers none the service can read, one of those
+    the answer itself lists."""
     if params.get("output", "decision") == "decision":
-        return grammar.decision_grammar(job_choices(params, messages), analysis)
+        choices = job_choices(params, messages)
+        return grammar.decision_grammar(choices, analysis) if choices else grammar.OwnOptionsDecision(analysis)
     response_format = params.get("response_format") or {"type": "text"}
     if response_format["type"] == "json_object":
         return grammar.json_grammar(None)
@@ -404,6 +408,13 @@ class JobOut(BaseModel):
 class JobPage(BaseModel):
     jobs: list[JobOut]
     next_cursor: str | None
+
+
+class JobDeleted(BaseModel):
+    """A finished job deleted by `DELETE /v1/jobs/{id}`, with its `auto` stages."""
+
+    id: uuid.UUID
+    deleted: bool = True
 
 
 class JobBatchAccepted(BaseModel):

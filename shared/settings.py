@@ -96,7 +96,7 @@ class KevProfile(AdapterProfile):
 
 class LayaProfile(AdapterProfile):
     path: str = str(DEFAULT_MODEL_DIR / "laya")
-    max_new_tokens: int = Field(default=64, ge=1)
+    max_new_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.1, ge=0)
     system_prompt: str = "You are Laya, a fast decider. Answer with one short JSON decision object only."
     reserved_slots: int = Field(default=4, ge=0)  # a fast decider starts at the next step, even under Kev load

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from modellab.decision_data import LETTERS, generate, render_prompt
 from modellab.reference import ReferenceRuntime
 from shared import grammar
-from shared.decision import offered_options
+from shared.decision import find_decision, offered_options
 from shared.schemas import answer_grammar
 from shared.settings import Settings
 from tests.conftest import AUTH
@@ -70,8 +70,9 @@ def decision_request(adapter: str, question: str, *, choices: list[str] | None =
     params = {"output": "decision", **({"choices": choices} if choices else {})}
     return GenerationRequest(
         job_id=uuid.uuid4(), adapter=adapter, messages=messages,
-        max_new_tokens=max_new_tokens or profile.max_new_tokens, temperature=0.0, top_p=1.0, seed=None,
-        grammar=answer_grammar(params, messages, profile.analysis) if constrained else None, **options)
+        max_new_tokens=max_new_tokens or profile.max_new_tokens, top_p=1.0,
+        grammar=answer_grammar(params, messages, profile.analysis) if constrained else None,
+        **{"temperature": 0.0, "seed": None, **options})
 
 
 def text_request(adapter: str, prompt: str, max_new_tokens: int, *, temperature: float = 0.0, seed: int | None = None,
@@ -144,6 +145,22 @@ def test_decisions_name_only_the_options_offered(demo):
         assert outcome.status == "succeeded", (outcome.error_code, result.text)
         assert outcome.decision["decision"] in [o.name for o in scenario.options if o.name != scenario.label] + ["none"]
         assert result.finish_reason == "stop"
+
+
+def test_without_offered_options_a_decision_names_one_its_own_answer_lists(demo):
+    """Where the question lists no options, the decision is held to the names of those the answer lists."""
+    questions = ["Should I take the train or fly to Lyon? The train costs 40 EUR, the flight 90 EUR. Cheapest wins.",
+                 "Pick a laptop: Vega is 900 USD rated 4/5, Orion is 1200 USD rated 5/5. I want the best rated."]
+    requests = [decision_request(adapter, question, max_new_tokens=160, temperature=1.0, seed=seed)
+                for adapter in ("kev", "laya") for question in questions for seed in range(3)]
+    results = run(demo, requests, slots=12)
+    finished = [r for r in results if r.finish_reason == "stop"]
+    assert len(finished) > len(results) / 2, [r.text for r in results]
+    for result in finished:
+        found = find_decision(result.text)
+        assert found is not None, result.text
+        listed = grammar.option_names(found.value.get("options", []))
+        assert found.value["decision"] in [*listed, "none"], result.text
 
 
 def test_an_unconstrained_demo_answer_is_the_same_under_its_grammar_with_the_same_confidence(demo):

@@ -121,13 +121,23 @@ def test_the_answers_decide_the_label_and_fit_the_serving_grammar(train):
         assert accepts(decision_grammar(q.facts.names, analysis=True), kev), kev
 
 
-def test_laya_scans_the_kept_options_one_comparison_at_a_time(train):
+def test_laya_names_every_option_then_scans_the_kept_ones_one_comparison_at_a_time(train):
     for q in train[:300]:
         answer = json.loads(pq.laya_answer(q.facts))
-        assert [entry.split(" vs ")[0].rsplit(" ", 1)[0] for entry in answer["options"]] == q.facts.kept
-        winners = [e for e in answer["options"][1:] if e.endswith(" better")]
-        last = (winners[-1] if winners else answer["options"][0]) if answer["options"] else None
-        assert answer["decision"] == ("none" if last is None else last.split(" vs ")[0].rsplit(" ", 1)[0])
+        items = [entry.split(": ", 1) for entry in answer["options"]]
+        assert [name for name, _ in items] == q.facts.names
+        assert [name for name, said in items if not said.endswith("-> drop")] == q.facts.kept
+        kept = [said for name, said in items if not said.endswith("-> drop")]
+        winners = [said.rsplit(" -> ", 1)[1] for said in kept[1:]]
+        assert answer["decision"] == (winners[-1] if winners else q.facts.kept[0] if kept else "none")
+
+
+def test_every_comparison_says_which_way_the_objective_goes(train):
+    for q in train[:300]:
+        wins = "lower wins" if q.facts.objective in ("price", "time", "risk") else "higher wins"
+        comparisons = [line for line in pq.kev_answer(q.facts).splitlines()[1:] if "wins" in line]
+        assert all(wins in line for line in comparisons)
+        assert len(comparisons) == max(len(q.facts.kept) - 1, 0)
 
 
 def test_the_prose_data_command_writes_training_and_held_out_files(tmp_path):

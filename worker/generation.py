@@ -8,6 +8,8 @@ import math
 import uuid
 from dataclasses import dataclass, field
 
+from shared.grammar import OwnOptionsDecision
+
 log = logging.getLogger("kevlaya.decoder")
 
 
@@ -20,7 +22,7 @@ class GenerationRequest:
     temperature: float  # 0 = greedy
     top_p: float
     seed: int | None
-    grammar: str | None = None  # an llguidance grammar (shared/grammar.py) the answer must follow, or None: free
+    grammar: str | OwnOptionsDecision | None = None  # what the answer must follow (shared/grammar.py); None: free
     stop: list[str] = field(default_factory=list)  # the answer ends before the first of these strings
     top_logprobs: int | None = None  # None: no log-probabilities asked for; else the alternatives per token
     background: bool = False  # a line of a file batch: never in a reserved slot, never paces other prefills

@@ -23,6 +23,7 @@ from worker.decoder.fused_norms import FusedNorms
 from worker.decoder.fused_projections import FusedProjections
 from worker.decoder.fused_rotary import FusedRotary
 from worker.decoder.fused_rotary import runs_on as fused_rotary_runs_on
+from shared.grammar import OwnOptionsDecision, first_part
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_prefill import CapturedPrefill
 from worker.decoder.graph_step import CapturedStep
@@ -69,6 +70,7 @@ class Row:
     last_token_at: float | None = None
     broken_after: int | None = None  # generated tokens before its logits went non-finite
     matcher: Any = None  # llguidance.LLMatcher of the row's grammar, or None: free
+    past_head: bool = False  # an OwnOptionsDecision grammar's head is written and its rest is the row's matcher
     text_bytes: bytearray = field(default_factory=bytearray)  # what it wrote so far, while it has stop strings
     stopped_by: str | None = None  # the stop string it ended on
     ended: bool = False  # it ended (end of sequence, grammar complete, stop string) rather than ran out of tokens
@@ -284,7 +286,7 @@ class SlotDecoder:
             if not self.fits(length, request.max_new_tokens):
                 raise ValueError(f"job {request.job_id}: {length} prompt tokens + {request.max_new_tokens} new "
                                  f"tokens exceed the decoder's window of {self.window}")
-        matchers = [self.grammars.matcher(r.grammar) if r.grammar else None for r in requests]
+        matchers = [self.grammars.matcher(first_part(r.grammar)) if r.grammar else None for r in requests]
         ids, present = self._padded(ids, present)
         self._make_room(ids.shape[1])
         t = self.kv.t
@@ -572,6 +574,11 @@ class SlotDecoder:
     def _ends(self, row: Row, token: int) -> bool:
         """Whether `token` completes the row's grammar or one of its stop strings."""
         complete = row.matcher is not None and self.grammars.advance(row.matcher, token)
+        if complete and isinstance(row.request.grammar, OwnOptionsDecision) and not row.past_head:
+            # the options are written: the decision is held to their names from here on
+            written = b"".join(self.grammars.token_bytes(t) for t in row.tokens).decode("utf-8", "replace")
+            row.matcher = self.grammars.matcher(row.request.grammar.rest(written))
+            row.past_head, complete = True, False
         if complete and self.ignore_eos:  # benchmarks: every row writes exactly its max_new_tokens, constrained
             row.matcher.reset()
             complete = False
