@@ -172,7 +172,7 @@ def models_data(
 @app.command("calibrate")
 def models_calibrate(
     scenarios: Annotated[Path, typer.Option(help="validation scenarios (never the held-out test split, which would "
-                                                 "then grade its own fit)")] = Path("models/demo/val_scenarios.jsonl"),
+                                                 "then grade its own fit)")] = Path("models/smollm2/val_scenarios.jsonl"),
     adapters: Annotated[str, typer.Option(help="comma-separated: laya, kev")] = "laya,kev",
     batch_size: Annotated[int, typer.Option(min=1, help="jobs per forward pass")] = 32,
     limit: Annotated[Optional[int], typer.Option(min=1, help="use only the first N scenarios")] = None,
@@ -325,8 +325,9 @@ def train(
 
 
 def evaluate(
-    scenarios: Annotated[Path, typer.Option(help="held-out test scenarios (JSONL from the demo build)")] = Path(
-        "models/demo/test_scenarios.jsonl"),
+    scenarios: Annotated[Path, typer.Option(help="held-out scenarios or questions (JSONL): the default model's "
+                                              "plain-words questions; the demo's are models/demo/test_scenarios.jsonl")] = Path(
+        "models/smollm2/test_questions.jsonl"),
     out: Annotated[Path, typer.Option(help="directory for results.json and results.png")] = Path("models/eval"),
     modes: Annotated[str, typer.Option(help="comma-separated: base, laya, kev, auto")] = "base,laya,kev,auto",
     limit: Annotated[Optional[int], typer.Option(min=1, help="evaluate only the first N scenarios")] = None,
@@ -347,7 +348,7 @@ def evaluate(
     import shlex
 
     from modellab.evaluation import MODES, agreement, plot, run_evaluation, table
-    from worker.model.loading import load_model, uses_nf4
+    from worker.model.loading import base_parameters, load_model, prepare_base, uses_nf4
 
     chosen = _subset(modes, MODES, "--modes")
     if batch_size < 1:
@@ -358,7 +359,7 @@ def evaluate(
     loaded = load_model(settings)
     report = run_evaluation(loaded, settings, items, chosen, batch_size, grammar)
     if compare_precision:
-        nf4 = uses_nf4(loaded.device, settings.quantization)
+        nf4 = uses_nf4(loaded.device, settings.quantization, base_parameters(prepare_base(settings)))
         other = settings.model_copy(update={"quantization": "none" if nf4 else "nf4"})
         del loaded
         second = run_evaluation(load_model(other), other, items, ("laya", "kev"), batch_size, grammar)

@@ -13,12 +13,16 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.base_source import DEFAULT_BASE
 from shared.schemas import check_temperature
 
 Adapter = Literal["kev", "laya"]
 ADAPTERS: tuple[Adapter, ...] = ("kev", "laya")
 
-DEFAULT_MODEL_DIR = Path("models/demo")
+# The default: SmolLM2-135M-Instruct from its package (shared/base_source.py) with the roles trained on it. The demo
+# model (a 4.4 M-parameter base the project builds) stays for tests and for programs that send its templated format.
+DEFAULT_ADAPTERS_DIR = Path("models/smollm2")
+DEMO_MODEL_DIR = Path("models/demo")
 
 # The settings by component, in the order of `Settings`' fields: every field in exactly one group.
 # `kev` and `laya` are the roles' profiles (`AdapterProfile`), read from `KEVLAYA_KEV__*` and `KEVLAYA_LAYA__*`.
@@ -84,7 +88,7 @@ class AdapterProfile(BaseModel):
 
 # The roles' defaults. Their fields are described once, in `AdapterProfile`.
 class KevProfile(AdapterProfile):
-    path: str = str(DEFAULT_MODEL_DIR / "kev")
+    path: str = str(DEFAULT_ADAPTERS_DIR / "kev")
     max_new_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=0.3, ge=0)
     analysis: bool = True
@@ -95,7 +99,7 @@ class KevProfile(AdapterProfile):
 
 
 class LayaProfile(AdapterProfile):
-    path: str = str(DEFAULT_MODEL_DIR / "laya")
+    path: str = str(DEFAULT_ADAPTERS_DIR / "laya")
     max_new_tokens: int = Field(default=128, ge=1)
     temperature: float = Field(default=0.1, ge=0)
     system_prompt: str = "You are Laya, a fast decider. Answer with one short JSON decision object only."
@@ -188,7 +192,7 @@ class Settings(BaseSettings):
 
     # Models
     base_model: str = Field(
-        default=str(DEFAULT_MODEL_DIR / "base"), description="the base model: a local Hugging Face directory, a "
+        default=DEFAULT_BASE, description="the base model: a local Hugging Face directory, a "
         "`.gguf` file (read once into `KEVLAYA_MODEL_CACHE_DIR`), or `pkg:<package>/<file>` for a file inside an "
         "installed Python package")
     model_cache_dir: Path = Field(default=Path(".kevlaya/models"), description="where a GGUF base's dequantized "
@@ -197,7 +201,8 @@ class Settings(BaseSettings):
                                                    "else `cpu`")
     quantization: Literal["auto", "nf4", "none"] = Field(
         default="auto",
-        description="`auto`: an NF4 base (double quant) with fp16 compute on CUDA, full precision on the CPU; `nf4` "
+        description="`auto`: on CUDA an NF4 base (double quant, fp16 compute) for a base of 1 B parameters or more "
+        "and fp16 below that (NF4 costs a small model much of its accuracy), full precision on the CPU; `nf4` "
         "forces NF4 (on the CPU too, with a bitsandbytes that has a CPU backend); `none` forces full precision: "
         "fp16 on CUDA, fp32 on the CPU",
     )

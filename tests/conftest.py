@@ -32,7 +32,7 @@ from shared.migrate import upgrade
 from shared.models import Job
 from shared.notify import FINISHED_CHANNEL
 from shared.redis_server import redis_server_binary, start_redis_server
-from shared.settings import get_settings
+from shared.settings import DEMO_MODEL_DIR, get_settings
 from tests.postgres_server import PostgresServer
 from tests.prewarmed import Prewarmed
 
@@ -40,6 +40,13 @@ from tests.prewarmed import Prewarmed
 # processes and the API, worker and CLI processes they start share this machine's cores, and idle OpenMP threads
 # spin-wait, taking the CPU the other processes need (results README: the test suite).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The suite serves the demo model (4.4 M parameters, built by the project: fast on 2 cores) unless a test says
+# otherwise; the tests of the default model (SmolLM2, tests/test_base_source.py) and the newcomer's `make run`
+# (tests/test_local_run.py) set or clear these themselves. Child processes inherit them.
+for _setting, _value in {"KEVLAYA_BASE_MODEL": DEMO_MODEL_DIR / "base", "KEVLAYA_KEV__PATH": DEMO_MODEL_DIR / "kev",
+                         "KEVLAYA_LAYA__PATH": DEMO_MODEL_DIR / "laya"}.items():
+    os.environ.setdefault(_setting, str(Path(__file__).resolve().parents[1] / _value))
 
 POSTGRES_ADMIN_URL = os.environ.get("KEVLAYA_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 

@@ -157,3 +157,17 @@ def test_the_real_gguf_base_serves_both_roles_through_the_api_and_the_worker(env
         assert 0 < job["result"]["decision"]["confidence"] <= 1
     assert kev["result"]["text"].startswith("Goal:") and kev["answered_by"] == "kev"
     assert laya["result"]["text"].startswith("{") and laya["answered_by"] == "laya"
+
+
+def test_auto_quantizes_only_a_base_large_enough_to_need_it():
+    """NF4 re-quantization cost the default 135M base most of its decisions on CUDA (results README), so `auto`
+    keeps a base under a billion parameters in fp16 there; larger bases (the bench's 3B and 7B shapes) stay NF4."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.model.loading import NF4_FROM_PARAMETERS, base_parameters, uses_nf4
+
+    demo = ROOT / "models" / "demo" / "base"
+    assert base_parameters(demo) == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(demo).parameters())
+    assert not uses_nf4("cuda", "auto", 135_000_000) and uses_nf4("cuda", "auto", NF4_FROM_PARAMETERS)
+    assert not uses_nf4("cpu", "auto", 3_000_000_000)
+    assert uses_nf4("cpu", "nf4", 1) and not uses_nf4("cuda", "none", 7_000_000_000)

@@ -12,14 +12,14 @@ import pytest
 from openai import OpenAI
 
 from modellab.bench.sse import streamed_text
-from shared.settings import DEFAULT_MODEL_DIR
+from shared.settings import DEMO_MODEL_DIR
 from tests.conftest import AUTH, start_worker, submit, wait_finished, wait_until
 
 # The shipped demo model writes text (random weights write bytes that are not UTF-8, whose rows stream nothing until
 # their stored text comes whole), and with end-of-sequence ignored every job writes all its max_new_tokens: long
 # enough to watch.
-SLOW = {"KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_BASE_MODEL": str(DEFAULT_MODEL_DIR / "base"),
-        "KEVLAYA_KEV__PATH": str(DEFAULT_MODEL_DIR / "kev"), "KEVLAYA_LAYA__PATH": str(DEFAULT_MODEL_DIR / "laya")}
+SLOW = {"KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_BASE_MODEL": str(DEMO_MODEL_DIR / "base"),
+        "KEVLAYA_KEV__PATH": str(DEMO_MODEL_DIR / "kev"), "KEVLAYA_LAYA__PATH": str(DEMO_MODEL_DIR / "laya")}
 
 
 def sse_events(response: httpx.Response) -> Iterator[dict]:

@@ -41,7 +41,7 @@ from modellab.bench.load import percentile
 from modellab.bench.service import Service
 from modellab.bench.stream_load import cpu_seconds
 from shared.models import ClaimGroup, FileBatch, Job
-from shared.settings import DEFAULT_MODEL_DIR
+from shared.settings import DEMO_MODEL_DIR
 
 log = logging.getLogger("kevlaya.bench")
 
@@ -97,8 +97,8 @@ def write_batch_file(path: Path, lines: int, models: tuple[str, ...], max_tokens
 # -- the service ----------------------------------------------------------------------------------------------
 
 def service_settings(workdir: Path) -> dict[str, str]:
-    return {"KEVLAYA_BASE_MODEL": str(DEFAULT_MODEL_DIR / "base"), "KEVLAYA_KEV__PATH": str(DEFAULT_MODEL_DIR / "kev"),
-            "KEVLAYA_LAYA__PATH": str(DEFAULT_MODEL_DIR / "laya"), "KEVLAYA_DEVICE": "cpu",
+    return {"KEVLAYA_BASE_MODEL": str(DEMO_MODEL_DIR / "base"), "KEVLAYA_KEV__PATH": str(DEMO_MODEL_DIR / "kev"),
+            "KEVLAYA_LAYA__PATH": str(DEMO_MODEL_DIR / "laya"), "KEVLAYA_DEVICE": "cpu",
             "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_FILES_DIR": str(workdir / "files"),
             # the CPU worker's torch on one thread: this process and the API need a core of this machine too
             "OMP_NUM_THREADS": "1"}

@@ -25,7 +25,7 @@ from modellab.bench.load import percentile
 from modellab.bench.service import API_KEY, Service
 from modellab.bench.sse import SseParser, streamed_text
 from shared.job_stream import entry_order
-from shared.settings import DEFAULT_MODEL_DIR
+from shared.settings import DEMO_MODEL_DIR
 
 PROMPT = "Options: A cost 10 risk low days 3 quality 4; B cost 20 risk low days 2 quality 5. Objective: lowest cost."
 
@@ -146,8 +146,8 @@ async def run_clients(base_url: str, job_ids: list[str], clients: int, timeout_s
 
 
 def run_stream_load(workdir: Path, clients: int, jobs: int, new_tokens: int, timeout_s: float) -> dict[str, Any]:
-    settings = {"KEVLAYA_BASE_MODEL": str(DEFAULT_MODEL_DIR / "base"), "KEVLAYA_KEV__PATH": str(DEFAULT_MODEL_DIR / "kev"),
-                "KEVLAYA_LAYA__PATH": str(DEFAULT_MODEL_DIR / "laya"), "KEVLAYA_DEVICE": "cpu",
+    settings = {"KEVLAYA_BASE_MODEL": str(DEMO_MODEL_DIR / "base"), "KEVLAYA_KEV__PATH": str(DEMO_MODEL_DIR / "kev"),
+                "KEVLAYA_LAYA__PATH": str(DEMO_MODEL_DIR / "laya"), "KEVLAYA_DEVICE": "cpu",
                 "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_MAX_BATCH": str(max(jobs, 1)),
                 # the CPU worker's torch on one thread: the clients' own process needs a core of this machine too
                 "OMP_NUM_THREADS": "1"}

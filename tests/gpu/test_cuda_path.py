@@ -25,6 +25,19 @@ from worker.generation import GenerationRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+
+@pytest.fixture(scope="module", autouse=True)
+def nf4_whatever_the_size():
+    """Every model here is served NF4, the small ones too (`auto` keeps a base under 1 B parameters in fp16): this
+    suite is about the NF4 path. Workers it starts inherit the setting."""
+    before = os.environ.get("KEVLAYA_QUANTIZATION")
+    os.environ["KEVLAYA_QUANTIZATION"] = "nf4"
+    yield
+    if before is None:
+        del os.environ["KEVLAYA_QUANTIZATION"]
+    else:
+        os.environ["KEVLAYA_QUANTIZATION"] = before
+
 CAP_GB = 5.5  # what a 6 GB card leaves PyTorch after the CUDA context
 DEMO = Path("models/demo")
 

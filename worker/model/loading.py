@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass
 from functools import cached_property
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared.base_match import base_mismatch
@@ -77,9 +79,25 @@ def resolve_device(setting: str) -> str:
     return setting
 
 
-def uses_nf4(device: str, quantization: str) -> bool:
-    """`auto` is NF4 on CUDA and full precision on the CPU; `nf4` / `none` force one or the other."""
-    return quantization == "nf4" or (quantization == "auto" and device == "cuda")
+# `auto` quantizes a base on CUDA from this size up: below it, its fp16 weights take at most 2 GB, which a 6 GB card
+# holds beside its cache, and NF4 costs a small model much of its accuracy (results README: SmolLM2-135M).
+NF4_FROM_PARAMETERS = 1_000_000_000
+
+
+def base_parameters(path: str | Path) -> int:
+    """The parameters of a base directory's safetensors weights, read from their headers (no tensor is loaded)."""
+    total = 0
+    for file in Path(path).glob("*.safetensors"):
+        with safe_open(file, framework="pt") as weights:
+            total += sum(math.prod(weights.get_slice(name).get_shape()) for name in weights.keys())
+    return total
+
+
+def uses_nf4(device: str, quantization: str, parameters: int) -> bool:
+    """`auto` is NF4 on CUDA for a base of `NF4_FROM_PARAMETERS` or more, else full precision (always on the CPU);
+    `nf4` / `none` force one or the other."""
+    return quantization == "nf4" or (quantization == "auto" and device == "cuda"
+                                     and parameters >= NF4_FROM_PARAMETERS)
 
 
 def load_causal_lm(path: str | Path, **kwargs: object) -> PreTrainedModel:
@@ -94,7 +112,7 @@ def compute_dtype(device: str) -> torch.dtype:
 
 
 def load_base(path: str, device: str, vram_budget_gb: float, quantization: str = "auto") -> PreTrainedModel:
-    nf4 = uses_nf4(device, quantization)
+    nf4 = uses_nf4(device, quantization, base_parameters(path))
     dtype = compute_dtype(device)
     placement = {"": 0} if device == "cuda" else {"": "cpu"}
     if device == "cuda":
