@@ -2,7 +2,7 @@
 
 Every `KEVLAYA_BATCH_CHECK_INTERVAL_S` it stores the lines of `validating` batches as jobs, expires batches past
 their completion window, writes the output and error files of batches whose lines have all finished, and
-removes expired files and files left without a row. Everything it does is in the database first, so a keeper
+removes expired files, files left without a row, and what is older than `KEVLAYA_RETENTION_S` (api/retention.py). Everything it does is in the database first, so a keeper
 that dies (or a database that is away for a while) leaves nothing half done: the next look, here or in another
 API process, goes on from the rows."""
 
@@ -18,10 +18,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 
-from sqlalchemy import delete, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api import file_batches
+from api import file_batches, retention
+from api.deletion import delete_files
 from api.file_store import FileStore
 from shared.db import new_session, one_writer
 from shared.models import BatchStatus, FileBatch, StoredFile
@@ -31,7 +32,7 @@ from shared.settings import Settings
 
 log = logging.getLogger("kevlaya.batches")
 
-HOUSEKEEPING_S = 60.0  # expired files and orphans are looked for this often
+HOUSEKEEPING_S = 60.0  # expired files, orphans and what retention deletes are looked for this often
 ORPHAN_AGE_S = 3600.0  # a file without a row this old is left by a process that died mid-upload
 
 
@@ -125,11 +126,12 @@ class BatchKeeper:
         expired = session.scalars(select(StoredFile.id).where(StoredFile.expires_at < now)).all()
         if expired:
             with one_writer(session):
-                session.execute(delete(StoredFile).where(StoredFile.id.in_(expired)))
+                expired = delete_files(session, StoredFile.id.in_(expired))
                 session.commit()
             for file_id in expired:
                 self.store.remove(file_id)
             log.info("removed %d expired file(s)", len(expired))
+        retention.sweep(session, self.store, self.settings.retention_s, self._stop)
         known = set(session.scalars(select(StoredFile.id)).all())
         if removed := self.store.remove_orphans(known, ORPHAN_AGE_S):
             log.info("removed %d file(s) no row names (left by a process that stopped mid-write)", removed)

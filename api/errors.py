@@ -57,9 +57,10 @@ _STATUS_TEXT = {
     404: "No such job, file or batch visible to this key",
     405: "Method not allowed on this path (see the Allow header)",
     409: "The state of the job, file or batch does not allow this",
-    413: "Request body, or a stored file, over the configured limit",
+    413: "Request body, or a stored file, over the configured limit, or over the key's stored-bytes quota",
     422: "Invalid request; the message names the field",
-    429: "This key's rate limit is used up, or it holds its most event streams or long-polls (see Retry-After)",
+    429: "This key's rate limit is used up, it holds its most event streams or long-polls, or its most queued jobs "
+         "(see Retry-After)",
     500: "Unexpected server error",
     503: "The database or the job queue is unavailable (see Retry-After)",
     504: "The job did not finish in time; it goes on",

@@ -23,9 +23,10 @@ from sqlalchemy.orm import Session
 from api.batch_lines import MalformedFile, Rejected, Request, check_file, read_requests
 from api.batch_schemas import BATCH_PREFIX, RequestCounts, public_id
 from api.chat_schemas import completion
+from api.deletion import delete_files, delete_jobs
 from api.file_store import FileStore
 from api.presenters import jobs_out
-from shared import lifecycle
+from shared import lifecycle, usage
 from shared.db import one_writer
 from shared.models import BatchStatus, FileBatch, Job, JobStatus, Priority, RejectedLine, StoredFile
 from shared.schemas import JobCreate
@@ -98,13 +99,16 @@ class Stored:
 def _job_row(batch: FileBatch, request: Request) -> dict[str, Any]:
     job: JobCreate = request.job
     adapter = "laya" if job.adapter == "auto" else job.adapter
-    return {
+    row = {
         "id": uuid.uuid4(), "adapter": adapter, "requested_adapter": job.adapter, "status": JobStatus.QUEUED,
         "input": job.input.model_dump() if not isinstance(job.input, str) else job.input,
         "params": job.params.model_dump(exclude_none=True), "meta": job.metadata, "api_key_id": batch.api_key_id,
         "created_at": _now(), "attempts": 0, "priority": Priority.BATCH, "file_batch_id": batch.id,
         "batch_line": request.line, "custom_id": request.custom_id,
     }
+    # Charged, never refused: the input file was admitted under the key's quota (docs/architecture.md §16).
+    row["stored_bytes"] = usage.request_bytes(row)
+    return row
 
 
 def _reject_row(batch: FileBatch, rejected: Rejected) -> dict[str, Any]:
@@ -169,6 +173,7 @@ def _store_chunk(session: Session, batch: FileBatch, chunk: list[Request | Rejec
             return False
         if jobs:
             session.execute(insert(Job), jobs)
+            usage.charge(session, batch.api_key_id, sum(job["stored_bytes"] for job in jobs))
         if rejects:
             session.execute(insert(RejectedLine), rejects)
         session.commit()
@@ -225,17 +230,21 @@ def expire_due(session: Session) -> list[uuid.UUID]:
     return expired
 
 
+def remove(session: Session, batch: FileBatch) -> list[uuid.UUID]:
+    """In the caller's transaction: what `delete` removes. Returns the ids of the file rows deleted."""
+    files = [file_id for file_id in (batch.output_file_id, batch.error_file_id) if file_id is not None]
+    delete_jobs(session, Job.file_batch_id == batch.id)
+    session.execute(delete_rows(RejectedLine).where(RejectedLine.file_batch_id == batch.id))
+    removed = delete_files(session, StoredFile.id.in_(files)) if files else []
+    session.execute(delete_rows(FileBatch).where(FileBatch.id == batch.id))
+    return removed
+
+
 def delete(session: Session, batch: FileBatch) -> None:
     """A finished batch, its lines' jobs (their `auto` stages with them) and its output and error file rows, in
     one transaction; the caller removes the files' bytes once it has committed."""
-    files = [file_id for file_id in (batch.output_file_id, batch.error_file_id) if file_id is not None]
     with one_writer(session):
-        lines = select(Job.id).where(_lines_of(batch.id)).scalar_subquery()
-        session.execute(delete_rows(Job).where(Job.parent_job_id.in_(lines)))
-        session.execute(delete_rows(Job).where(Job.file_batch_id == batch.id))
-        session.execute(delete_rows(RejectedLine).where(RejectedLine.file_batch_id == batch.id))
-        session.execute(delete_rows(StoredFile).where(StoredFile.id.in_(files)))
-        session.execute(delete_rows(FileBatch).where(FileBatch.id == batch.id))
+        files = remove(session, batch)
         session.commit()
     log.info("batch %s deleted with its lines and %d file(s)", batch.id, len(files))
 
@@ -327,6 +336,7 @@ def finish(session: Session, store: FileStore, batch_id: uuid.UUID, owner: str, 
     with one_writer(session):
         session.add_all(files.values())
         session.flush()
+        usage.charge(session, batch.api_key_id, sum(row.bytes for row in files.values()))  # never refused
         stamp = {BatchStatus.CANCELLED: "cancelled_at", BatchStatus.EXPIRED: "expired_at",
                  BatchStatus.COMPLETED: "completed_at"}[final]
         ended = _held(session, batch_id, owner, lease_s, status=final, lease_owner=None, lease_expires_at=None,

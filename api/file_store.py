@@ -41,6 +41,36 @@ def count_lines(chunk: bytes, open_line: bool) -> tuple[int, bool]:
     return count, open_line or bool(rest.strip())
 
 
+class Incoming:
+    """A file being written under tmp/ as its bytes arrive, counted: past `max_bytes` or `max_lines` it raises
+    `TooLarge` before writing the chunk that passes."""
+
+    def __init__(self, path: Path, out: BinaryIO, max_bytes: int, max_lines: int | None):
+        self.path, self.out, self.max_bytes, self.max_lines = path, out, max_bytes, max_lines
+        self.bytes, self.lines, self.open_line = 0, 0, False
+
+    def write(self, chunk: bytes) -> None:
+        if self.bytes + len(chunk) > self.max_bytes:
+            raise TooLarge(f"file: over the limit of {self.max_bytes} bytes")
+        ended, open_line = count_lines(chunk, self.open_line)
+        if self.max_lines is not None and self.lines + ended + open_line > self.max_lines:
+            raise TooLarge(f"file: over the limit of {self.max_lines} lines")
+        self.out.write(chunk)
+        self.bytes += len(chunk)
+        self.lines, self.open_line = self.lines + ended, open_line
+
+    def finish(self) -> Received:
+        """Flushed to disk and closed: ready for `FileStore.keep`."""
+        self.out.flush()
+        os.fsync(self.out.fileno())
+        self.out.close()
+        return Received(self.path, self.bytes, self.lines + self.open_line)
+
+    def discard(self) -> None:
+        self.out.close()
+        self.path.unlink(missing_ok=True)
+
+
 class FileStore:
     def __init__(self, root: Path):
         self.root = root
@@ -66,20 +96,22 @@ class FileStore:
             path.unlink(missing_ok=True)
             raise
 
+    def incoming(self, max_bytes: int, max_lines: int | None) -> Incoming:
+        """A new file under tmp/ that an upload writes as it arrives (the caller discards or finishes it)."""
+        self._ready()
+        path = self.tmp / uuid.uuid4().hex
+        return Incoming(path, path.open("xb"), max_bytes, max_lines)
+
     def receive(self, source: BinaryIO, max_bytes: int, max_lines: int | None) -> Received:
-        """Copy an upload under tmp/, counting as it goes; `TooLarge` (nothing kept) past either limit."""
-        size, lines, open_line = 0, 0, False
-        with self.writing() as (path, out):
+        """Copy `source` under tmp/, counting as it goes; `TooLarge` (nothing kept) past either limit."""
+        incoming = self.incoming(max_bytes, max_lines)
+        try:
             while chunk := source.read(CHUNK):
-                size += len(chunk)
-                if size > max_bytes:
-                    raise TooLarge(f"file: over the limit of {max_bytes} bytes")
-                ended, open_line = count_lines(chunk, open_line)
-                lines += ended
-                if max_lines is not None and lines + open_line > max_lines:
-                    raise TooLarge(f"file: over the limit of {max_lines} lines")
-                out.write(chunk)
-        return Received(path, size, lines + open_line)
+                incoming.write(chunk)
+            return incoming.finish()
+        except BaseException:
+            incoming.discard()
+            raise
 
     def keep(self, temporary: Path, file_id: uuid.UUID) -> None:
         os.replace(temporary, self.path(file_id))

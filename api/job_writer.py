@@ -29,12 +29,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.errors import RETRY_AFTER_S, ApiError, unauthorized
-from api.submission import Accepted, Stored, check_queue, insert_jobs, resolve, store_jobs
+from api.quotas import Admission
+from api.submission import Accepted, Stored, check_queue, insert_rows, resolve, store_jobs
 from api.wakeups import WakeupPublisher
-from shared.db import new_session
+from shared.db import new_session, one_writer
 from shared.keys import is_revoked_at
 from shared.models import ApiKey, Job
 from shared.schemas import JobCreate
+from shared.settings import get_settings
 
 log = logging.getLogger("kevlaya.api")
 
@@ -144,20 +146,42 @@ class JobWriter:
     def _insert(self, session: Session, unit: list[Submission]) -> tuple[list[list[Stored] | ApiError], list[Job]]:
         valid = _valid_keys(session, {submission.key.id for submission in unit})
         answers: list[list[Stored] | ApiError] = []
-        new: list[Job] = []
+        created: list[list[Job]] = []
         seen: dict[tuple[uuid.UUID, str], Job] = {}  # one idempotency key twice in a unit: one job
         for submission in unit:
             if submission.key.id not in valid:  # revoked since the submit read it
                 answers.append(unauthorized("API key revoked"))
+                created.append([])
                 continue
-            stored, created = resolve(session, submission.key, submission.requests, seen)
+            stored, made = resolve(session, submission.key, submission.requests, seen)
             answers.append(stored)
-            new += created
-        if new:
+            created.append(made)
+        new: list[Job] = []
+        checked = {submission.key.id for submission, made in zip(unit, created) if made}
+        if not checked:  # nothing new (repeats of stored jobs, revoked keys): nothing to write
+            return answers, new
+        # The quotas are checked against the keys' usage rows, locked in this transaction (api/quotas.py).
+        with one_writer(session):
+            admission = Admission(session, checked, get_settings())
+            refused: dict[uuid.UUID, ApiError] = {}  # new jobs of a refused submit, by id: never stored
+            for index, submission in enumerate(unit):
+                answer = answers[index]
+                if isinstance(answer, ApiError):
+                    continue
+                # a repeat of an idempotency key whose submit was refused earlier in this unit is refused with it
+                error = next((refused[job.id] for job, _ in answer if job.id in refused), None)
+                error = error or admission.take_jobs(submission.key.id, created[index])
+                if error is not None:
+                    refused.update((job.id, error) for job in created[index])
+                    answers[index] = error
+                    continue
+                new += created[index]
             started = time.perf_counter()
-            insert_jobs(session, new)
-            if self.on_unit is not None:
-                self.on_unit(len(unit), time.perf_counter() - started)
+            if new:
+                insert_rows(session, new)
+            session.commit()  # even with every new job refused: a rollback would expire the repeats' stored jobs
+        if new and self.on_unit is not None:
+            self.on_unit(len(unit), time.perf_counter() - started)
         return answers, new
 
     def _store_alone(self, session: Session, submission: Submission) -> None:

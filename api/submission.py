@@ -16,10 +16,12 @@ from sqlalchemy.orm import Session
 
 from api.errors import RETRY_AFTER_S, ApiError
 from api.presenters import jobs_out
+from api.quotas import Admission
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
+from shared import usage
 from shared.db import new_session, one_writer
-from shared.models import ApiKey, Job, JobStatus
+from shared.models import ApiKey, Job, JobStatus, Priority
 from shared.queue import QueueUnavailable, ping_queue
 from shared.schemas import JobAccepted, JobCreate, JobOut
 from shared.settings import get_settings
@@ -30,7 +32,7 @@ log = logging.getLogger("kevlaya.api")
 def new_job(request: JobCreate, key: ApiKey) -> Job:
     # `auto` is a cascade that starts with Laya (docs/architecture.md §8).
     adapter = "laya" if request.adapter == "auto" else request.adapter
-    return Job(
+    job = Job(
         id=uuid.uuid4(),
         adapter=adapter,
         requested_adapter=request.adapter,
@@ -41,7 +43,10 @@ def new_job(request: JobCreate, key: ApiKey) -> Job:
         idempotency_key=request.idempotency_key,
         api_key_id=key.id,
         created_at=datetime.now(timezone.utc),
+        priority=Priority.INTERACTIVE,
     )
+    job.stored_bytes = usage.request_bytes(vars(job))  # what it charges its key (api/quotas.py)
+    return job
 
 
 def existing_job(session: Session, key: ApiKey, idempotency_key: str | None) -> Job | None:
@@ -63,12 +68,26 @@ def check_queue() -> None:
                        headers={"Retry-After": RETRY_AFTER_S}) from exc
 
 
+def insert_rows(session: Session, jobs: list[Job]) -> None:
+    """Insert the rows of new jobs, in the caller's write transaction. A bulk insert, not the unit of work: its
+    bookkeeping cost more than the insert itself, and the objects are only read afterwards, to answer the submit."""
+    session.execute(insert(Job), [{column: value for column, value in vars(job).items() if column[0] != "_"}
+                                  for job in jobs])
+
+
 def insert_jobs(session: Session, jobs: list[Job]) -> None:
-    """Insert and commit the rows of new jobs. A bulk insert, not the unit of work: its bookkeeping cost more
-    than the insert itself, and the objects are only read afterwards, to answer the submit."""
+    """Admit (each key's quotas, api/quotas.py), insert and commit the rows of new jobs; the ApiError of a quota
+    they would pass stores none of them."""
     with one_writer(session):
-        session.execute(insert(Job), [{column: value for column, value in vars(job).items() if column[0] != "_"}
-                                      for job in jobs])
+        by_key: dict[uuid.UUID | None, list[Job]] = {}
+        for job in jobs:
+            by_key.setdefault(job.api_key_id, []).append(job)
+        admission = Admission(session, [key_id for key_id in by_key if key_id is not None], get_settings())
+        for key_id, key_jobs in by_key.items():
+            if refused := admission.take_jobs(key_id, key_jobs):
+                session.rollback()
+                raise refused
+        insert_rows(session, jobs)
         session.commit()
 
 

@@ -14,21 +14,34 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from shared import redis_server
-from shared.keys import generate_key
+from shared.keys import generate_key, weak_key_problem
 from shared.logs import masked_url
+from shared.redis_auth import has_password, with_password
 from shared.settings import Settings, get_settings
 
 log = logging.getLogger("kevlaya.run")
 STATE_DIR = Path(".kevlaya")
 
 
-def ensure_redis(url: str) -> subprocess.Popen | None:
-    """Use the Redis at `url`; if it is local and down, start one (persistent, never evicting)."""
-    if redis_server.answers(url):
-        log.info("redis: using %s", masked_url(url))
-        return None
+def ensure_redis(url: str) -> tuple[str, subprocess.Popen | None]:
+    """The Redis URL the service is to use, and the server started for it, if one was. The Redis at `url` is used
+    when it answers; one on this host started here (persistent, never evicting) asks for a password, generated and
+    kept in `.kevlaya/redis_password`: without one any local user reads every job's live output and writes into it."""
     parsed = urlparse(url)
-    if parsed.hostname not in ("127.0.0.1", "localhost"):
+    local = parsed.hostname in ("127.0.0.1", "localhost")
+    kept = (STATE_DIR / "redis_password").read_text().strip() if (STATE_DIR / "redis_password").is_file() else None
+    if local and kept and not has_password(url):  # ours from an earlier start may still run: it wants the password
+        guarded = with_password(url, kept)
+        if redis_server.answers(guarded):
+            log.info("redis: using %s", masked_url(guarded))
+            return guarded, None
+    if redis_server.answers(url):
+        if not has_password(url):
+            log.warning("redis: %s has no password: every local user can read and write its queue and the jobs' live "
+                        "output (stop it to have `kevlaya run` start one with a password)", url)
+        log.info("redis: using %s", masked_url(url))
+        return url, None
+    if not local:
         raise SystemExit(f"redis at {masked_url(url)} does not answer; start it or set KEVLAYA_REDIS_URL")
     try:
         binary = redis_server.redis_server_binary()
@@ -36,12 +49,14 @@ def ensure_redis(url: str) -> subprocess.Popen | None:
         raise SystemExit(f"redis at {masked_url(url)} does not answer and none can be started: {exc}") from None
     data_dir = STATE_DIR / "redis"
     port = parsed.port or 6379
-    log.info("redis: not running at %s, starting %s on port %s (data in %s)", masked_url(url), binary, port,
-             data_dir)
+    password = parsed.password or kept_secret("redis_password", lambda: secrets.token_urlsafe(32))[0]
+    log.info("redis: not running at %s, starting %s on port %s (data in %s, password in %s)", masked_url(url), binary,
+             port, data_dir, "KEVLAYA_REDIS_URL" if parsed.password else STATE_DIR / "redis_password")
     try:
-        return redis_server.start_redis_server(port, data_dir, persistent=True, binary=binary)
+        process = redis_server.start_redis_server(port, data_dir, persistent=True, binary=binary, password=password)
     except redis_server.RedisServerError as exc:
         raise SystemExit(str(exc)) from None
+    return (url if parsed.password else with_password(url, password)), process
 
 
 def kept_secret(name: str, make: Callable[[], str]) -> tuple[str, bool]:
@@ -87,6 +102,9 @@ def run_local(with_flower: bool = True) -> int:
     # append-only file, the model cache) is private to this user from the start, not chmod-ed afterwards.
     os.umask(0o077)
     settings = get_settings()
+    if settings.api_key and (problem := weak_key_problem(settings.api_key.get_secret_value())):
+        log.error("%s", problem)
+        return 2
     from shared.migrate import newer_schema, upgrade
 
     if problem := newer_schema(settings.database_url):
@@ -98,10 +116,10 @@ def run_local(with_flower: bool = True) -> int:
     # The base first (a GGUF base is read into its cache once), so the API and the worker both start on it.
     if subprocess.run([*kevlaya, "models", "prepare"]).returncode != 0:
         return 2
-    redis_process = ensure_redis(settings.redis_url)
+    redis_url, redis_process = ensure_redis(settings.redis_url)
     key, key_note = local_api_key(settings)
     # Secrets reach the children in their environment, which only this user can read; never on a command line.
-    env = {**os.environ, "KEVLAYA_API_KEY": key}
+    env = {**os.environ, "KEVLAYA_API_KEY": key, "KEVLAYA_REDIS_URL": redis_url}
     children = {
         "worker": subprocess.Popen([*kevlaya, "worker"], env=env),
         "api": subprocess.Popen([*kevlaya, "api"], env=env),

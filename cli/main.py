@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from cli import batch, db, dev, keys, models, serve
+from cli import batch, db, dev, keys, models, quotas, serve
 from modellab.bench.cli import batch_load, bench, load, scale_out, soak, stream_load
 
 app = typer.Typer(help="Kev & Laya decision-job service.", no_args_is_help=True, add_completion=False)
 app.add_typer(db.app, name="db")
 app.add_typer(keys.app, name="keys")
+app.add_typer(quotas.app, name="quotas")
 app.add_typer(models.app, name="models")
 app.add_typer(dev.app, name="dev")
 app.add_typer(batch.app, name="batch")

@@ -16,6 +16,15 @@ from cli.common import fail, require_own_schema
 from shared.settings import get_settings
 
 
+def require_guarded_redis() -> None:
+    """Refuse, in one line, a Redis beyond this host without a password (shared/redis_auth.py)."""
+    from shared.redis_auth import redis_url_problem
+
+    settings = get_settings()
+    if problem := redis_url_problem(settings.redis_url, settings.redis_allow_no_password):
+        fail(problem)
+
+
 def _run_celery(args: list[str]) -> None:
     """Run Celery's command line in this process: the process is Celery's, so signals (docker stop, Ctrl-C)
     reach it directly, as they would after an exec, without starting a second interpreter."""
@@ -43,26 +52,27 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
     """Serve the REST API on KEVLAYA_API_HOST:KEVLAYA_API_PORT."""
     import uvicorn
 
+    from api.bootstrap_key import retire_replaced_keys, start_problem
     from api.connection_limits import connection_caps
     from api.head_limit import BoundedHeadProtocol
 
     require_own_schema()
+    require_guarded_redis()
     settings = get_settings()
+    if problem := start_problem(settings):
+        fail(problem)
+    for note in retire_replaced_keys(settings):
+        typer.echo(note, err=True)
     caps = connection_caps(settings)
     if caps.clamped:
         typer.secho(f"KEVLAYA_API_MAX_CONNECTIONS={settings.api_max_connections} is more than the descriptor limit "
                     f"{caps.fd_limit} allows: {caps.total} (raise `ulimit -n` for more)", fg=typer.colors.YELLOW,
-    from api.bootstrap_key import retire_replaced_keys, start_problem
                     err=True)
     typer.echo(f"connections: at most {caps.total} per API process, {caps.per_address} per client address "
                f"(descriptor limit {caps.fd_limit})", err=True)
     # No WebSocket routes: an upgrade would hand the socket to a protocol outside the connection caps.
     uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
                 reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
-    if problem := start_problem(settings):
-        fail(problem)
-    for note in retire_replaced_keys(settings):
-        typer.echo(note, err=True)
                 log_level="info", log_config=api_log_config(settings.log_format), http=BoundedHeadProtocol,
                 ws="none", backlog=caps.backlog, timeout_keep_alive=settings.api_idle_timeout_s)
 
@@ -70,6 +80,7 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
 def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:
     """Run the GPU worker: one Celery prefork child at concurrency 1 that loads the model."""
     require_own_schema()
+    require_guarded_redis()
     # Without mingle and gossip: they sync revoked tasks and clocks with the other workers, and a job's state is its
     # row, never a Celery revoke; mingle also waited a second at every start for neighbours' replies.
     _run_celery(["-A", "worker.tasks", "worker", "--pool", "prefork", "--concurrency", "1",

@@ -26,6 +26,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, and_, event, exists, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
+from shared import usage
 from shared.models import Job, JobStatus
 from shared.notify import publish_finished
 
@@ -74,10 +75,15 @@ def _move(session: Session, source: str, target: str, *where: ColumnElement[bool
     """One conditional UPDATE `source → target`; returns the rows that moved (none when another writer won)."""
     if target not in TRANSITIONS[source]:
         raise IllegalTransition(f"a job cannot go from {source} to {target}")
+    outcome_bytes = usage.result_bytes(values) if target in JobStatus.FINISHED else 0
+    if outcome_bytes:  # the outcome is stored on the row: its key is charged for it (shared/usage.py)
+        values["stored_bytes"] = Job.stored_bytes + outcome_bytes
     moved = list(session.scalars(
         update(Job).where(Job.status == source, *where).values(status=target, **values).returning(Job),
         execution_options={"synchronize_session": False, "populate_existing": True},
     ).all())
+    for job in moved:
+        usage.charge(session, job.api_key_id, outcome_bytes)
     if target in JobStatus.FINISHED and moved:
         _announce_after_commit(session, [job.id for job in moved])
         for job in moved:

@@ -95,6 +95,18 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None]
 
 
+class KeyUsage(Base):
+    """What one API key stores, and its own limits where they differ from the settings' (shared/usage.py,
+    docs/architecture.md §16; migration 0009). Written in the transaction that stores or deletes what it counts."""
+
+    __tablename__ = "key_usage"
+
+    api_key_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), primary_key=True)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # jobs' and files'
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer)  # None: KEVLAYA_QUEUED_JOBS_PER_KEY
+    max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)  # None: KEVLAYA_STORED_BYTES_PER_KEY
+
+
 class ClaimGroup(Base):
     """Jobs one worker claimed together (the engine's claim for its free slots): the `batches` table, and the
     `batch_id` of a job in the API."""
@@ -134,6 +146,7 @@ class Job(Base):
               "queue_ms", "ttft_ms", "decode_ms", "total_ms", "completion_tokens", "id"),
         Index("ix_jobs_parent_adapter", "parent_job_id", "adapter"),
         Index("ix_jobs_file_batch_status", "file_batch_id", "status"),
+        Index("ix_jobs_finished_at", "finished_at"),  # retention (migration 0009)
         UniqueConstraint("file_batch_id", "batch_line", name="uq_jobs_file_batch_line"),
     )
 
@@ -179,6 +192,9 @@ class Job(Base):
     file_batch_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("file_batches.id", ondelete="CASCADE"))
     batch_line: Mapped[int | None] = mapped_column(Integer)  # its line in the batch's input file, from 1
     custom_id: Mapped[str | None] = mapped_column(String(512))
+    # What this row charges its key's stored bytes (shared/usage.py): its request when stored, plus its result once
+    # finished; a deletion gives back exactly this (migration 0009).
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class StoredFile(Base):

@@ -68,7 +68,8 @@ def server_identity(binary: str) -> str:
 
 
 def answers(url: str, timeout: float = 1.0) -> bool:
-    """True when a Redis-protocol server answers PING at `url`."""
+    """True when a Redis-protocol server answers PING at `url` (with the URL's password, if any: a server that
+    wants another one, or none, does not answer)."""
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout)
     try:
         return bool(client.ping())
@@ -85,8 +86,13 @@ def start_redis_server(
     persistent: bool = True,
     binary: str | None = None,
     timeout: float = 10.0,
+    password: str | None = None,
 ) -> subprocess.Popen:
     """Start a server on 127.0.0.1:`port` with its files in `data_dir`, and return once it answers PING.
+
+    With `password`, every client must authenticate with it (`requirepass`); it reaches the server in a
+    configuration file readable by this user alone, read at its start and removed once it answers, never on the
+    command line, where `ps` shows it to every user.
 
     `persistent` keeps an append-only file, so queued wake-up messages survive a restart; without it
     nothing is written to disk (what tests want). Either way keys are never evicted: Celery's messages
@@ -103,7 +109,7 @@ def start_redis_server(
         data_dir = _own_directory(data_dir, server_identity(binary))
     data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return _start(binary, port, data_dir, persistent, timeout)
+        return _start(binary, port, data_dir, persistent, timeout, password)
     except RedisServerError as exc:
         aof = data_dir / "appendonlydir"
         if not (persistent and aof.exists() and UNREADABLE_DATA.search(str(exc))):
@@ -112,7 +118,7 @@ def start_redis_server(
         aof.rename(aside)
         log.warning("redis: %s cannot read its data in %s; moved it to %s and starting clean (queued jobs are "
                     "re-announced from the database)", binary, aof, aside)
-        return _start(binary, port, data_dir, persistent, timeout)
+        return _start(binary, port, data_dir, persistent, timeout, password)
 
 
 def _own_directory(data_dir: Path, identity: str) -> Path:
@@ -124,24 +130,41 @@ def _own_directory(data_dir: Path, identity: str) -> Path:
     return own
 
 
-def _start(binary: str, port: int, data_dir: Path, persistent: bool, timeout: float) -> subprocess.Popen:
+def _password_file(data_dir: Path, password: str) -> Path:
+    path = data_dir / "password.conf"
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, even briefly
+    with os.fdopen(descriptor, "w") as file:
+        file.write(f'requirepass "{password}"\n')
+    return path
+
+
+def _start(binary: str, port: int, data_dir: Path, persistent: bool, timeout: float,
+           password: str | None = None) -> subprocess.Popen:
+    if password is not None and not re.fullmatch(r"[\w\-.~]+", password):
+        raise RedisServerError("a Redis password must be URL-safe: letters, digits and - . _ ~")
     log_path = data_dir / "server.log"
+    config = _password_file(data_dir, password) if password is not None else None
     args = [
-        binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
+        binary, *([str(config)] if config else []), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
         "--appendonly", "yes" if persistent else "no", "--save", "",
         "--maxmemory-policy", "noeviction",
     ]
     started = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as server_log:
         process = subprocess.Popen(args, stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if answers(url, timeout=0.5):
-            return process
-        if process.poll() is not None:
-            break
-        time.sleep(0.05)
+    try:
+        while time.monotonic() < deadline:
+            if answers(url, timeout=0.5):
+                return process
+            if process.poll() is not None:
+                break
+            time.sleep(0.05)
+    finally:
+        if config is not None:
+            config.unlink(missing_ok=True)  # read by now, or the server failed
     if process.poll() is None:
         process.terminate()
         process.wait(10)

@@ -44,8 +44,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Request limits": ("max_prompt_chars", "max_new_tokens_limit", "max_batch_submit", "max_body_bytes",
                        "max_header_bytes", "max_wait_timeout_s", "wait_recheck_s", "chat_timeout_s"),
     "Live job streams": ("stream_max_events", "stream_keep_s", "stream_interval_ms", "stream_heartbeat_s"),
-    "Batch API": ("files_dir", "files_max_bytes", "files_max_lines", "files_per_key_bytes",
-                  "batch_check_interval_s", "batch_lease_s"),
+    "Batch API": ("files_dir", "files_max_bytes", "files_max_lines", "batch_check_interval_s", "batch_lease_s"),
+    "Quotas and retention": ("queued_jobs_per_key", "stored_bytes_per_key", "retention_s"),
     "VRAM": ("vram_budget_gb",),
     "Observability": ("worker_metrics_host", "worker_metrics_port", "log_format", "flower_db"),
     "Benchmarks": ("ignore_eos",),
@@ -57,6 +57,8 @@ GROUP_NOTES: dict[str, str] = {
     "Keys": "API keys' limits (RELIABILITY.md, Security).",
     "Live job streams": "`GET /v1/jobs/{id}/events` and streamed chat completions.",
     "Batch API": "`/v1/files` and `/v1/batches` (docs/architecture.md §15).",
+    "Quotas and retention": "Per API key; `kevlaya quotas set` gives one key its own limits (docs/architecture.md "
+                            "§16).",
     "VRAM": "The GPU runtime uses it; the CPU path ignores it.",
     "Observability": "See Monitoring below.",
 }
@@ -354,12 +356,25 @@ class Settings(BaseSettings):
                                  "upload may store, in bytes (OpenAI's limit); past it, 413 and nothing kept")
     files_max_lines: int = Field(default=50_000, ge=1, description="the most lines (requests) one batch input file "
                                  "may hold (OpenAI's limit); past it, 413 and nothing kept")
-    files_per_key_bytes: int = Field(default=2 * 1024 ** 3, ge=1024, description="the bytes of files one API key may "
-                                     "keep at once (uploads and its batches' outputs); an upload past it gets 413")
     batch_check_interval_s: float = Field(default=1.0, gt=0, description="how often each API process's batch keeper "
                                           "looks for batches to validate, expire, cancel or write out")
     batch_lease_s: float = Field(default=60, gt=0, description="a batch being validated or written out by an API "
                                  "process that stopped is taken over by another after this long")
+
+    # Quotas and retention (docs/architecture.md §16)
+    queued_jobs_per_key: int = Field(
+        default=10_000, ge=1, description="interactive jobs (`/v1/jobs`, `/v1/jobs/batch`, chat completions) one API "
+        "key may have queued at once; a submit that would pass it stores nothing and gets 429 `queued_jobs_limit` "
+        "with `Retry-After` (batch lines are bounded by their files)")
+    stored_bytes_per_key: int = Field(
+        default=4 * 1024 ** 3, ge=1024, description="bytes one API key may keep stored: its jobs' requests "
+        "(input, params, metadata) and results, and its files (uploads, batch output and error files). A submit or "
+        "upload that would pass it stores nothing and gets 413 `storage_quota_exceeded` (an upload as soon as its "
+        "bytes pass it); answers of jobs already accepted are always stored, and counted")
+    retention_s: float = Field(
+        default=30 * 86400, ge=0, description="finished jobs, finished batches (with their lines and output files) "
+        "and files are deleted this long after they finished (files: after they were stored), by each API process's "
+        "batch keeper, which frees their bytes; `0` keeps everything")
 
     # VRAM (the GPU runtime uses it; the CPU path ignores it)
     vram_budget_gb: float = Field(

@@ -39,10 +39,12 @@ def default(name: str, value: object) -> str:
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     shown = f"`{value}`"
-    if name.endswith("_bytes") and isinstance(value, int):
+    if (name.endswith("_bytes") or "_bytes_" in name) and isinstance(value, int):
         size, unit = next(((value // n, u) for n, u in UNITS if value % n == 0 and value >= n), (None, None))
         if unit:
             shown += f" ({size} {unit})"
+    if name.endswith("_s") and isinstance(value, (int, float)) and value >= 86400 and value % 86400 == 0:
+        shown += f" ({value // 86400:.0f} days)"
     return shown
 
 

@@ -140,12 +140,13 @@ def test_bad_list_queries_are_4xx_naming_the_parameter(client, params):
     assert next(iter(params)) in response.json()["error"]["message"]
 
 
-def test_cancel_a_queued_job_then_cancel_again_is_409(client):
+def test_delete_cancels_a_queued_job_then_deletes_it_once_finished(client):
     job_id = submit(client).json()["id"]
     cancelled = client.delete(f"/v1/jobs/{job_id}", headers=AUTH)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     again = client.delete(f"/v1/jobs/{job_id}", headers=AUTH)
-    assert again.status_code == 409 and "cancelled" in again.json()["error"]["message"]
+    assert again.status_code == 200 and again.json() == {"id": job_id, "deleted": True}
+    assert client.delete(f"/v1/jobs/{job_id}", headers=AUTH).status_code == 404
 
 
 def test_unknown_job_is_404_and_bad_id_is_422(client):

@@ -97,10 +97,11 @@ def test_uploads_are_refused_naming_the_field_or_limit_and_keep_nothing(client, 
     monkeypatch.setattr(get_settings(), "files_max_lines", 3)
     too_many = upload(client, jsonl([line(str(i)) for i in range(4)]))
     assert too_many.status_code == 413 and "3 lines" in too_many.json()["error"]["message"]
-    monkeypatch.setattr(get_settings(), "files_per_key_bytes", 2048)
+    monkeypatch.setattr(get_settings(), "stored_bytes_per_key", 2048)
     assert upload(client, jsonl([line("a")])).status_code == 200
     over_quota = upload(client, b" " * 1800 + jsonl([line("b")]))
-    assert over_quota.status_code == 413 and "this key keeps" in over_quota.json()["error"]["message"]
+    assert over_quota.status_code == 413 and over_quota.json()["error"]["code"] == "storage_quota_exceeded"
+    assert "KEVLAYA_STORED_BYTES_PER_KEY" in over_quota.json()["error"]["message"]
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(StoredFile)) == 1
     assert len([p for p in files_dir.iterdir() if p.is_file()]) == 1

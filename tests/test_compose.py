@@ -22,7 +22,7 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-REQUIRED_ENV = {"POSTGRES_PASSWORD": "pg-s3cret", "FLOWER_BASIC_AUTH": "admin:fl0wer"}
+REQUIRED_ENV = {"POSTGRES_PASSWORD": "pg-s3cret", "REDIS_PASSWORD": "r3dis-s3cret", "FLOWER_BASIC_AUTH": "admin:fl0wer"}
 WORKERS = ("worker", "worker-gpu1")  # one service per GPU
 MONITORING = {"prometheus", "grafana"}  # the `monitoring` profile
 SERVICES = {"redis", "postgres", "migrate", "api", *WORKERS, "flower", *MONITORING}
@@ -233,6 +233,18 @@ def test_redis_is_durable_and_never_evicts():
     assert source in compose["volumes"], "redis data lives in a named volume"
 
 
+def test_redis_asks_every_client_for_the_password():
+    """The API and the worker refuse a Redis beyond localhost without one (shared/redis_auth.py)."""
+    compose = resolved_compose()
+    redis = compose["services"]["redis"]
+    tokens = command_tokens(redis)
+    assert tokens[tokens.index("--requirepass") + 1] == REQUIRED_ENV["REDIS_PASSWORD"]
+    assert service_env(redis)["REDISCLI_AUTH"] == REQUIRED_ENV["REDIS_PASSWORD"]  # the healthcheck's
+    for name in (*APP_SERVICES_WITH_DB, "flower"):
+        assert make_url(service_env(compose["services"][name])["KEVLAYA_REDIS_URL"]).password == \
+            REQUIRED_ENV["REDIS_PASSWORD"], name
+
+
 def test_postgres_is_16_with_a_named_volume():
     compose = raw_compose()
     postgres = compose["services"]["postgres"]
@@ -299,6 +311,7 @@ def test_app_services_point_at_postgres_and_redis():
         assert db.password == REQUIRED_ENV["POSTGRES_PASSWORD"] == pg_env["POSTGRES_PASSWORD"], name
         redis = make_url(env["KEVLAYA_REDIS_URL"])
         assert (redis.drivername, redis.host, redis.port or 6379) == ("redis", "redis", 6379), name
+        assert redis.password == REQUIRED_ENV["REDIS_PASSWORD"], name
     api_env = service_env(compose["services"]["api"])
     assert api_env["KEVLAYA_API_HOST"] == "0.0.0.0" and api_env["KEVLAYA_API_PORT"] == "8000"
 
@@ -375,7 +388,7 @@ def test_compose_config(tmp_path):
         return
     ok = run_compose_config(cli, REQUIRED_ENV, tmp_path)
     assert ok.returncode == 0, ok.stderr
-    missing = run_compose_config(cli, {"FLOWER_BASIC_AUTH": "a:b"}, tmp_path)
+    missing = run_compose_config(cli, {"FLOWER_BASIC_AUTH": "a:b", "REDIS_PASSWORD": "r"}, tmp_path)
     assert missing.returncode != 0 and "POSTGRES_PASSWORD" in missing.stderr
 
 

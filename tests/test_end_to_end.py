@@ -85,15 +85,16 @@ def test_redis_down_gives_503_and_no_orphan_then_queued_jobs_run_when_it_returns
     assert [j["status"] for j in wait_finished(api, queued)] == ["succeeded"] * 3
 
 
-def test_cancelled_before_it_runs_never_runs_and_a_finished_job_cannot_be_cancelled(env, api, start_process):
+def test_cancelled_before_it_runs_never_runs_and_a_finished_job_is_deleted(env, api, start_process):
     cancelled = submit(api, "kev", "cancel me")
     assert api.delete(f"/v1/jobs/{cancelled}").json()["status"] == "cancelled"
     start_worker(start_process, env, api)
     [done] = wait_finished(api, [submit(api, "kev", "run me", max_new_tokens=4)])
     assert done["status"] == "succeeded"
 
-    conflict = api.delete(f"/v1/jobs/{done['id']}")
-    assert conflict.status_code == 409
+    deleted = api.delete(f"/v1/jobs/{done['id']}")
+    assert deleted.status_code == 200 and deleted.json() == {"id": done["id"], "deleted": True}
+    assert api.get(f"/v1/jobs/{done['id']}").status_code == 404
     job = api.get(f"/v1/jobs/{cancelled}").json()
     assert job["status"] == "cancelled" and job["attempts"] == 0 and job["batch_id"] is None and job["result"] is None
 

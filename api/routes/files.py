@@ -16,17 +16,19 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
-from sqlalchemy import and_, delete, func, or_, select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
-from starlette.datastructures import UploadFile
 
 from api.batch_schemas import FILE_PREFIX, FileDeleted, FileList, FileObject, parse_id
+from api.deletion import delete_files
 from api.deps import CurrentKey, FileStoreDep, SessionDep, SettingsDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, RETRY_AFTER_S, ApiError, error_responses
 from api.file_names import content_disposition, shown_name
 from api.file_store import FileStore, Received, TooLarge
+from api.quotas import Admission, stored_limit, uploads_in_flight
+from api.upload_stream import read_form
 from shared.db import new_session, one_writer
-from shared.models import ApiKey, BatchStatus, FileBatch, StoredFile
+from shared.models import ApiKey, BatchStatus, FileBatch, KeyUsage, StoredFile
 from shared.settings import Settings
 
 router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[Depends(reject_unknown_query_parameters)])
@@ -76,18 +78,51 @@ def _expiry(form_value: object, anchor: object) -> int | None:
     return int(form_value)
 
 
+def _remaining(key: ApiKey, settings: Settings) -> int:
+    """What the key may still store as its stored bytes stand now, less its other uploads arriving in this process:
+    an upload stops as soon as it passes this (the storing transaction checks again, exactly)."""
+    with new_session() as session:
+        row = session.get(KeyUsage, key.id)
+        stored = row.stored_bytes if row is not None else 0
+    return stored_limit(row, settings) - stored - uploads_in_flight.of(key.id)
+
+
+class QuotaCountedUpload:
+    """The sink of one upload: its bytes go to a file under the files directory's tmp/ as they arrive, counted
+    against the file limits and the key's stored-bytes quota (413 at the chunk that passes either)."""
+
+    def __init__(self, key: ApiKey, store: FileStore, settings: Settings, remaining: int):
+        self.key, self.remaining = key, remaining
+        self.incoming = store.incoming(settings.files_max_bytes, settings.files_max_lines)
+
+    def write(self, data: bytes) -> None:
+        if self.incoming.bytes + len(data) > self.remaining:
+            raise ApiError(413, "storage_quota_exceeded",
+                           f"file: over this key's stored-bytes quota after {self.incoming.bytes + len(data)} bytes: "
+                           f"it could store {max(self.remaining, 0)} more when the upload began "
+                           "(KEVLAYA_STORED_BYTES_PER_KEY, or the key's own, less its jobs, files and uploads in "
+                           "progress); nothing was stored")
+        try:
+            self.incoming.write(data)
+        except TooLarge as exc:
+            raise ApiError(413, "payload_too_large", str(exc)) from None
+        uploads_in_flight.add(self.key.id, len(data))
+
+    def discard(self) -> None:
+        uploads_in_flight.add(self.key.id, -self.incoming.bytes)
+        self.incoming.discard()
+
+
 def _store(key: ApiKey, received: Received, filename: str, expires_s: int | None, settings: Settings,
            store: FileStore) -> StoredFile:
+    """The file row and its bytes in place, if the key's quota holds them (checked with its usage row locked)."""
     row = StoredFile(id=uuid.uuid4(), api_key_id=key.id, purpose="batch", filename=filename, bytes=received.bytes,
                      lines=received.lines, created_at=datetime.now(timezone.utc))
     if expires_s is not None:
         row.expires_at = row.created_at + timedelta(seconds=expires_s)
     with new_session() as session, one_writer(session):
-        kept = session.scalar(select(func.coalesce(func.sum(StoredFile.bytes), 0))
-                              .where(StoredFile.api_key_id == key.id))
-        if kept + received.bytes > settings.files_per_key_bytes:
-            raise ApiError(413, "payload_too_large", f"file: this key keeps {kept} bytes of files and the limit "
-                           f"is {settings.files_per_key_bytes}; delete some (DELETE /v1/files/{{id}})")
+        if refused := Admission(session, [key.id], settings).take_bytes(key.id, received.bytes, "file"):
+            raise refused
         session.add(row)
         session.flush()
         store.keep(received.path, row.id)
@@ -105,34 +140,33 @@ def _store(key: ApiKey, received: Received, filename: str, expires_s: int | None
              responses=error_responses(400, 413, 422, *AUTH_ERRORS))
 async def upload_file(request: Request, key: CurrentKey, session: SessionDep, settings: SettingsDep,
                       store: FileStoreDep) -> FileObject:
-    """Upload a JSONL file of batch requests (multipart: `file`, `purpose=batch`)."""
+    """Upload a JSONL file of batch requests (multipart: `file`, `purpose=batch`). Its bytes go straight into the
+    files directory as they arrive; past a limit or the key's quota the upload stops there (413)."""
     session.close()  # an upload can take a while: hold no pooled connection meanwhile
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise ApiError(422, "invalid_request", "body: multipart/form-data with the fields file and purpose")
-    form = await request.form(max_files=1, max_fields=len(FORM_FIELDS))
-    try:
-        if unknown := sorted(set(form.keys()) - set(FORM_FIELDS)):
-            raise ApiError(422, "invalid_request", f"{unknown[0]}: not a field this server takes (refused rather "
-                           f"than ignored); it takes {', '.join(FORM_FIELDS)}")
-        purpose, upload = form.get("purpose"), form.get("file")
-        if purpose != "batch":
-            raise ApiError(422, "invalid_request", "purpose: only batch (files here are batch input)")
-        if not isinstance(upload, UploadFile):
-            raise ApiError(422, "invalid_request", "file: missing, or not a file part")
-        expires_s = _expiry(form.get("expires_after[seconds]"), form.get("expires_after[anchor]"))
-        with storage_errors():
-            try:
-                received = await run_in_threadpool(store.receive, upload.file, settings.files_max_bytes,
-                                                   settings.files_max_lines)
-            except TooLarge as exc:
-                raise ApiError(413, "payload_too_large", str(exc)) from None
-            try:
-                row = await run_in_threadpool(_store, key, received, shown_name(upload.filename), expires_s,
-                                              settings, store)
-            finally:
-                received.path.unlink(missing_ok=True)  # still there only if it was not kept
-    finally:
-        await form.close()
+    remaining = await run_in_threadpool(_remaining, key, settings)
+    upload: QuotaCountedUpload | None = None
+
+    def open_sink() -> QuotaCountedUpload:
+        nonlocal upload
+        upload = QuotaCountedUpload(key, store, settings, remaining)
+        return upload
+
+    with storage_errors():
+        try:
+            form = await read_form(request, FORM_FIELDS, "file", open_sink)
+            if form.fields.get("purpose") != "batch":
+                raise ApiError(422, "invalid_request", "purpose: only batch (files here are batch input)")
+            if upload is None:
+                raise ApiError(422, "invalid_request", "file: missing, or not a file part")
+            expires_s = _expiry(form.fields.get("expires_after[seconds]"), form.fields.get("expires_after[anchor]"))
+            received = await run_in_threadpool(upload.incoming.finish)
+            row = await run_in_threadpool(_store, key, received, shown_name(form.filename), expires_s, settings,
+                                          store)
+        finally:
+            if upload is not None:
+                upload.discard()  # the file, unless it was kept (renamed into place), and its place in flight
     return FileObject.of(row)
 
 
@@ -187,7 +221,7 @@ def delete_file(file_id: str, key: CurrentKey, session: SessionDep, store: FileS
         raise ApiError(409, "conflict", f"file {file_id} is the input of a batch being validated; delete it once "
                        "the batch is in progress")
     with one_writer(session):
-        session.execute(delete(StoredFile).where(StoredFile.id == row.id))
+        delete_files(session, StoredFile.id == row.id)
         session.commit()
     store.remove(row.id)
     return FileDeleted(id=file_id, deleted=True)

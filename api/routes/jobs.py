@@ -1,4 +1,4 @@
-"""`/v1/jobs`: submit, batch submit, get, wait, list, cancel (docs/architecture.md §8)."""
+"""`/v1/jobs`: submit, batch submit, get, wait, list, cancel and delete (docs/architecture.md §8, §16)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlalchemy import and_, or_, select
 
+from api.deletion import delete_jobs
 from api.deps import (
     CurrentKey,
     IntakeDep,
@@ -25,12 +26,13 @@ from api.presenters import decode_cursor, encode_cursor, jobs_out
 from api.submission import get_visible, visible_to, wait_finished
 from shared import lifecycle
 from shared.db import one_writer
-from shared.models import Job
+from shared.models import Job, JobStatus
 from shared.schemas import (
     JobAccepted,
     JobBatchAccepted,
     JobBatchCreate,
     JobCreate,
+    JobDeleted,
     JobOut,
     JobPage,
     RequestedAdapter,
@@ -136,16 +138,31 @@ async def job_events(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, se
     return HeldStream(stream, streams.take(key.id, settings.streams_per_key))
 
 
-@router.delete("/{job_id}", response_model=JobOut, responses=error_responses(404, 409, 422, *AUTH_ERRORS))
-def cancel_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOut:
+@router.delete("/{job_id}", response_model=JobOut | JobDeleted,
+               responses=error_responses(404, 409, 422, *AUTH_ERRORS))
+def cancel_or_delete_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOut | JobDeleted:
+    """A queued job is cancelled (answered as it now stands: its waiters see it end); a finished one is deleted
+    with its `auto` stages, and its bytes no longer count against the key's quota (docs/architecture.md §16). A
+    running job: 409, delete it once it has finished."""
     job = get_visible(session, key, job_id)
     if job.parent_job_id is not None:
         raise ApiError(409, "conflict", f"job {job_id} is a stage of `auto` job {job.parent_job_id}; "
-                       "it cannot be cancelled on its own")
+                       "it cannot be cancelled or deleted on its own")
+    if job.status in JobStatus.FINISHED:
+        if job.file_batch_id is not None:
+            raise ApiError(409, "conflict", f"job {job_id} is a line of a batch; it goes with the batch "
+                           "(DELETE /v1/batches/{id})")
+        with one_writer(session):
+            deleted = delete_jobs(session, Job.id == job_id, Job.status.in_(JobStatus.FINISHED))
+            session.commit()
+        if not deleted:
+            raise ApiError(404, "not_found", f"job {job_id} not found")
+        return JobDeleted(id=job_id)
     with one_writer(session):
         cancelled = lifecycle.cancel(session, job_id)
         session.commit()
     session.refresh(job)
     if not cancelled:
-        raise ApiError(409, "conflict", f"job {job_id} is {job.status}; only a queued job can be cancelled")
+        raise ApiError(409, "conflict", f"job {job_id} is {job.status}; a queued job can be cancelled and a finished "
+                       "one deleted, a running one neither: delete it once it has finished")
     return jobs_out(session, [job])[0]

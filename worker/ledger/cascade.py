@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy.orm import Session
 
-from shared import lifecycle
+from shared import lifecycle, usage
 from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus
 
@@ -50,6 +50,10 @@ def escalate(session: Session, parent: Job, group_id: uuid.UUID, laya: JobOutcom
         params={k: v for k, v in parent.params.items() if k != "max_new_tokens"},
         parent_job_id=parent.id, api_key_id=parent.api_key_id, created_at=now, priority=parent.priority,
     )
+    for row in (stage, kev):  # each stage stores the request again, and Laya's its outcome
+        row.stored_bytes = usage.request_bytes({"input": row.input, "params": row.params}) + usage.result_bytes(
+            vars(row))
+        usage.charge(session, row.api_key_id, row.stored_bytes)
     session.add_all([stage, kev])
     session.flush()
     return kev
