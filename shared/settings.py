@@ -28,7 +28,7 @@ DEMO_MODEL_DIR = Path("models/demo")
 # `kev` and `laya` are the roles' profiles (`AdapterProfile`), read from `KEVLAYA_KEV__*` and `KEVLAYA_LAYA__*`.
 GROUPS: dict[str, tuple[str, ...]] = {
     "Endpoints": ("api_host", "api_port", "api_key", "api_workers", "api_writer", "flower_host", "flower_port",
-                  "flower_basic_auth", "redis_url"),
+                  "flower_basic_auth", "redis_url", "redis_allow_no_password"),
     "Connections": ("api_head_timeout_s", "api_idle_timeout_s", "api_max_connections",
                     "api_max_connections_per_address", "streams_per_key", "long_polls_per_key"),
     "Keys": ("new_key_rate_limit", "auth_failures_per_address", "auth_failure_window_s"),
@@ -137,7 +137,14 @@ class Settings(BaseSettings):
         "localhost")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis: the Celery broker, the workers' "
                            "heartbeats, finished-job notices and live job streams (run it with "
-                           "`maxmemory-policy noeviction`)")
+                           "`maxmemory-policy noeviction`). Beyond a loopback host it needs a password "
+                           "(`redis://:password@host:6379/0`): the API and the worker refuse to start without one. "
+                           "`kevlaya run` starts its own Redis with a generated password (kept in "
+                           "`.kevlaya/redis_password`) when none answers at a loopback URL without one")
+    redis_allow_no_password: bool = Field(
+        default=False, description="let the API and the worker use a Redis beyond a loopback host without a "
+        "password (on a network where nobody else can reach it); whoever reaches such a Redis reads every "
+        "job's live output and can write into it")
 
     # Connections (per API process)
     api_head_timeout_s: float = Field(
@@ -163,15 +170,6 @@ class Settings(BaseSettings):
         default=256, ge=1, description="long-polls (`GET /v1/jobs/{id}/wait`, chat completions without `stream`) one "
         "API key may hold waiting at once in one API process; one more gets 429 `too_many_long_polls`")
 
-    # Database
-    database_url: str = Field(default="sqlite:///./kevlaya.db", description="SQLAlchemy URL; PostgreSQL: "
-                              "`postgresql+psycopg://user:pw@host/db`")
-    db_pool_size: int = Field(default=40, ge=1, description="database connections kept per process (the API runs "
-                              "up to 40 requests at once in threads)")
-    db_pool_timeout_s: float = Field(
-        default=3, gt=0, description="how long a request or thread waits for a free database connection of its "
-        "process when every one is in use (slow requests holding them all); then the API answers 503 "
-        "`database_unavailable` with `Retry-After`, before a client's own timeout would cut it off")
     # Keys
     new_key_rate_limit: int = Field(
         default=600, ge=0, description="the rate limit of a key made by `kevlaya keys create` without `--rate-limit`: "
@@ -188,6 +186,15 @@ class Settings(BaseSettings):
         default=60, ge=1, description="the moving window, in seconds, in which `KEVLAYA_AUTH_FAILURES_PER_ADDRESS` "
         "failures are counted")
 
+    # Database
+    database_url: str = Field(default="sqlite:///./kevlaya.db", description="SQLAlchemy URL; PostgreSQL: "
+                              "`postgresql+psycopg://user:pw@host/db`")
+    db_pool_size: int = Field(default=40, ge=1, description="database connections kept per process (the API runs "
+                              "up to 40 requests at once in threads)")
+    db_pool_timeout_s: float = Field(
+        default=3, gt=0, description="how long a request or thread waits for a free database connection of its "
+        "process when every one is in use (slow requests holding them all); then the API answers 503 "
+        "`database_unavailable` with `Retry-After`, before a client's own timeout would cut it off")
     sqlite_synchronous: Literal["FULL", "NORMAL"] = Field(
         default="FULL", description="SQLite's durability: `FULL`, an accepted job survives power loss; `NORMAL` "
         "(WAL), it survives a crash of the process, not of the machine, and a commit saves an fsync")
