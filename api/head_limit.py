@@ -9,7 +9,8 @@ however the head was cut into reads. A refused request never reaches the app.
 
 uvicorn starts no timer before a connection's first request, nor while a head arrives: an idle socket, or one
 trickling a header line every few seconds, stayed open for good. Here a connection waiting for a head (from its
-opening, or from the end of its previous response) is closed after `KEVLAYA_API_HEAD_TIMEOUT_S`.
+opening, or from the end of its previous response) is closed after `KEVLAYA_API_HEAD_TIMEOUT_S`, and one whose
+body comes too slowly gets 408 and is closed (api/body_timeout.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from api.body_timeout import CHECK_EVERY_S, BodyClock
 from api.connection_limits import OpenConnections, connection_caps
 from api.errors import error_body
 from shared.settings import get_settings
@@ -48,6 +50,9 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         settings = get_settings()
         self.max_head_bytes = settings.max_header_bytes
         self.head_timeout_s = settings.api_head_timeout_s
+        self.body_timeout_s, self.body_min_rate = settings.api_body_timeout_s, settings.api_body_min_bytes_per_s
+        self._body: BodyClock | None = None  # while a request's body is awaited
+        self._body_timer: asyncio.TimerHandle | None = None
         self.open = open_connections()
         self._head_bytes = 0  # received since the request began, while its head is incomplete
         self._in_head = True
@@ -67,6 +72,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        self._stop_body_clock()
         self.open.leave(self)
         super().connection_lost(exc)
 
@@ -113,12 +119,40 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self._refuse()
             return
         super().on_headers_complete()
+        self._body = BodyClock(self.body_timeout_s, self.body_min_rate, self.loop.time())
+        self._body_timer = self.loop.call_later(CHECK_EVERY_S, self._check_body)
+
+    def _check_body(self) -> None:
+        clock, self._body_timer = self._body, None
+        if clock is None or self.transport.is_closing():
+            return
+        clock.tick(self.loop.time(), reading=not (self.flow and self.flow.read_paused))
+        if not clock.late():
+            self._body_timer = self.loop.call_later(CHECK_EVERY_S, self._check_body)
+            return
+        self._refused = True
+        log.warning("request from %s closed: %d bytes of its body in %.0f s", self.client[0] if self.client else "?",
+                    clock.received, clock.counted_s)
+        if self.cycle is not None and not self.cycle.response_started:
+            self.transport.write(_answer(b"408 Request Timeout", "request_timeout",
+                                         f"request body not received at {self.body_min_rate:g} bytes/s or more "
+                                         f"after {self.body_timeout_s:g} s (KEVLAYA_API_BODY_TIMEOUT_S)"))
+        self.transport.close()
+
+    def _stop_body_clock(self) -> None:
+        self._body = None
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
 
     def on_body(self, body: bytes) -> None:
+        if self._body is not None:
+            self._body.received += len(body)
         if not self._refused:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._stop_body_clock()
         self._in_head, self._head_bytes = True, 0
         if not self._refused:
             super().on_message_complete()

@@ -29,7 +29,8 @@ DEMO_MODEL_DIR = Path("models/demo")
 GROUPS: dict[str, tuple[str, ...]] = {
     "Endpoints": ("api_host", "api_port", "api_key", "api_workers", "api_writer", "flower_host", "flower_port",
                   "flower_basic_auth", "redis_url", "redis_allow_no_password"),
-    "Connections": ("api_head_timeout_s", "api_idle_timeout_s", "api_max_connections",
+    "Connections": ("api_head_timeout_s", "api_body_timeout_s", "api_body_min_bytes_per_s", "api_idle_timeout_s",
+                    "api_max_connections",
                     "api_max_connections_per_address", "streams_per_key", "long_polls_per_key"),
     "Keys": ("new_key_rate_limit", "auth_failures_per_address", "auth_failure_window_s"),
     "Database": ("database_url", "db_pool_size", "db_pool_timeout_s", "sqlite_synchronous"),
@@ -151,6 +152,15 @@ class Settings(BaseSettings):
         default=10, gt=0, description="a connection is closed when its request line and headers have not all "
         "arrived this long after it opened, or after the end of its previous response (a 408 first, when part of a "
         "head came): idle sockets and heads trickled a line at a time hold nothing for longer")
+    api_body_timeout_s: float = Field(
+        default=10, gt=0, description="a request body is given this long from the end of its head; after it, the "
+        "body must have come at `KEVLAYA_API_BODY_MIN_BYTES_PER_S` on average, else the request gets 408 and its "
+        "connection is closed (a body trickled a byte at a time holds nothing for longer; time in which the server "
+        "itself does not read is not counted)")
+    api_body_min_bytes_per_s: float = Field(
+        default=1024, gt=0, description="the slowest average rate, in bytes a second, at which a request body keeps "
+        "coming once `KEVLAYA_API_BODY_TIMEOUT_S` has passed (an upload of 200 MiB may then take up to 57 hours; "
+        "a reverse proxy's body timeout can be tighter)")
     api_idle_timeout_s: float = Field(
         default=5, gt=0, description="a kept-alive connection on which no new request starts within this is "
         "closed (uvicorn's keep-alive timeout; `KEVLAYA_API_HEAD_TIMEOUT_S` still bounds the whole wait for a head)")
