@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-CHUNK = 1024 * 1024
-
 
 class TooLarge(ValueError):
     """The content is over a limit: bytes or lines (the message says which)."""
@@ -101,17 +99,6 @@ class FileStore:
         self._ready()
         path = self.tmp / uuid.uuid4().hex
         return Incoming(path, path.open("xb"), max_bytes, max_lines)
-
-    def receive(self, source: BinaryIO, max_bytes: int, max_lines: int | None) -> Received:
-        """Copy `source` under tmp/, counting as it goes; `TooLarge` (nothing kept) past either limit."""
-        incoming = self.incoming(max_bytes, max_lines)
-        try:
-            while chunk := source.read(CHUNK):
-                incoming.write(chunk)
-            return incoming.finish()
-        except BaseException:
-            incoming.discard()
-            raise
 
     def keep(self, temporary: Path, file_id: uuid.UUID) -> None:
         os.replace(temporary, self.path(file_id))

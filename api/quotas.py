@@ -77,15 +77,6 @@ class Admission:
         return None
 
 
-def charged(jobs: Iterable[Job]) -> Counter[uuid.UUID]:
-    """The bytes each key's new jobs charge."""
-    totals: Counter[uuid.UUID] = Counter()
-    for job in jobs:
-        if job.api_key_id is not None:
-            totals[job.api_key_id] += job.stored_bytes or 0
-    return totals
-
-
 class UploadsInFlight:
     """Bytes of uploads still arriving in this process, per key: an upload's early stop counts them with what the
     key has stored (the storing transaction still checks exactly)."""

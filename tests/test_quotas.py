@@ -326,3 +326,27 @@ def test_retention_deletes_old_finished_jobs_files_and_batches_and_frees_their_b
     with session_scope() as session:
         fresh_bytes = session.scalar(select(Job.stored_bytes).where(Job.id == uuid.UUID(fresh)))
     assert stored_bytes(key_id) == fresh_bytes > 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("env", [{"KEVLAYA_CASCADE_THRESHOLD": "1"}], indirect=True)  # every `auto` job escalates
+def test_answers_stored_by_the_worker_are_charged_and_deleting_gives_everything_back(env, api, start_process):
+    """A real worker's answers (an escalated `auto` job's stages too) are charged to the key in the transactions
+    that store them: the key's usage equals its rows' sum, and deleting the jobs brings it back to 0."""
+    from tests.conftest import start_worker, submit, wait_finished
+
+    start_worker(start_process, env, api)
+    ids = [submit(api, adapter, f"Options: A; B. {adapter}", max_new_tokens=8) for adapter in ("kev", "laya", "auto")]
+    jobs = wait_finished(api, ids)
+    assert all(job["status"] in ("succeeded", "failed") for job in jobs)
+    key_id = key_id_of()
+    with session_scope() as session:
+        requests = sum(len(json.dumps(row.input)) for row in session.scalars(select(Job)))
+        stages = session.scalar(select(func.count()).select_from(Job).where(Job.parent_job_id.is_not(None)))
+    assert stages == 2  # Laya's and Kev's stages of the `auto` job
+    assert stored_bytes(key_id) == counted_from_rows(key_id) > requests
+    for job_id in ids:
+        assert api.delete(f"/v1/jobs/{job_id}").json() == {"id": job_id, "deleted": True}
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == 0
+    assert stored_bytes(key_id) == 0
