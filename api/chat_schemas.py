@@ -88,10 +88,11 @@ class ChatRequest(RequestModel):
         return JobCreate(
             adapter=self.model,
             input=MessagesInput(messages=self.messages),
-            # Chat clients want the text (under response_format when given); a decision is attached when one parses
-            # and names an offered option.
+            # A role answers as itself: its decision under its grammar (Kev's analysis first), unless the request
+            # asks for another form (any response_format, `text` included) or ends the answer with stop strings.
             params=JobParams(max_new_tokens=self.max_completion_tokens or self.max_tokens,
-                             temperature=self.temperature, top_p=self.top_p, seed=self.seed, output="text",
+                             temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                             output="text" if self.response_format or self.stop else "decision",
                              stop=self.stop, response_format=self.response_format, logprobs=self.logprobs,
                              top_logprobs=self.top_logprobs),
             metadata=metadata or None,
@@ -139,6 +140,14 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: ChatUsage
     kevlaya: KevlayaExtra
+
+
+def chat_answered(job: JobOut) -> bool:
+    """Whether a finished job is a chat answer: it succeeded, or it ran out of tokens before its decision closed (a
+    chat client asked for at most that many: OpenAI's `finish_reason: "length"` with the text so far, where the
+    jobs API reports the job failed)."""
+    return job.status == "succeeded" or (job.status == "failed" and job.error is not None
+                                         and job.error.code == "length" and job.result is not None)
 
 
 def completion(job: JobOut, model: str) -> ChatCompletion:

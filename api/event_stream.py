@@ -13,6 +13,7 @@ from typing import Any
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
+from api.chat_schemas import chat_answered
 from api.errors import ApiError
 from api.job_events import Gap, follow_job
 from api.submission import read_visible
@@ -127,7 +128,7 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
                     yield chunk({"content": run[len(sent):]})
                     sent = run
             elif isinstance(item, JobOut):
-                if item.status != JobStatus.SUCCEEDED:
+                if not chat_answered(item):
                     message = item.error.message if item.error else item.status
                     yield sse(None, {"error": {"code": item.error.code if item.error else item.status,
                                                "message": f"job {item.id} failed: {message}"}})

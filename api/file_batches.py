@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from api.batch_lines import MalformedFile, Rejected, Request, check_file, read_requests
 from api.batch_schemas import BATCH_PREFIX, RequestCounts, public_id
-from api.chat_schemas import completion
+from api.chat_schemas import chat_answered, completion
 from api.deletion import delete_files, delete_jobs
 from api.file_store import FileStore
 from api.presenters import jobs_out
@@ -262,7 +262,7 @@ def ready_to_finish(session: Session) -> list[uuid.UUID]:
 def _result_line(job: Any, request_id: str) -> tuple[bool, dict[str, Any]]:
     """(whether it goes to the output file, its line) for a finished job (JobOut)."""
     line: dict[str, Any] = {"id": f"batch_req_{job.id.hex}", "custom_id": None, "response": None, "error": None}
-    if job.status == JobStatus.SUCCEEDED:
+    if chat_answered(job):
         line["response"] = {"status_code": 200, "request_id": request_id,
                             "body": completion(job, job.requested_adapter).model_dump(mode="json")}
         return True, line

@@ -7,8 +7,10 @@ import uuid
 import pytest
 from openai import OpenAI
 
+from modellab.decision_data import generate, render_prompt
+from shared.decision import find_decision
 from shared.lifecycle import JobOutcome
-from shared.settings import Settings
+from shared.settings import DEMO_MODEL_DIR, Settings
 from tests.conftest import start_worker, submit, wait_finished
 from worker.generation import GenerationResult
 from worker.ledger.cascade import needs_escalation
@@ -143,6 +145,43 @@ def test_auto_says_who_answered_in_the_job_and_the_chat_completion(env, api, sta
                                                    stream=True))
     assert streamed[-1].model_extra["kevlaya"]["answered_by"] == "kev"  # the last chunk, with the finish reason
     assert streamed[-1].choices[0].finish_reason is not None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("env", [{f"KEVLAYA_{name}": str(DEMO_MODEL_DIR.resolve() / part) for name, part in
+                                  (("BASE_MODEL", "base"), ("KEV__PATH", "kev"), ("LAYA__PATH", "laya"))}],
+                         indirect=True)
+def test_a_role_answers_chat_as_itself_under_its_grammar(env, api, start_process):
+    """A chat answer is the role's own: Laya's decision object, Kev's analysis then his decision, under the role's
+    grammar with `kevlaya.decision` filled; any `response_format` (`text` too) asks for another form; a `max_tokens`
+    that ends the answer early is OpenAI's "length" with the text so far, not an error."""
+    start_worker(start_process, env, api)
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+                    max_retries=0, timeout=60)
+    scenario = generate(1, seed=5)[0]
+    labels = [*(o.name for o in scenario.options), "none"]
+    messages = [{"role": "user", "content": render_prompt(scenario)}]
+    for model, opens_with_analysis in (("laya", False), ("kev", True)):
+        answer = client.chat.completions.create(model=model, temperature=0, messages=messages)
+        text, extra = answer.choices[0].message.content, answer.model_extra["kevlaya"]
+        found = find_decision(text)
+        assert answer.choices[0].finish_reason == "stop" and found is not None, text
+        assert (found.span[0] > 0) is opens_with_analysis, text
+        assert extra["decision"]["decision"] == found.value["decision"] in labels
+        assert 0 <= extra["decision"]["confidence"] <= 1
+        assert api.get(f"/v1/jobs/{extra['job_id']}").json()["params"]["output"] == "decision"
+
+    free = client.chat.completions.create(model="laya", temperature=0, messages=messages, max_tokens=12,
+                                          response_format={"type": "text"})
+    assert api.get(f"/v1/jobs/{free.model_extra['kevlaya']['job_id']}").json()["params"]["output"] == "text"
+
+    short = client.chat.completions.create(model="kev", temperature=0, messages=messages, max_tokens=5)
+    assert short.choices[0].finish_reason == "length" and short.choices[0].message.content
+    assert short.model_extra["kevlaya"]["decision"] is None and short.usage.completion_tokens == 5
+    streamed = list(client.chat.completions.create(model="kev", temperature=0, messages=messages, max_tokens=5,
+                                                   stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == short.choices[0].message.content
+    assert streamed[-1].choices[0].finish_reason == "length"
 
 
 @pytest.mark.integration

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.chat_schemas import CHAT_FIELDS, ChatCompletion, ChatRequest, completion
+from api.chat_schemas import CHAT_FIELDS, ChatCompletion, ChatRequest, chat_answered, completion
 from api.deps import IntakeDep, SubmitterKey, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.event_stream import chat_chunk_stream
@@ -44,7 +44,7 @@ async def chat_completions(request: ChatRequest, key: SubmitterKey, intake: Inta
         [accepted] = await intake.store(key, [job_request])
         finished = await wait_finished(key, accepted.id, settings.chat_timeout_s)
     timeout_s = settings.chat_timeout_s
-    if finished.status == "succeeded":
+    if chat_answered(finished):
         return completion(finished, request.model)
     if finished.status == "failed":
         raise ApiError(422, finished.error.code, f"job {finished.id} failed: {finished.error.message}")
