@@ -155,8 +155,13 @@ def close_group(session: Session, group_id: uuid.UUID, figures: GroupFigures) ->
 
 
 def renew_leases(session: Session, group_id: uuid.UUID, lease_s: float) -> int:
+    """Renew the leases of the group's running jobs. Rows another transaction holds are skipped, not waited for
+    (PostgreSQL): the result writer is finishing them, and a renewal that locked some rows and waited for the
+    writer's while the writer waited for those was a deadlock; a skipped row is renewed at the next turn."""
+    held = (select(Job.id).where(Job.batch_id == group_id, Job.status == JobStatus.RUNNING,
+                                 Job.lease_owner.is_not(None)).with_for_update(skip_locked=True))
     return session.execute(
-        update(Job).where(Job.batch_id == group_id, Job.status == JobStatus.RUNNING, Job.lease_owner.is_not(None))
+        update(Job).where(Job.id.in_(held.scalar_subquery()), Job.status == JobStatus.RUNNING)
         .values(lease_expires_at=_now() + timedelta(seconds=lease_s))
     ).rowcount
 
