@@ -51,8 +51,12 @@ def request_counts(session: Session, batch: FileBatch) -> RequestCounts:
     by_status = dict(session.execute(
         select(Job.status, func.count()).where(_lines_of(batch.id)).group_by(Job.status)).all())
     rejected = session.scalar(select(func.count()).where(RejectedLine.file_batch_id == batch.id)) or 0
-    failed = by_status.get(JobStatus.FAILED, 0) + by_status.get(JobStatus.CANCELLED, 0) + rejected
-    return RequestCounts(total=batch.total, completed=by_status.get(JobStatus.SUCCEEDED, 0), failed=failed)
+    # answered 200 in the output file like a chat completion (chat_answered): cut by max_tokens, text kept
+    cut = session.scalar(select(func.count()).where(
+        _lines_of(batch.id), Job.status == JobStatus.FAILED, Job.error_code == "length",
+        Job.result_text.is_not(None))) or 0 if by_status.get(JobStatus.FAILED) else 0
+    failed = by_status.get(JobStatus.FAILED, 0) - cut + by_status.get(JobStatus.CANCELLED, 0) + rejected
+    return RequestCounts(total=batch.total, completed=by_status.get(JobStatus.SUCCEEDED, 0) + cut, failed=failed)
 
 
 # -- leases ---------------------------------------------------------------------------------------------------

@@ -75,12 +75,12 @@ WORKER_ROOMS = {
     "worker.engine": {"worker.ledger", "worker.decoder", "worker.model", "worker.memory", "worker.metrics",
                       "worker.generation", "shared"},
     "worker.ledger": {"worker.generation", "shared"},
-    "worker.decoder": {"worker.model.tokens", "worker.generation"},
+    "worker.decoder": {"worker.model.tokens", "worker.generation", "shared.grammar"},  # a row's grammar, plain data
     "worker.model": {"worker.memory", "worker.generation", "shared.manifest", "shared.base_match", "shared.base_source",
                      "shared.calibration", "shared.schemas", "shared.settings"},
     "worker.memory": {"worker.decoder"},  # type hints only (under TYPE_CHECKING)
     "worker.metrics": {"worker.generation", "worker.ledger", "shared"},
-    "worker.generation": set(),
+    "worker.generation": {"shared.grammar"},  # type hints only (under TYPE_CHECKING)
 }
 # What the decoder must never reach, directly or not: the job ledger, the database and Celery.
 DECODER_NEVER = ("worker.ledger", "worker.engine", "worker.tasks", "shared.db", "shared.models", "shared.queue",

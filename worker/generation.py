@@ -7,8 +7,10 @@ import logging
 import math
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from shared.grammar import OwnOptionsDecision
+if TYPE_CHECKING:
+    from shared.grammar import OwnOptionsDecision
 
 log = logging.getLogger("kevlaya.decoder")
 

@@ -163,6 +163,7 @@ def load(
     import os
     import platform
 
+    from modellab.bench.load import API_KEY as LOAD_API_KEY
     from modellab.bench.load import LoadConfig, new_workdir, require_loopback, run_load, table
 
     if rate is not None and rate <= 0:
@@ -183,7 +184,7 @@ def load(
                         batch_size=batch_size, concurrency=concurrency, batch_concurrency=batch_concurrency,
                         time_limit_s=time_limit, drain=drain, drain_timeout_s=drain_timeout,
                         database_url=database_url, url=url,
-                        api_key=api_key or os.environ.get("KEVLAYA_API_KEY") or "kl_load_admin_key",
+                        api_key=api_key or os.environ.get("KEVLAYA_API_KEY") or LOAD_API_KEY,
                         redis_url=redis_url, disk_probe=disk_probe)
     result = run_load(config)
     result["command"] = shlex.join(["kevlaya", *sys.argv[1:]])

@@ -30,7 +30,7 @@ import httpx
 from modellab.bench.disk_probe import DiskProbe
 
 log = logging.getLogger("kevlaya.load")
-API_KEY = "kl_load_admin_key"
+API_KEY = "kl_load_admin_key_for_local_runs_7c3e91"  # as strong as KEVLAYA_API_KEY must be
 
 
 def require_loopback(url: str) -> None:
