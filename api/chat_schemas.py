@@ -3,6 +3,7 @@ lines of a file batch (docs/architecture.md §8, §15)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo, field_validator
@@ -14,7 +15,7 @@ from shared.schemas import (
     JobOut,
     JobParams,
     JobTimings,
-    Message,
+    Messages,
     MessagesInput,
     RequestedAdapter,
     RequestModel,
@@ -24,12 +25,16 @@ from shared.schemas import (
     Temperature,
     Text,
     TokenLogprob,
+    ToolChoice,
+    Tools,
     TopP,
     check_stop,
+    check_tool_choice,
     check_top_logprobs,
     not_bool,
     only_bool,
 )
+from shared.tools import leading_calls
 
 # Limits are reported under the names this request uses.
 CHAT_FIELDS = FieldNames(input="messages", max_new_tokens="max_tokens")
@@ -55,11 +60,11 @@ def check_stream_options(value: StreamOptions | None, info: ValidationInfo) -> S
 
 
 class ChatRequest(RequestModel):
-    # Every parameter is honoured or refused: an OpenAI field not listed here (tools, logit_bias, ...) is a 422
-    # naming it, never accepted and ignored; and JSON types are strict (RequestModel).
+    # Every parameter is honoured or refused: an OpenAI field not listed here (logit_bias, ...) is a 422 naming it,
+    # never accepted and ignored; and JSON types are strict (RequestModel).
 
     model: RequestedAdapter
-    messages: list[Message] = Field(min_length=1)
+    messages: Messages
     max_tokens: int | None = Field(default=None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: Temperature = None
@@ -82,26 +87,50 @@ class ChatRequest(RequestModel):
     stream_options: StreamOptions | None = None
     _options_need_stream = field_validator("stream_options")(check_stream_options)
     n: Annotated[Literal[1] | None, BeforeValidator(not_bool)] = None
+    tools: Tools | None = Field(default=None, description="function tools: in the system prompt, and an answer's "
+                                "calls name one of them with arguments valid under its `parameters`, by the grammar")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="`auto` (text or calls; the default with tools), `none` (no calls, as without "
+        "tools), `required` (calls only) or `{type: function, function: {name}}` (a call of that function)")
+    _choice_fits_tools = field_validator("tool_choice")(check_tool_choice)
+    parallel_tool_calls: Annotated[bool | None, BeforeValidator(only_bool)] = Field(
+        default=None, description="true (the default): one or more calls; false: one")
 
     def to_job(self) -> JobCreate:
         metadata = {**(self.metadata or {}), **({"user": self.user} if self.user is not None else {})}
+        calls = bool(self.tools) and self.tool_choice != "none"
+        # A role answers as itself: its decision under its grammar (Kev's analysis first), unless the request
+        # offers tools to call, asks for another form (any response_format, `text` included) or ends the answer
+        # with stop strings.
+        output = "tool_calls" if calls else "text" if self.response_format or self.stop else "decision"
         return JobCreate(
             adapter=self.model,
             input=MessagesInput(messages=self.messages),
-            # A role answers as itself: its decision under its grammar (Kev's analysis first), unless the request
-            # asks for another form (any response_format, `text` included) or ends the answer with stop strings.
             params=JobParams(max_new_tokens=self.max_completion_tokens or self.max_tokens,
-                             temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                             output="text" if self.response_format or self.stop else "decision",
+                             temperature=self.temperature, top_p=self.top_p, seed=self.seed, output=output,
                              stop=self.stop, response_format=self.response_format, logprobs=self.logprobs,
-                             top_logprobs=self.top_logprobs),
+                             top_logprobs=self.top_logprobs,
+                             **(dict(tools=self.tools, tool_choice=self.tool_choice,
+                                     parallel_tool_calls=self.parallel_tool_calls) if calls else {})),
             metadata=metadata or None,
         )
 
 
+class CalledFunctionOut(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments, a JSON object as a string")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunctionOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls")
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatLogprobs(BaseModel):
@@ -111,7 +140,7 @@ class ChatLogprobs(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChatLogprobs | None
 
 
@@ -150,9 +179,27 @@ def chat_answered(job: JobOut) -> bool:
                                          and job.error.code == "length" and job.result is not None)
 
 
+def call_out(job: JobOut, index: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A call in OpenAI's shape. Its id is the job's and its place, so the answer, its stream and a batch's output
+    line agree."""
+    return {"id": f"call_{job.id.hex}_{index}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def answer_calls(job: JobOut) -> tuple[list[dict[str, Any]], bool]:
+    """The complete calls a tool_calls job's answer opens with (none for text), and whether they are the whole
+    answer (else max_tokens cut it after them)."""
+    text = (job.result.text if job.result else None) or ""
+    if job.params.get("output") != "tool_calls":
+        return [], False
+    calls, end = leading_calls(text)
+    return [call_out(job, i, name, arguments) for i, (name, arguments) in enumerate(calls)], end == len(text)
+
+
 def completion(job: JobOut, model: str) -> ChatCompletion:
     prompt, completion = job.tokens.prompt or 0, job.tokens.completion or 0
     result = job.result
+    calls, whole = answer_calls(job)
     return ChatCompletion.model_validate({
         "id": f"chatcmpl-{job.id}",
         "object": "chat.completion",
@@ -160,8 +207,9 @@ def completion(job: JobOut, model: str) -> ChatCompletion:
         "model": model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": result.text if result else ""},
-            "finish_reason": (result.finish_reason if result else None) or "stop",
+            "message": {"role": "assistant", "content": None, "tool_calls": calls} if calls else {
+                "role": "assistant", "content": result.text if result else ""},
+            "finish_reason": "tool_calls" if calls and whole else (result.finish_reason if result else None) or "stop",
             "logprobs": {"content": result.logprobs} if result and job.params.get("logprobs") else None,
         }],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},

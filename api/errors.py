@@ -83,9 +83,10 @@ def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
-    # Drop "body" and pydantic's union-branch tags ("str", "MessagesInput") so the path reads like the JSON.
+    # Drop "body" and pydantic's union-branch tags ("str", "MessagesInput", "literal[...]") so the path reads like
+    # the JSON.
     parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and p[:1].isupper()) and p != "str"
-             and not (isinstance(p, str) and p.startswith(("list[", "function-")))]
+             and not (isinstance(p, str) and p.startswith(("list[", "function-", "literal[")))]
     return ".".join(parts) or "body"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.chat_schemas import chat_answered
+from api.chat_schemas import call_out, chat_answered
 from api.errors import ApiError
 from api.job_events import Gap, follow_job
 from api.submission import read_visible
@@ -21,6 +21,7 @@ from shared.job_stream import ESCALATED, RUNNING, is_entry_id
 from shared.models import ApiKey, JobStatus
 from shared.schemas import JobOut
 from shared.settings import Settings
+from shared.tools import leading_calls, may_open_call
 
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # and no proxy buffering it
 HEARTBEAT = ": keep-alive\n\n"
@@ -93,7 +94,9 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
     """OpenAI's `chat.completion.chunk` stream of the job's answer. An `auto` job streams the stage that answers:
     Laya's short answer is sent whole once it is known to be the answer, Kev's as it is written once Laya escalated.
     A run that restarts (its worker died, or the stream was lost) cannot take back text already sent: the rest
-    then comes as the stored answer's remainder, or, where it differs, the stream ends with an error."""
+    then comes as the stored answer's remainder, or, where it differs, the stream ends with an error. A tool_calls
+    job's calls come as OpenAI's `tool_calls` deltas, each whole once its text is complete (its id, type and
+    name, then its arguments); text that may still open a call is held back until it cannot."""
     created, chunk_id = int(job.created_at.timestamp()), f"chatcmpl-{job.id}"
     deadline = time.monotonic() + settings.chat_timeout_s
 
@@ -102,9 +105,18 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
                                        "logprobs": logprobs}], **extra})
 
+    tools_job = job.params.get("output") == "tool_calls"
+
+    def call_chunks(calls: list[dict[str, Any]], first: int) -> list[str]:
+        return [piece for index, call in enumerate(calls[first:], first) for piece in (
+            chunk({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                   "function": {"name": call["function"]["name"], "arguments": ""}}]}),
+            chunk({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]}))]
+
     async def chunks() -> AsyncIterator[str]:
         yield chunk({"role": "assistant", "content": ""})
         sent, run, buffering = "", "", job.requested_adapter == "auto"
+        sent_calls: list[dict[str, Any]] = []  # the calls streamed so far
         # Something comes at least every `beat` seconds, so the deadline is checked in time.
         beat = min(settings.stream_heartbeat_s, settings.chat_timeout_s)
         async for item in follow_job(job, _reader(key, job), "0", beat):
@@ -124,7 +136,16 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
                         run, buffering = "", False
                     elif event.event == "delta":
                         run += event.data["text"]
-                if not buffering and run.startswith(sent) and len(run) > len(sent):
+                if buffering:
+                    continue
+                if tools_job and may_open_call(run):
+                    calls = [call_out(job, i, name, arguments)
+                             for i, (name, arguments) in enumerate(leading_calls(run)[0])]
+                    if calls[:len(sent_calls)] == sent_calls and len(calls) > len(sent_calls):
+                        for piece in call_chunks(calls, len(sent_calls)):
+                            yield piece
+                        sent_calls = calls
+                elif run.startswith(sent) and len(run) > len(sent):
                     yield chunk({"content": run[len(sent):]})
                     sent = run
             elif isinstance(item, JobOut):
@@ -134,14 +155,17 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
                                                "message": f"job {item.id} failed: {message}"}})
                     break
                 completion = final(item)
-                text = completion["choices"][0]["message"]["content"]
-                if not text.startswith(sent):
+                text = completion["choices"][0]["message"]["content"] or ""
+                calls = completion["choices"][0]["message"].get("tool_calls") or []
+                if not text.startswith(sent) or calls[:len(sent_calls)] != sent_calls:
                     yield sse(None, {"error": {"code": "internal", "message": f"job {item.id} was run again and its "
                                                "answer differs from the text already streamed; read it with GET "
                                                f"/v1/jobs/{item.id}"}})
                     break
                 if len(text) > len(sent):
                     yield chunk({"content": text[len(sent):]})
+                for piece in call_chunks(calls, len(sent_calls)):
+                    yield piece
                 choice = completion["choices"][0]
                 # The log-probabilities, when asked for, come whole with the last chunk.
                 yield chunk({}, choice["finish_reason"], choice["logprobs"],

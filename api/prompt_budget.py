@@ -1,9 +1,10 @@
 """Prompt tokens at submit time: a job whose prompt and new tokens cannot fit the model's context is refused
 with 422 instead of failing later on the worker.
 
-The prompt is counted as the worker will build it: the adapter's system prompt, the chat template, control
-tokens in user text encoded as text. Only the tokenizer is loaded (through transformers' tokenizers backend,
-which does not import torch: the API process never does, docs/architecture.md §2)."""
+The prompt is counted as the worker will build it (shared/schemas.py `model_messages`): the adapter's system prompt
+and the tools in it, the chat template, control tokens in user text encoded as text. Only the tokenizer is loaded
+(through transformers' tokenizers backend, which does not import torch: the API process never does,
+docs/architecture.md §2)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from api.errors import ApiError
 from shared.base_source import base_directory, locate
-from shared.schemas import JobCreate, with_system_prompt
+from shared.schemas import JobCreate, model_messages
 from shared.settings import Adapter, Settings
 
 log = logging.getLogger("kevlaya.api")
@@ -144,7 +145,9 @@ class PromptBudget:
     def check(self, request: JobCreate, field_prefix: str = "", names: FieldNames = JOB_FIELDS) -> None:
         for adapter, new_tokens, chosen in self.stages(request):
             profile = self.settings.adapter_profile(adapter)
-            messages = with_system_prompt(request.messages(), profile.system_prompt)
+            stored_input = request.input if isinstance(request.input, str) else request.input.model_dump()
+            messages = model_messages(stored_input, request.params.model_dump(exclude_none=True),
+                                      profile.system_prompt)
             if self.surely_within(messages, self.context_tokens - new_tokens):
                 continue
             prompt = self.prompt_tokens(messages)

@@ -62,13 +62,15 @@ class OwnOptionsDecision:
     the answer's head is generated under `head` (the analysis lines when `analysis`, then the object's `options`
     list, through `"decision":`); `rest(head_text)` is then the grammar of the remainder, the decision one of
     the names that list gives (or "none"). A grammar cannot refer back to what it generated, so the row's grammar
-    is swapped where the head ends (worker/decoder/slot_decoder.py)."""
+    is swapped where the head ends (worker/decoder/slot_decoder.py). Each listed option's name is a run of the
+    question's own words (`question_names`), so a small model cannot misspell one into an option nobody offered."""
 
     analysis: bool
+    question: str  # the user's words
 
     @property
     def head(self) -> str:
-        return _options_head(self.analysis)
+        return _options_head(self.analysis, tuple(question_names(self.question)))
 
     @staticmethod
     def rest(head_text: str) -> str:
@@ -84,24 +86,40 @@ def first_part(grammar: str | OwnOptionsDecision) -> str:
     return grammar.head if isinstance(grammar, OwnOptionsDecision) else grammar
 
 
-@functools.cache
-def _options_head(analysis: bool) -> str:
+MAX_NAME_WORDS = 4  # "Smith & Sons Ltd": longer option names are rare, and each word more multiplies the names
+_EDGE_PUNCTUATION = "\"'([{,.;:!?)]}"
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def question_names(question: str) -> list[str]:
+    """What an option may be called: every run of 1 to MAX_NAME_WORDS consecutive words of the question, without
+    the punctuation around it ("Dr. Lopez", "Disney+", "Mama's", "Smith & Sons")."""
+    words = question.split()
+    names = (" ".join(words[i:i + n]).strip(_EDGE_PUNCTUATION)
+             for n in range(1, MAX_NAME_WORDS + 1) for i in range(len(words) - n + 1))
+    return [name for name in dict.fromkeys(names)
+            if name and ": " not in name and not any(c in name for c in '"\\/') and name.isprintable()]
+
+
+def _literal(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+@functools.lru_cache(maxsize=256)
+def _options_head(analysis: bool, names: tuple[str, ...]) -> str:
     start = 'start: ANALYSIS? options\nANALYSIS: ' + ANALYSIS_LINES if analysis else "start: options"
+    # one terminal per item, a name of the question's then what the answer says of it: no lexer ambiguity
+    name = "|".join(_literal(n) for n in sorted(names, key=len, reverse=True)) if names else '[^"\\\\:\\x00-\\x1f]+'
+    item = f'/"({name})(: [^"\\\\\\x00-\\x1f]*)?"/'
     return LLMatcher.grammar_from_lark(
-        f'{start}\noptions: "{{\\"options\\": [" (item (", " item)*)? "], \\"decision\\":"\nitem: %json {_STRING}\n')
+        f'{start}\noptions: "{{\\"options\\": [" (ITEM (", " ITEM)*)? "], \\"decision\\":"\nITEM: {item}\n')
 
 
 def option_names(items: list[str]) -> list[str]:
-    """The names an answer's `options` list gives: each item up to its first ": " ("train: 40" names "train"); an
-    item without one names itself and each leading run of its words ("train 40": "train", "train 40")."""
-    names = []
-    for item in items:
-        if ": " in item:
-            names.append(item.split(": ", 1)[0].strip())
-        else:
-            words = item.split()
-            names.extend(" ".join(words[:k]) for k in range(1, len(words) + 1))
-    return [name for name in dict.fromkeys(names) if name and not re.fullmatch(r"\W*", name)]
+    """The names an answer's `options` list gives: each item up to its first ": " ("train: 40" names "train"), or
+    the whole item where it has none."""
+    names = (item.split(": ", 1)[0].strip() for item in items)
+    return [name for name in dict.fromkeys(names) if name]
 
 
 def json_grammar(schema: dict[str, Any] | None) -> str:
@@ -117,3 +135,62 @@ def check(grammar: str) -> None:
     problem = LLMatcher.validate_grammar(grammar)
     if problem:
         raise GrammarError(f"cannot be enforced here: {problem.strip()}")
+
+
+# -- tool calls ---------------------------------------------------------------------------------------------------
+
+# A tool call as the model writes it (Hermes' format, which Qwen2.5, Hermes and SmolLM3 were trained on): a JSON
+# object `{"name", "arguments"}` between these tags, several calls one after the other, a newline between them.
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_CALL_SEPARATOR = "<tool_call>\n", "\n</tool_call>", "\n"
+MAX_TOOL_CALLS = 8  # calls in one answer with parallel_tool_calls: a random or looping model still ends
+_REF_ROOTS = ("#/$defs/", "#/definitions/")
+
+
+def tool_call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """One function's call `{"name": name, "arguments": {...}}`, the arguments under its parameters' schema. The
+    parameters' definitions move to the root, where their `$ref`s point."""
+    definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
+    # the arguments are an object, also where the schema leaves its type out
+    arguments = {"type": "object", **{key: value for key, value in parameters.items()
+                                      if key not in definitions and key != "$schema"}}
+    _check_refs(arguments)
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False, **definitions,
+            "x-guidance": COMPACT_JSON}
+
+
+def _check_refs(schema: Any) -> None:
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if isinstance(ref, str) and not ref.startswith(_REF_ROOTS):
+                raise GrammarError(f"cannot be enforced here: $ref {ref!r} (only #/$defs/... and #/definitions/...)")
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def tool_calls_grammar(functions: dict[str, dict[str, Any]], parallel: bool,
+                       otherwise: str | dict[str, Any] | None) -> str:
+    """An answer of tool calls, each naming one of `functions` (name: parameters' schema) with arguments valid
+    under its schema: one call, or with `parallel` up to MAX_TOOL_CALLS. `otherwise` is what the answer may be
+    instead of calls: None (nothing: a call is required), "text" (free text that does not open a call) or a JSON
+    schema (the answer's response_format)."""
+    literal = json.dumps
+    rules = [f"call: {literal(TOOL_CALL_OPEN)} ({' | '.join(f'f{i}' for i in range(len(functions)))}) "
+             f"{literal(TOOL_CALL_CLOSE)}",
+             f"calls: call ({literal(TOOL_CALL_SEPARATOR)} call){{0,{MAX_TOOL_CALLS - 1}}}" if parallel
+             else "calls: call"]
+    rules += [f"f{i}: %json {json.dumps(tool_call_schema(name, parameters))}"
+              for i, (name, parameters) in enumerate(functions.items())]
+    if otherwise is None:
+        start = "start: calls"
+    elif otherwise == "text":
+        start = f"start: calls | TEXT\nTEXT: /(.|\\n)+/ & ~/{re.escape(TOOL_CALL_OPEN.strip())}(.|\\n)*/"
+    else:
+        start = f"start: calls | answer\nanswer: %json {json.dumps({**otherwise, 'x-guidance': COMPACT_JSON})}"
+    built = LLMatcher.grammar_from_lark("\n".join([start, *rules]) + "\n")
+    check(built)
+    return built

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from shared import grammar
+from shared import grammar, tools
 from shared.decision import offered_options
 
 RequestedAdapter = Literal["kev", "laya", "auto"]
-OutputFormat = Literal["decision", "text"]
+OutputFormat = Literal["decision", "text", "tool_calls"]
 
 # Below this, sampling divides the logits by a number so small that they overflow to inf/NaN in fp16/fp32.
 MIN_TEMPERATURE = 0.01
@@ -195,26 +206,150 @@ class TextPart(RequestModel):
     text: Text
 
 
+# OpenAI's rules for a function's name.
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+CallId = Annotated[Text, Field(min_length=1, max_length=100)]
+MAX_TOOLS = 128  # OpenAI's limit
+
+
+class CalledFunction(RequestModel):
+    name: ToolName
+    arguments: Text = Field(description="the call's arguments: a JSON object, as a string")
+
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("must be a JSON object, as a string") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object, as a string")
+        return value
+
+
+class ToolCall(RequestModel):
+    """A call an assistant message made (OpenAI's `tool_calls` item), given back in a conversation."""
+
+    id: CallId
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(RequestModel):
-    role: Literal["system", "user", "assistant"]
-    content: NonBlankText | Annotated[list[TextPart], Field(min_length=1)] = Field(
-        description="a string, or a list of text parts (`[{\"type\": \"text\", \"text\": \"...\"}]`), "
-        "which are joined with newlines"
+    role: Literal["system", "user", "assistant", "tool"]
+    content: NonBlankText | Annotated[list[TextPart], Field(min_length=1)] | None = Field(
+        default=None, description="a string, or a list of text parts (`[{\"type\": \"text\", \"text\": \"...\"}]`), "
+        "which are joined with newlines; only an assistant message with `tool_calls` may leave it out"
     )
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=grammar.MAX_TOOL_CALLS)] | None = Field(
+        default=None, description="an assistant message's calls")
+    tool_call_id: CallId | None = Field(default=None, description="a `tool` message: the call it answers")
 
     @field_validator("content")
     @classmethod
-    def _parts_to_text(cls, value: str | list[TextPart]) -> str:
-        if isinstance(value, str):
+    def _parts_to_text(cls, value: str | list[TextPart] | None) -> str | None:
+        if value is None or isinstance(value, str):
             return value
         text = "\n".join(part.text for part in value)
         if not text.strip():
             raise ValueError("the text parts are all blank")
         return text
 
+    @model_validator(mode="after")
+    def _fields_fit_role(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only in an assistant message")
+        if (self.tool_call_id is None) is (self.role == "tool"):
+            raise ValueError("tool_call_id: required in a tool message, and only there")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Stored as sent: a message without tools keeps its two keys."""
+        return {key: value for key, value in handler(self).items() if value is not None or key == "content"}
+
+
+def check_tool_turns(messages: list[Message]) -> list[Message]:
+    """A `tool` message answers a call of the assistant message before it (other results of its calls between)."""
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if message.tool_call_id not in calls:
+                raise ValueError(f"messages[{i}].tool_call_id: {message.tool_call_id!r} is no call of the assistant "
+                                 "message before it")
+            continue
+        calls = {call.id for call in message.tool_calls or []}
+    return messages
+
+
+Messages = Annotated[list[Message], Field(min_length=1), AfterValidator(check_tool_turns)]
+
 
 class MessagesInput(RequestModel):
-    messages: list[Message] = Field(min_length=1)
+    messages: Messages
+
+
+class FunctionSpec(RequestModel):
+    """OpenAI's function tool definition."""
+
+    name: ToolName
+    description: Annotated[Text, Field(max_length=4096)] | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="the arguments' JSON schema (an object); left out, no arguments")
+    strict: bool | None = Field(default=None, description="the schema is always enforced, strict or not")
+
+    @field_validator("parameters")
+    @classmethod
+    def _enforceable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            if value.get("type", "object") != "object":
+                raise ValueError("must be the schema of an object (type: object)")
+            # GrammarError (a ValueError): a 422 naming the feature, never a runtime failure
+            grammar.tool_calls_grammar({"f": value}, False, None)
+        return value
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(RequestModel):
+    name: ToolName
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+
+
+def check_tools(value: list[Tool] | None) -> list[Tool] | None:
+    names = [tool.function.name for tool in value or []]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"each function name once: {', '.join(map(repr, repeated))} repeated")
+    return value
+
+
+Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS), AfterValidator(check_tools)]
+
+
+def check_tool_choice(value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+    """tool_choice goes with the tools (declared before it): a forced call needs them, a named one names one."""
+    if value is None or value in ("auto", "none") or "tools" not in info.data:
+        return value  # tools that failed their own validation are reported there
+    tools = info.data["tools"] or []
+    if not tools:
+        raise ValueError("needs tools")
+    if isinstance(value, NamedToolChoice) and value.function.name not in {t.function.name for t in tools}:
+        raise ValueError(f"names no function of tools: {value.function.name!r}")
+    return value
 
 
 class JobParams(RequestModel):
@@ -228,8 +363,17 @@ class JobParams(RequestModel):
         default="decision",
         description="'decision': the answer is generated under the decision grammar (the job fails with `length` "
         "only if max_new_tokens runs out before its decision object closes); 'text': the raw text is the result, "
-        "a decision is attached when one parses and names an option the input offers (its `Options:` line) or none",
+        "a decision is attached when one parses and names an option the input offers (its `Options:` line) or none; "
+        "'tool_calls': the answer is generated under the tools' grammar (`tools`, `tool_choice`)",
     )
+    tools: Tools | None = Field(default=None, description="for output 'tool_calls': the function tools an answer "
+                                "may call, in the system prompt and in the grammar")
+    tool_choice: ToolChoice | None = Field(
+        default=None, description="for output 'tool_calls': `auto` (text or calls, the default), `required` (calls "
+        "only) or `{type: function, function: {name}}` (a call of that one)")
+    _choice_fits_tools = field_validator("tool_choice")(check_tool_choice)
+    parallel_tool_calls: bool | None = Field(default=None, description=f"for output 'tool_calls': up to "
+                                             f"{grammar.MAX_TOOL_CALLS} calls (the default), or false: one")
     choices: Annotated[list[Label], Field(min_length=1, max_length=MAX_CHOICES), AfterValidator(check_unique)] | None = (
         Field(default=None, description="the option labels a decision may name (\"none\" is always allowed); "
               "left out, the options listed on the input's `Options:` line, else any label"))
@@ -262,9 +406,26 @@ class JobParams(RequestModel):
     @field_validator("choices")
     @classmethod
     def _choices_fit_output(cls, value: Any, info: ValidationInfo) -> Any:
-        if value is not None and info.data.get("output") == "text":
+        if value is not None and info.data.get("output", "decision") != "decision":
             raise ValueError("applies to output 'decision'")
         return value
+
+    @field_validator("tools", "parallel_tool_calls")
+    @classmethod
+    def _tools_fit_output(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("output", "tool_calls") != "tool_calls":
+            raise ValueError("applies to output 'tool_calls'")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_calls_have_tools(self) -> JobParams:
+        if self.output == "tool_calls" and not self.tools:
+            raise ValueError("output 'tool_calls' needs tools")
+        if self.tool_choice == "none":
+            raise ValueError("tool_choice 'none': leave the tools out (output 'text' or 'decision')")
+        if self.tool_choice is not None and self.output != "tool_calls":
+            raise ValueError("tool_choice applies to output 'tool_calls'")
+        return self
 
 
 class JobCreate(RequestModel):
@@ -286,10 +447,18 @@ class JobBatchCreate(RequestModel):
 
 
 def to_messages(stored_input: str | dict[str, Any]) -> list[dict[str, str]]:
-    """A job's input as chat messages, whether it was submitted as a string or as messages."""
+    """A job's input as chat messages, whether it was submitted as a string or as messages (tool calls and their
+    results as plain turns: shared/tools.py)."""
     if isinstance(stored_input, str):
         return [{"role": "user", "content": stored_input}]
-    return [{"role": m["role"], "content": m["content"]} for m in stored_input["messages"]]
+    return tools.chat_turns(stored_input["messages"])
+
+
+def model_messages(stored_input: str | dict[str, Any], params: dict[str, Any],
+                   system_prompt: str) -> list[dict[str, str]]:
+    """The messages the model sees for a job: its own, after the adapter's system prompt (unless it brings one),
+    with its tools in the system message. The worker builds the prompt from these, the API counts them."""
+    return tools.with_tools(with_system_prompt(to_messages(stored_input), system_prompt), params)
 
 
 def job_choices(params: dict[str, Any], messages: list[dict[str, str]]) -> list[str] | None:
@@ -303,15 +472,22 @@ def answer_grammar(params: dict[str, Any], messages: list[dict[str, str]],
     """The grammar a stored job's answer is generated under (shared/grammar.py), or None: free text. A decision
     names one of the options the question offers, or, where it offers none the service can read, one of those
     the answer itself lists."""
-    if params.get("output", "decision") == "decision":
+    output = params.get("output", "decision")
+    if output == "decision":
         choices = job_choices(params, messages)
-        return grammar.decision_grammar(choices, analysis) if choices else grammar.OwnOptionsDecision(analysis)
+        if choices:
+            return grammar.decision_grammar(choices, analysis)
+        return grammar.OwnOptionsDecision(analysis, "\n".join(m["content"] for m in messages if m["role"] == "user"))
     response_format = params.get("response_format") or {"type": "text"}
-    if response_format["type"] == "json_object":
-        return grammar.json_grammar(None)
-    if response_format["type"] == "json_schema":
-        return grammar.json_grammar(response_format["json_schema"]["schema"])
-    return None
+    schema = ({"type": "object"} if response_format["type"] == "json_object"
+              else response_format["json_schema"]["schema"] if response_format["type"] == "json_schema" else None)
+    if output == "tool_calls":
+        # required or a named function: calls alone; auto: calls, or the answer response_format asks (text)
+        forced = (params.get("tool_choice") or "auto") != "auto"
+        return grammar.tool_calls_grammar(tools.offered_functions(params),
+                                          params.get("parallel_tool_calls") is not False,
+                                          None if forced else schema or "text")
+    return None if schema is None else grammar.json_grammar(schema)
 
 
 def with_system_prompt(messages: list[dict[str, str]], system_prompt: str) -> list[dict[str, str]]:

@@ -148,7 +148,8 @@ def test_decisions_name_only_the_options_offered(demo):
 
 
 def test_without_offered_options_a_decision_names_one_its_own_answer_lists(demo):
-    """Where the question lists no options, the decision is held to the names of those the answer lists."""
+    """Where the question lists no options, the decision is held to the names of those the answer lists, and those
+    names to runs of the question's words."""
     questions = ["Should I take the train or fly to Lyon? The train costs 40 EUR, the flight 90 EUR. Cheapest wins.",
                  "Pick a laptop: Vega is 900 USD rated 4/5, Orion is 1200 USD rated 5/5. I want the best rated."]
     requests = [decision_request(adapter, question, max_new_tokens=160, temperature=1.0, seed=seed)
@@ -156,11 +157,13 @@ def test_without_offered_options_a_decision_names_one_its_own_answer_lists(demo)
     results = run(demo, requests, slots=12)
     finished = [r for r in results if r.finish_reason == "stop"]
     assert len(finished) > len(results) / 2, [r.text for r in results]
+    asked = {r.job_id: r.messages[-1]["content"] for r in requests}
     for result in finished:
         found = find_decision(result.text)
         assert found is not None, result.text
         listed = grammar.option_names(found.value.get("options", []))
         assert found.value["decision"] in [*listed, "none"], result.text
+        assert all(name in asked[result.job_id] for name in listed), result.text  # names are the question's words
 
 
 def test_an_unconstrained_demo_answer_is_the_same_under_its_grammar_with_the_same_confidence(demo):
@@ -293,8 +296,8 @@ def test_job_parameters_that_cannot_be_honoured_are_refused_naming_them(client: 
 
 @pytest.mark.parametrize(("extra", "field"), [
     ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"presence_penalty": -1}, "presence_penalty"),
     ({"n": 2}, "n"),

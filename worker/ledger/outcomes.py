@@ -35,7 +35,7 @@ def job_outcome(result: GenerationResult, output: str, calibration: Calibration 
     if result.error_code:
         return JobOutcome(status=JobStatus.FAILED, result_text=text, error_code=result.error_code,
                           error_message=result.error_message, **timings)
-    found = find_decision(result.text or "")
+    found = find_decision(result.text or "") if output != "tool_calls" else None  # a call's arguments are no decision
     if found is not None and choices is not None and found.value["decision"] not in (*choices, NONE):
         found = None
     decision = None

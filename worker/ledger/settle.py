@@ -14,7 +14,7 @@ from shared.calibration import adapter_calibration
 from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus, Priority
 from shared.queue import QueueUnavailable, publish_wakeup
-from shared.schemas import answer_grammar, job_choices, stop_strings, to_messages, with_system_prompt
+from shared.schemas import answer_grammar, job_choices, model_messages, stop_strings, to_messages
 from shared.settings import Settings
 from worker.generation import GenerationRequest, GenerationResult
 from worker.ledger.cascade import escalate, is_cascade_head, needs_escalation
@@ -26,8 +26,8 @@ log = logging.getLogger("kevlaya.worker")
 def generation_request(job: Job, settings: Settings) -> GenerationRequest:
     """What the model is asked for a stored job: its adapter's system prompt and defaults, its own params."""
     profile = settings.adapter_profile(job.adapter)  # type: ignore[arg-type]
-    messages = with_system_prompt(to_messages(job.input), profile.system_prompt)
     params = job.params
+    messages = model_messages(job.input, params, profile.system_prompt)
     return GenerationRequest(
         job_id=job.id, adapter=job.adapter, messages=messages,
         max_new_tokens=params.get("max_new_tokens", profile.max_new_tokens),
@@ -67,8 +67,9 @@ def settle_job(session: Session, job: Job, group_id: uuid.UUID, result: Generati
         calibration = adapter_calibration(settings.adapter_profile(job.adapter).path)  # type: ignore[arg-type]
         outcome = job_outcome(result, job.params.get("output", "decision"), calibration,
                               job_choices(job.params, to_messages(job.input)))
-    if isinstance(result, GenerationResult) and is_cascade_head(job) and needs_escalation(
-            outcome, settings.cascade_threshold):
+    # Tool calls are Laya's to make (the executor): an `auto` job with tools takes her answer.
+    if isinstance(result, GenerationResult) and is_cascade_head(job) and job.params.get("output") != "tool_calls" \
+            and needs_escalation(outcome, settings.cascade_threshold):
         child = escalate(session, job, group_id, outcome)
         return Settled(outcome, child is not None, child)
     return Settled(outcome, lifecycle.finish(session, job, group_id, outcome), None)  # also settles an `auto` parent
