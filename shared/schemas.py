@@ -246,6 +246,14 @@ class Message(RequestModel):
         default=None, description="an assistant message's calls")
     tool_call_id: CallId | None = Field(default=None, description="a `tool` message: the call it answers")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_beside_calls(cls, data: Any) -> Any:
+        """An assistant message with calls may bring `""` for no content, as some clients send it."""
+        if isinstance(data, dict) and data.get("tool_calls") and data.get("content") == "":
+            return {**data, "content": None}
+        return data
+
     @field_validator("content")
     @classmethod
     def _parts_to_text(cls, value: str | list[TextPart] | None) -> str | None:

@@ -254,3 +254,25 @@ def test_job_params_for_tools_are_refused_naming_the_field(client: TestClient, p
     response = client.post("/v1/jobs", headers=AUTH, json={"adapter": "laya", "input": "Weather?", "params": params})
     assert response.status_code == 422, response.text
     assert response.json()["error"]["message"].startswith(f"{field}:"), response.json()
+
+
+@pytest.fixture
+def quick_chat(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KEVLAYA_CHAT_TIMEOUT_S", "0.2")  # read when `client` builds the app
+
+
+def test_an_assistant_turn_of_calls_may_bring_no_content_in_each_way_clients_send_it(quick_chat, client: TestClient):
+    """No worker runs here: each request times out, its job stored as it will run."""
+    from shared.db import session_scope
+    from shared.models import Job
+
+    for assistant in ({"content": None}, {"content": ""}, {}):
+        messages = [*MESSAGES, {"role": "assistant", "tool_calls": [call()], **assistant},
+                    {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
+        response = client.post("/v1/chat/completions", headers=AUTH,
+                               json={"model": "laya", "messages": messages, "tools": TOOLS, "max_tokens": 20})
+        assert response.status_code == 504, response.text
+        with session_scope() as session:
+            stored = session.query(Job).order_by(Job.created_at.desc()).first().input["messages"]
+        assert stored[1] == {"role": "assistant", "content": None, "tool_calls": [call()]}
+        assert stored[2] == {"role": "tool", "content": "18 C", "tool_call_id": "c1"}
