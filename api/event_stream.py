@@ -113,8 +113,11 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
                                    "function": {"name": call["function"]["name"], "arguments": ""}}]}),
             chunk({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]}))]
 
+    # an answer that can only be calls has no content, as OpenAI's first chunk then says
+    only_calls = tools_job and (job.params.get("tool_choice") or "auto") != "auto"
+
     async def chunks() -> AsyncIterator[str]:
-        yield chunk({"role": "assistant", "content": ""})
+        yield chunk({"role": "assistant", "content": None if only_calls else ""})
         sent, run, buffering = "", "", job.requested_adapter == "auto"
         sent_calls: list[dict[str, Any]] = []  # the calls streamed so far
         # Something comes at least every `beat` seconds, so the deadline is checked in time.

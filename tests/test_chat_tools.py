@@ -181,7 +181,7 @@ def test_forced_tool_calls_are_valid_on_random_weights_streamed_or_not(env, api,
             entry["id"] = delta.id or entry["id"]
             entry["name"] = (delta.function.name if delta.function else None) or entry["name"]
             entry["arguments"] += (delta.function.arguments if delta.function else None) or ""
-    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert all(c.choices[0].delta.content is None for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     job = api.get(f"/v1/jobs/{chunks[-1].model_extra['kevlaya']['job_id']}").json()
     calls, _end = leading_calls(job["result"]["text"])
