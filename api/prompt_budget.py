@@ -135,6 +135,8 @@ class PromptBudget:
     def stages(self, request: JobCreate) -> list[tuple[Adapter, int, bool]]:
         """(adapter, max_new_tokens, whether the job chose it) for every adapter the job may run on."""
         chosen = request.params.max_new_tokens
+        if request.adapter == "auto" and request.params.output == "tool_calls":  # Laya's calls are never escalated
+            return [("laya", chosen or self.settings.laya.max_new_tokens, chosen is not None)]
         if request.adapter == "auto":
             # The cascade's Kev stage drops the job's max_new_tokens and takes Kev's default (worker/cascade.py).
             return [("laya", chosen or self.settings.laya.max_new_tokens, chosen is not None),

@@ -276,3 +276,26 @@ def test_an_assistant_turn_of_calls_may_bring_no_content_in_each_way_clients_sen
             stored = session.query(Job).order_by(Job.created_at.desc()).first().input["messages"]
         assert stored[1] == {"role": "assistant", "content": None, "tool_calls": [call()]}
         assert stored[2] == {"role": "tool", "content": "18 C", "tool_call_id": "c1"}
+
+
+def test_the_prompt_budget_counts_the_tools_the_worker_puts_in_the_system_prompt(quick_chat, client: TestClient):
+    from shared.settings import get_settings
+
+    budget, laya = client.app.state.intake.budget, get_settings().laya
+    messages = [{"role": "user", "content": "Weather in Paris? " + "Clouds move east. " * 25}]
+    params = {"output": "tool_calls", "tools": TOOLS}
+    prompt = budget.prompt_tokens(model_messages({"messages": messages}, params, laya.system_prompt))
+    assert prompt > budget.prompt_tokens(model_messages({"messages": messages}, {}, laya.system_prompt)) + 100
+    room = budget.context_tokens - prompt
+    assert 0 < room < get_settings().kev.max_new_tokens  # an `auto` job's Kev stage would not fit: it has none
+
+    def chat(model: str, max_tokens: int) -> dict:
+        response = client.post("/v1/chat/completions", headers=AUTH, json={
+            "model": model, "messages": messages, "tools": TOOLS, "max_tokens": max_tokens})
+        assert response.status_code in (422, 504), response.text  # 504: stored, and no worker runs here
+        return response.json()
+
+    assert chat("laya", room)["error"]["code"] == "timeout"
+    assert chat("auto", room)["error"]["code"] == "timeout"  # calls are Laya's: never escalated to Kev
+    over = chat("laya", room + 1)["error"]
+    assert over["message"].startswith("messages:") and f"at most {room} new tokens" in over["message"]
