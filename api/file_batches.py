@@ -263,6 +263,19 @@ def ready_to_finish(session: Session) -> list[uuid.UUID]:
         or_(FileBatch.lease_owner.is_(None), FileBatch.lease_expires_at < _now()), ~unfinished)).all())
 
 
+# Characters that str.splitlines() and some JSONL readers take for a line's end, which JSON leaves raw in a string
+_LINE_BREAKS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
+
+
+def jsonl_line(value: Any) -> bytes:
+    """One line of an output or error file: a model's text may hold any character, and each line must still read
+    back as one line however the client splits them."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    for raw, escaped in _LINE_BREAKS.items():
+        text = text.replace(raw, escaped)
+    return (text + "\n").encode()
+
+
 def _result_line(job: Any, request_id: str) -> tuple[bool, dict[str, Any]]:
     """(whether it goes to the output file, its line) for a finished job (JobOut)."""
     line: dict[str, Any] = {"id": f"batch_req_{job.id.hex}", "custom_id": None, "response": None, "error": None}
@@ -319,7 +332,7 @@ def finish(session: Session, store: FileStore, batch_id: uuid.UUID, owner: str, 
         counts = {"output": [0, 0], "error": [0, 0]}
         for to_output, line in _result_lines(session, batch_id):
             kind = "output" if to_output else "error"
-            data = (json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+            data = jsonl_line(line)
             (output if to_output else errors).write(data)
             counts[kind][0] += len(data)
             counts[kind][1] += 1

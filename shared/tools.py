@@ -88,6 +88,8 @@ def chat_turns(stored: list[dict[str, Any]]) -> list[dict[str, str]]:
                 names[call["id"]] = call["function"]["name"]
                 calls.append(call_text(call["function"]["name"], json.loads(call["function"]["arguments"])))
             content = "\n".join([*([content] if content else []), TOOL_CALL_SEPARATOR.join(calls)])
+        elif not isinstance(content, str):  # a stored row the API would not have taken: the job's input is at fault
+            raise ValueError(f"a {role!r} message without text content")
         turns.append({"role": role, "content": content})
         after_result = False
     return turns

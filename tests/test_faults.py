@@ -515,8 +515,9 @@ def test_two_workers_share_one_queue_and_one_killed_mid_batch_runs_nothing_twice
 
 def batch_line(i: int) -> str:
     model = ["laya", "kev", "auto"][i % 3]
+    # text answers (a chat answer is otherwise the role's decision, which 4 tokens cannot close)
     body = {"model": model, "messages": [{"role": "user", "content": f"Line {i}: options A cost {i}, B cost 3."}],
-            "max_tokens": 4}
+            "max_tokens": 4, "response_format": {"type": "text"}}
     return json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
 
 

@@ -33,6 +33,7 @@ from modellab.bench.workload import BenchJob, make_jobs
 from modellab.model_factory import build_random_model
 from modellab.presets import ALL_LINEAR
 from modellab.reference import ReferenceRuntime
+from shared.models import JobStatus
 from shared.schemas import answer_grammar
 from shared.settings import Settings
 from worker.generation import GenerationRequest
@@ -238,8 +239,11 @@ class KevLoad:
     def __exit__(self, *_exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        for job_id in self.ids:  # what never started is cancelled, so the next phase starts on an idle worker
-            self.service.client.delete(f"/v1/jobs/{job_id}")
+        # what never started is cancelled, so the next phase starts on an idle worker (DELETE of a finished job
+        # would delete it)
+        for row in self.service.jobs(self.ids):
+            if row.status == JobStatus.QUEUED:
+                self.service.client.delete(f"/v1/jobs/{row.id}")
         self.service.wait(self.ids)
 
 

@@ -219,7 +219,7 @@ class Service:
                        created_at=j.created_at, started_at=j.started_at, finished_at=j.finished_at,
                        total_ms=j.total_ms, ttft_ms=j.ttft_ms, queue_ms=j.queue_ms,
                        batch_id=str(j.batch_id) if j.batch_id else None, completion_tokens=j.completion_tokens)
-                for i in ids]
+                for i in ids if i in found]  # a job deleted (DELETE /v1/jobs/{id} of a finished one) is gone
 
     def batches(self, since: datetime | None = None) -> list[BatchRow]:
         with Session(self.engine) as session:
