@@ -149,6 +149,18 @@ def test_delete_cancels_a_queued_job_then_deletes_it_once_finished(client):
     assert client.delete(f"/v1/jobs/{job_id}", headers=AUTH).status_code == 404
 
 
+def test_cancel_stops_a_queued_job_and_never_deletes_a_finished_one(client):
+    """DELETE of a finished job deletes it; a client that only wants a job stopped, and asks after it finished,
+    must not lose its answer."""
+    job_id = submit(client).json()["id"]
+    cancelled = client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH)
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    again = client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH)
+    assert again.status_code == 409 and "cancelled" in again.json()["error"]["message"]
+    assert client.get(f"/v1/jobs/{job_id}", headers=AUTH).json()["status"] == "cancelled"  # still there
+    assert client.post("/v1/jobs/00000000-0000-0000-0000-000000000000/cancel", headers=AUTH).status_code == 404
+
+
 def test_unknown_job_is_404_and_bad_id_is_422(client):
     assert client.get("/v1/jobs/00000000-0000-0000-0000-000000000000", headers=AUTH).status_code == 404
     assert client.get("/v1/jobs/not-a-uuid", headers=AUTH).status_code == 422

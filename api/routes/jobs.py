@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Header, Query, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
 
 from api.deletion import delete_jobs
 from api.deps import (
@@ -138,6 +139,32 @@ async def job_events(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, se
     return HeldStream(stream, streams.take(key.id, settings.streams_per_key))
 
 
+def _stage_refused(job: Job, job_id: uuid.UUID) -> None:
+    if job.parent_job_id is not None:
+        raise ApiError(409, "conflict", f"job {job_id} is a stage of `auto` job {job.parent_job_id}; "
+                       "it cannot be cancelled or deleted on its own")
+
+
+def _cancelled(session: Session, job: Job, refusal: str) -> JobOut:
+    """Cancel a queued job and answer it as it now stands (its waiters see it end); 409 with `refusal` else."""
+    with one_writer(session):
+        cancelled = lifecycle.cancel(session, job.id)
+        session.commit()
+    session.refresh(job)
+    if not cancelled:
+        raise ApiError(409, "conflict", f"job {job.id} is {job.status}; {refusal}")
+    return jobs_out(session, [job])[0]
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut, responses=error_responses(404, 409, 422, *AUTH_ERRORS))
+def cancel_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOut:
+    """A queued job is cancelled; one that has started or finished is left as it is (409). Unlike DELETE, which
+    deletes a finished job, a client that only wants a job stopped cannot lose its answer by asking too late."""
+    job = get_visible(session, key, job_id)
+    _stage_refused(job, job_id)
+    return _cancelled(session, job, "only a queued job can be cancelled")
+
+
 @router.delete("/{job_id}", response_model=JobOut | JobDeleted,
                responses=error_responses(404, 409, 422, *AUTH_ERRORS))
 def cancel_or_delete_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep) -> JobOut | JobDeleted:
@@ -145,9 +172,7 @@ def cancel_or_delete_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep
     with its `auto` stages, and its bytes no longer count against the key's quota (docs/architecture.md §16). A
     running job: 409, delete it once it has finished."""
     job = get_visible(session, key, job_id)
-    if job.parent_job_id is not None:
-        raise ApiError(409, "conflict", f"job {job_id} is a stage of `auto` job {job.parent_job_id}; "
-                       "it cannot be cancelled or deleted on its own")
+    _stage_refused(job, job_id)
     if job.status in JobStatus.FINISHED:
         if job.file_batch_id is not None:
             raise ApiError(409, "conflict", f"job {job_id} is a line of a batch; it goes with the batch "
@@ -158,11 +183,5 @@ def cancel_or_delete_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep
         if not deleted:
             raise ApiError(404, "not_found", f"job {job_id} not found")
         return JobDeleted(id=job_id)
-    with one_writer(session):
-        cancelled = lifecycle.cancel(session, job_id)
-        session.commit()
-    session.refresh(job)
-    if not cancelled:
-        raise ApiError(409, "conflict", f"job {job_id} is {job.status}; a queued job can be cancelled and a finished "
-                       "one deleted, a running one neither: delete it once it has finished")
-    return jobs_out(session, [job])[0]
+    return _cancelled(session, job, "a queued job can be cancelled and a finished one deleted, a running one "
+                      "neither: delete it once it has finished")

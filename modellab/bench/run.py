@@ -33,7 +33,6 @@ from modellab.bench.workload import BenchJob, make_jobs
 from modellab.model_factory import build_random_model
 from modellab.presets import ALL_LINEAR
 from modellab.reference import ReferenceRuntime
-from shared.models import JobStatus
 from shared.schemas import answer_grammar
 from shared.settings import Settings
 from worker.generation import GenerationRequest
@@ -239,11 +238,8 @@ class KevLoad:
     def __exit__(self, *_exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        # what never started is cancelled, so the next phase starts on an idle worker (DELETE of a finished job
-        # would delete it)
-        for row in self.service.jobs(self.ids):
-            if row.status == JobStatus.QUEUED:
-                self.service.client.delete(f"/v1/jobs/{row.id}")
+        for job_id in self.ids:  # what never started is cancelled, so the next phase starts on an idle worker
+            self.service.client.post(f"/v1/jobs/{job_id}/cancel")  # 409 for the others: they stay
         self.service.wait(self.ids)
 
 
