@@ -45,6 +45,7 @@ from shared.models import ClaimGroup, Job, JobStatus
 
 log = logging.getLogger("kevlaya.scale_out")
 
+WAKE_AND_CLAIM_S = 1.0  # a re-queued job's wake-up reaching an idle worker and its claim
 PHASES = {"one_worker": "1 worker", "all_workers": "{n} workers", "kill": "{n} workers, 1 killed"}
 
 
@@ -540,9 +541,10 @@ def run_scale_out(config: ScaleOutConfig, save: Callable[[dict[str, Any]], None]
             phases["kill"] = run_phase(fleet, f"phase 3: {n} workers, worker-{victim} killed", n, bodies,
                                        config.timeout_s, kill)
             figures = phases["kill"]["kill"]
-            # A lease taken just before the kill expires a whole lease after it, and the next sweep puts its job
-            # back: "within one lease" is the second claim within a lease and a sweep of the kill.
-            bound = result["ledger"]["lease_s"] + result["ledger"]["sweep_every_s"]
+            # A lease taken just before the kill expires a whole lease after it, the next sweep puts its job back
+            # and wakes a worker, which claims it: "within one lease" is the second claim within a lease, a sweep
+            # and a wake-up of the kill.
+            bound = result["ledger"]["lease_s"] + result["ledger"]["sweep_every_s"] + WAKE_AND_CLAIM_S
             if "claimed_again_s" in figures:
                 figures["lease_and_sweep_s"] = bound
                 figures["within_lease"] = figures["claimed_again_s"] <= bound
@@ -593,7 +595,7 @@ def table(result: dict[str, Any]) -> str:
                      f"{kill['held_jobs']} job(s); {timing or 'none came back'}; finished by "
                      f"{', '.join(f'{w} {c}' for w, c in kill['held_finished_by'].items()) or '—'}")
         after = f", {kill['after_expiry_s']:.1f} s after the lease expired" if "after_expiry_s" in kill else ""
-        lines.append(f"kill: the killed worker's jobs claimed again within one lease ({lease:g} s) and a sweep of "
+        lines.append(f"kill: the killed worker's jobs claimed again within one lease ({lease:g} s), a sweep and a wake-up of "
                      "the kill: "
                      f"{verdict}{after}; lost {phases['kill']['lost']}, duplicated {phases['kill']['duplicated']}")
     failed = [name for name, ok in result["checks"].items() if not ok]
