@@ -93,9 +93,6 @@ class _Parser:
         if self.part.name != self.file_field:
             self.form.fields[self.part.name] = self.part.data.decode("utf-8", "replace")
 
-    def on_end(self) -> None:
-        pass
-
 
 async def read_form(request: Request, names: tuple[str, ...], file_field: str, open_sink: Callable[[], Sink]) -> Form:
     """Read a multipart/form-data body: each field in `names` at most once, `file_field` a file whose bytes go to
@@ -108,7 +105,7 @@ async def read_form(request: Request, names: tuple[str, ...], file_field: str, o
     parser = _Parser(names, file_field, open_sink)
     callbacks = {name: getattr(parser, name) for name in (
         "on_part_begin", "on_part_data", "on_part_end", "on_header_field", "on_header_value", "on_header_end",
-        "on_headers_finished", "on_end")}
+        "on_headers_finished")}  # callbacks are optional: the end of the body needs none
     multipart = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
     try:
         async for chunk in request.stream():
