@@ -18,12 +18,12 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
+from shared.grammar import OwnOptionsDecision, first_part
 from worker.decoder import lora_expand
 from worker.decoder.fused_norms import FusedNorms
 from worker.decoder.fused_projections import FusedProjections
 from worker.decoder.fused_rotary import FusedRotary
 from worker.decoder.fused_rotary import runs_on as fused_rotary_runs_on
-from shared.grammar import OwnOptionsDecision, first_part
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_prefill import CapturedPrefill
 from worker.decoder.graph_step import CapturedStep
