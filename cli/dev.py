@@ -67,8 +67,9 @@ def dev_seed_jobs(
 @app.command("settings-doc")
 def dev_settings_doc(
     write: Annotated[bool, typer.Option(
-        "--write", help="replace the block between README's settings markers instead of printing")] = False,
-    readme: Annotated[Path | None, typer.Option(help="the README to write (default: the project's)")] = None,
+        "--write", help="replace the block between the settings markers of the file instead of printing")] = False,
+    target: Annotated[Path | None, typer.Option(
+        help="the Markdown file to write (default: docs/configuration.md)")] = None,
 ) -> None:
     """The Configuration tables as Markdown, generated from the settings' Field descriptions and GROUPS."""
     from shared import settings_doc
@@ -77,7 +78,7 @@ def dev_settings_doc(
     if not write:
         typer.echo(markdown)
         return
-    path = readme or settings_doc.README
+    path = target or settings_doc.TARGET
     text = path.read_text()
     try:
         updated = settings_doc.with_block(text, markdown)

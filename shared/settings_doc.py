@@ -1,6 +1,6 @@
-"""README's Configuration tables, generated from the settings: one table per group of `GROUPS`, one row per
-variable, the field's description as its meaning (`kevlaya dev settings-doc`). Reads the class only: building
-`Settings()` would read the environment, and the tables document the defaults."""
+"""The Configuration tables of docs/configuration.md, generated from the settings: one table per group of
+`GROUPS`, one row per variable, the field's description as its meaning (`kevlaya dev settings-doc`). Reads the
+class only: building `Settings()` would read the environment, and the tables document the defaults."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from shared.settings import GROUP_NOTES, GROUPS, Settings
 PREFIX = "KEVLAYA_"
 BEGIN = "<!-- settings:begin -->"
 END = "<!-- settings:end -->"
-README = Path(__file__).resolve().parents[1] / "README.md"
+TARGET = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 HEADER = "| variable | default | meaning |\n|---|---|---|"
 UNITS = ((1024 ** 3, "GiB"), (1024 ** 2, "MiB"), (1024, "KiB"))
 
@@ -96,10 +96,10 @@ def render() -> str:
 
 
 def block(text: str) -> str:
-    """What `text` (README) holds between the markers, without them."""
+    """What `text` (the target file) holds between the markers, without them."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {BEGIN} … {END} block")
+        raise ValueError(f"no {BEGIN} … {END} block")
     return text[start + len(BEGIN):end].strip("\n")
 
 

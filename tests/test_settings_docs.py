@@ -1,7 +1,7 @@
 """Every setting is documented once and read: each field has a `description` and a place in exactly one of
-`GROUPS`; README's Configuration tables are what `shared/settings_doc.py` generates from them (so they name each
-`KEVLAYA_*` variable the settings object takes, and nothing else); each field has a reader outside
-`shared/settings.py` (a setting that nothing reads would be accepted and ignored)."""
+`GROUPS`; the Configuration tables of docs/configuration.md are what `shared/settings_doc.py` generates from them
+(so they name each `KEVLAYA_*` variable the settings object takes, and nothing else); each field has a reader
+outside `shared/settings.py` (a setting that nothing reads would be accepted and ignored)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from shared import settings_doc
 from shared.settings import GROUP_NOTES, GROUPS, AdapterProfile, Settings
 from tests.test_layout import PACKAGES, ROOT, parsed, source_files
 
-REGENERATE = "run `kevlaya dev settings-doc --write` (and edit the Field descriptions in shared/settings.py, not README)"
+REGENERATE = ("run `kevlaya dev settings-doc --write` (and edit the Field descriptions in shared/settings.py, "
+              "not docs/configuration.md)")
 
 
 def variables(model: type[BaseModel] = Settings, prefix: str = "KEVLAYA_") -> set[str]:
@@ -33,28 +34,37 @@ def variables(model: type[BaseModel] = Settings, prefix: str = "KEVLAYA_") -> se
     return names
 
 
-def readme() -> str:
-    return (ROOT / "README.md").read_text()
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+
+
+def configuration() -> str:
+    return CONFIGURATION.read_text()
 
 
 def configuration_table() -> str:
-    text = readme()
-    section = text[text.index("## Configuration"):text.index("## Monitoring")]
-    return "\n".join(line for line in section.splitlines() if line.startswith("| `KEVLAYA_"))
+    return "\n".join(line for line in configuration().splitlines() if line.startswith("| `KEVLAYA_"))
 
 
-def test_the_readme_block_is_what_the_generator_makes():
-    text = readme()
-    section = text[text.index("## Configuration"):text.index("## Monitoring")]
-    assert settings_doc.BEGIN in section and settings_doc.END in section, \
-        f"README's Configuration section lost its {settings_doc.BEGIN} … {settings_doc.END} markers"
-    assert settings_doc.block(text) == settings_doc.render(), f"README's settings tables are stale: {REGENERATE}"
+def test_the_generator_writes_docs_configuration():
+    assert settings_doc.TARGET == CONFIGURATION
 
 
-def test_the_readme_table_names_every_setting_and_only_settings():
+def test_the_configuration_block_is_what_the_generator_makes():
+    text = configuration()
+    assert settings_doc.BEGIN in text and settings_doc.END in text, \
+        f"docs/configuration.md lost its {settings_doc.BEGIN} … {settings_doc.END} markers"
+    assert settings_doc.block(text) == settings_doc.render(), \
+        f"docs/configuration.md's settings tables are stale: {REGENERATE}"
+
+
+def test_the_configuration_table_names_every_setting_and_only_settings():
     documented = set(re.findall(r"`(KEVLAYA_[A-Z0-9_]+)`", configuration_table()))
-    assert documented - variables() == set(), "the README names variables no setting reads"
-    assert variables() - documented == set(), "settings missing from the README's Configuration table"
+    assert documented - variables() == set(), "docs/configuration.md names variables no setting reads"
+    assert variables() - documented == set(), "settings missing from docs/configuration.md's tables"
+
+
+def test_the_readme_links_to_the_configuration():
+    assert "(docs/configuration.md)" in (ROOT / "README.md").read_text()
 
 
 def profiles() -> dict[str, type[BaseModel]]:
@@ -91,10 +101,10 @@ def test_the_roles_profiles_have_the_same_fields():
 
 
 def test_settings_doc_write_replaces_only_the_block(tmp_path: Path):
-    stale = tmp_path / "README.md"
+    stale = tmp_path / "configuration.md"
     stale.write_text(f"# title\n\nprose before\n\n{settings_doc.BEGIN}\n| old | table |\n{settings_doc.END}\n\n"
                      "prose after\n")
-    done = subprocess.run([sys.executable, "-m", "cli", "dev", "settings-doc", "--write", "--readme", str(stale)],
+    done = subprocess.run([sys.executable, "-m", "cli", "dev", "settings-doc", "--write", "--target", str(stale)],
                           capture_output=True, text=True, cwd=ROOT, env=os.environ.copy(), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     text = stale.read_text()
