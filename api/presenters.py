@@ -42,7 +42,7 @@ def _error(job: Job) -> JobError | None:
 
 
 def _timings(job: Job) -> JobTimings:
-    return JobTimings(queue_ms=job.queue_ms, switch_ms=job.switch_ms, prefill_ms=job.prefill_ms,
+    return JobTimings(queue_ms=job.queue_ms, prefill_ms=job.prefill_ms,
                       ttft_ms=job.ttft_ms, decode_ms=job.decode_ms, total_ms=job.total_ms)
 
 

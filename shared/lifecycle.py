@@ -59,7 +59,6 @@ class JobOutcome:
     error_message: str | None = None
     finish_reason: str | None = None  # stop | length, for an answer the model wrote
     logprobs: list[dict[str, Any]] | None = None  # per token, when the job asked for them
-    switch_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
     first_token_ms: float | None = None  # from the start of its batch to its first token
@@ -114,7 +113,7 @@ def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome)
         answered_by=job.adapter, result_text=outcome.result_text, decision=outcome.decision,
         error_code=outcome.error_code, error_message=outcome.error_message, finish_reason=outcome.finish_reason,
         logprobs=outcome.logprobs,
-        switch_ms=outcome.switch_ms, prefill_ms=outcome.prefill_ms, decode_ms=outcome.decode_ms,
+        prefill_ms=outcome.prefill_ms, decode_ms=outcome.decode_ms,
         prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
         queue_ms=queue_ms,
         ttft_ms=None if outcome.first_token_ms is None else queue_ms + outcome.first_token_ms,
@@ -196,7 +195,7 @@ def settle_parent(session: Session, parent_id: uuid.UUID) -> bool:
         answered_by=stage.adapter, result_text=stage.result_text, decision=stage.decision, error_code=error_code,
         error_message=error_message,
         finish_reason=stage.finish_reason, logprobs=stage.logprobs, finished_at=now, total_ms=(now - parent.created_at).total_seconds() * 1000, ttft_ms=ttft_ms,
-        switch_ms=total("switch_ms"), prefill_ms=total("prefill_ms"), decode_ms=total("decode_ms"),
+        prefill_ms=total("prefill_ms"), decode_ms=total("decode_ms"),
         prompt_tokens=total("prompt_tokens"), completion_tokens=total("completion_tokens"),
     )
     if settled:

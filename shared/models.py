@@ -116,21 +116,18 @@ class ClaimGroup(Base):
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
     adapters: Mapped[str] = mapped_column(String(32))  # "kev" or "laya" ("kev,laya": rows of older versions)
     size: Mapped[int] = mapped_column(Integer, default=0)
-    mixed: Mapped[bool] = mapped_column(Boolean, default=False)
-    switch_ms: Mapped[float | None] = mapped_column(Float)
     prefill_ms: Mapped[float | None] = mapped_column(Float)
     decode_ms: Mapped[float | None] = mapped_column(Float)
     tokens: Mapped[int | None] = mapped_column(Integer)
     peak_vram_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    oom_splits: Mapped[int | None] = mapped_column(Integer)  # 0: an out-of-memory gives rows back to the queue instead
     worker: Mapped[str] = mapped_column(String(200))
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
 
-    # /v1/stats reads a window of batches from this index alone (migrations 0003, 0004)
+    # /v1/stats reads a window of batches from this index alone (migrations 0003, 0004, 0010)
     __table_args__ = (
-        Index("ix_batches_stats", "started_at", "worker", "adapters", "size", "switch_ms", "prefill_ms", "decode_ms",
-              "tokens", "oom_splits", "peak_vram_bytes"),
+        Index("ix_batches_stats", "started_at", "worker", "adapters", "size", "prefill_ms", "decode_ms", "tokens",
+              "peak_vram_bytes"),
     )
 
 
@@ -180,7 +177,6 @@ class Job(Base):
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     queue_ms: Mapped[float | None] = mapped_column(Float)
-    switch_ms: Mapped[float | None] = mapped_column(Float)
     prefill_ms: Mapped[float | None] = mapped_column(Float)
     decode_ms: Mapped[float | None] = mapped_column(Float)  # this job's own: its first token to its last
     ttft_ms: Mapped[float | None] = mapped_column(Float)  # created to its first token

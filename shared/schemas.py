@@ -532,7 +532,6 @@ class JobError(BaseModel):
 
 class JobTimings(BaseModel):
     queue_ms: float | None = Field(description="waiting for a batch: created to claimed")
-    switch_ms: float | None = Field(description="adapter switches in its batch")
     prefill_ms: float | None = Field(description="the prefill of the forward pass it shared")
     ttft_ms: float | None = Field(description="time to first token: created to its first generated token")
     decode_ms: float | None = Field(description="its own decode: its first generated token to its last")

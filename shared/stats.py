@@ -119,13 +119,8 @@ _COUNTS = f"""
     SELECT adapter, status, error_code, COUNT(*) AS n FROM runs GROUP BY adapter, status, error_code
 """
 
-# A switch: a batch for which the worker changed its active adapter, as the worker recorded it (switch_ms > 0,
-# the time set_adapter took). Mixed batches and the continuous engine's claim groups choose adapters per row and
-# never switch (switch_ms 0).
 _BATCHES = """
     SELECT adapters, COUNT(*) AS n, AVG(size) AS mean_size,
-           SUM(CASE WHEN switch_ms > 0 THEN 1 ELSE 0 END) AS switches,
-           SUM(COALESCE(oom_splits, 0)) AS oom_splits,
            SUM(CASE WHEN decode_ms IS NOT NULL THEN tokens END) AS tokens,
            SUM(prefill_ms + decode_ms) AS busy_ms
     FROM batches WHERE started_at >= :since AND started_at < :until
@@ -160,8 +155,6 @@ def _empty_adapter() -> dict[str, Any]:
         "batches": 0,
         "mean_batch_size": None,
         "mean_batch_occupancy": None,
-        "adapter_switches": 0,
-        "oom_splits": 0,
         "failures": {code: 0 for code in FAILURE_CODES},
     }
 
@@ -170,8 +163,6 @@ def _batch_figures(target: dict[str, Any], row: Any, max_batch: int) -> None:
     target["batches"] = row.n
     target["mean_batch_size"] = float(row.mean_size) if row.mean_size is not None else None
     target["mean_batch_occupancy"] = target["mean_batch_size"] / max_batch if row.mean_size is not None else None
-    target["adapter_switches"] = int(row.switches or 0)
-    target["oom_splits"] = int(row.oom_splits or 0)
     busy_ms = float(row.busy_ms or 0)
     target["completion_tokens_per_s"] = (int(row.tokens or 0) / busy_ms * 1000) if busy_ms > 0 else None
 
@@ -197,7 +188,6 @@ def compute_stats(session: Session, window: Window, max_batch: int, *, portable:
         if "," in row.adapters:
             mixed = {"batches": 0}
             _batch_figures(mixed, row, max_batch)
-            mixed.pop("adapter_switches")
         else:
             _batch_figures(adapters.setdefault(row.adapters, _empty_adapter()), row, max_batch)
 
@@ -246,9 +236,9 @@ def recent_batches(session: Session, since: datetime, limit: int = 200) -> list[
         return moment.isoformat() if moment else None
 
     return [{
-        "id": str(b.id), "adapters": b.adapters, "size": b.size, "mixed": b.mixed, "worker": b.worker,
+        "id": str(b.id), "adapters": b.adapters, "size": b.size, "worker": b.worker,
         "started_at": b.started_at.isoformat(), "finished_at": iso(b.finished_at),
         "abandoned": b.finished_at is None and b.id not in running, "last_stored_at": iso(last_stored.get(b.id)),
-        "switch_ms": b.switch_ms, "prefill_ms": b.prefill_ms, "decode_ms": b.decode_ms, "tokens": b.tokens,
-        "peak_vram_bytes": b.peak_vram_bytes, "oom_splits": b.oom_splits,
+        "prefill_ms": b.prefill_ms, "decode_ms": b.decode_ms, "tokens": b.tokens,
+        "peak_vram_bytes": b.peak_vram_bytes,
     } for b in reversed(rows)]

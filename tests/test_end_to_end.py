@@ -32,7 +32,7 @@ def test_forty_alternating_jobs_all_succeed_each_claim_group_on_one_adapter(env,
     with session_scope() as session:
         assert session.scalar(select(func.sum(ClaimGroup.size)).where(ClaimGroup.finished_at.is_not(None))) == 40
         groups = session.scalars(select(ClaimGroup)).all()
-    assert {g.adapters for g in groups} == {"kev", "laya"} and not any(g.mixed for g in groups)
+    assert {g.adapters for g in groups} == {"kev", "laya"}
     by_group = {}
     for job in jobs:  # jobs claimed together are of one adapter: a claim never mixes roles
         by_group.setdefault(job["batch_id"], set()).add(job["adapter"])

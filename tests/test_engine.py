@@ -129,7 +129,7 @@ def test_a_released_job_is_queued_again_without_counting_an_attempt(service_env)
     from datetime import datetime, timezone
 
     with session_scope() as session:
-        batch = ClaimGroup(id=uuid.uuid4(), adapters="kev", mixed=False, worker="w", started_at=datetime.now(timezone.utc))
+        batch = ClaimGroup(id=uuid.uuid4(), adapters="kev", worker="w", started_at=datetime.now(timezone.utc))
         job = Job(adapter="kev", requested_adapter="kev", input="x", params=TEXT)
         session.add_all([batch, job])
         session.flush()

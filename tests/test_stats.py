@@ -55,15 +55,12 @@ def stored_rows(now: datetime) -> tuple[list[Job], list[ClaimGroup]]:
     waiting = Job(adapter="laya", requested_adapter="auto", status="queued", input="x", params={},
                   created_at=now - timedelta(seconds=5))
     jobs += [answered, escalated, stage, kev, waiting]
-    # one batch-engine worker: kev, kev, laya, kev (2 switches, recorded by the worker as the time set_adapter
-    # took: to laya, to kev), plus one mixed batch; a continuous worker's claim groups alternate without switching
-    for k, (adapters, size, tokens, switch_ms, worker) in enumerate([
-            ("kev", 4, 40, 0.0, "w:1"), ("kev", 2, 10, 0.0, "w:1"), ("laya", 8, 64, 3.5, "w:1"),
-            ("kev", 6, 30, 2.5, "w:1"), ("kev,laya", 3, 12, 0.0, "w:1"),
-            ("laya", 1, 5, 0.0, "c:2"), ("kev", 1, 20, 0.0, "c:2"), ("laya", 1, 5, 0.0, "c:2")]):
-        batches.append(ClaimGroup(adapters=adapters, size=size, mixed="," in adapters, worker=worker, tokens=tokens,
-                             switch_ms=switch_ms, prefill_ms=10.0, decode_ms=90.0, oom_splits=k % 2,
-                             started_at=now - timedelta(seconds=100 - k * 10)))
+    # two workers' claim groups, plus one mixed batch an older version wrote
+    for k, (adapters, size, tokens, worker) in enumerate([
+            ("kev", 4, 40, "w:1"), ("kev", 2, 10, "w:1"), ("laya", 8, 64, "w:1"), ("kev", 6, 30, "w:1"),
+            ("kev,laya", 3, 12, "w:1"), ("laya", 1, 5, "c:2"), ("kev", 1, 20, "c:2"), ("laya", 1, 5, "c:2")]):
+        batches.append(ClaimGroup(adapters=adapters, size=size, worker=worker, tokens=tokens, prefill_ms=10.0,
+                                  decode_ms=90.0, started_at=now - timedelta(seconds=100 - k * 10)))
     return jobs, batches
 
 
@@ -106,8 +103,6 @@ def test_stats_match_values_computed_from_the_rows(client, database_url):
     kev, laya = stats["adapters"]["kev"], stats["adapters"]["laya"]
     assert (kev["batches"], laya["batches"]) == (4, 3)
     assert kev["mean_batch_size"] == pytest.approx(13 / 4) and kev["mean_batch_occupancy"] == pytest.approx(13 / 64)
-    assert (kev["adapter_switches"], laya["adapter_switches"]) == (1, 1)  # the continuous groups switch nothing
-    assert (kev["oom_splits"], laya["oom_splits"]) == (2, 2)
     assert kev["completion_tokens_per_s"] == pytest.approx(100 / 0.4)
     assert stats["mixed_batches"]["batches"] == 1
     assert stats["auto"] == {"jobs": 3, "decided": 2, "escalated": 1, "escalation_rate": 0.5}
@@ -160,7 +155,7 @@ def test_a_batch_whose_worker_stopped_is_shown_as_abandoned_where_it_stored_its_
     draw it as running until it scrolls away. Open with a job still running: running. Open with nothing running
     in it (one job stored before the kill, one given back to the queue): abandoned, ending at the stored one."""
     now = datetime.now(timezone.utc)
-    closed, running, cut = (ClaimGroup(id=uuid.uuid4(), adapters="kev", size=2, mixed=False, worker=f"w:{i}",
+    closed, running, cut = (ClaimGroup(id=uuid.uuid4(), adapters="kev", size=2, worker=f"w:{i}",
                                        started_at=now - timedelta(seconds=60 - i)) for i in range(3))
     closed.finished_at = now - timedelta(seconds=50)
     stored_at = now - timedelta(seconds=40)

@@ -35,11 +35,10 @@ class _Batcher:
     def place(self, adapter: str, started: datetime, job: dict[str, Any]) -> uuid.UUID:
         batch = self.current.get(adapter)
         if batch is None or batch["size"] >= batch["capacity"]:
-            switched = bool(self.done) and self.done[-1]["adapters"] != adapter  # set_adapter ran for it
             batch = self.current[adapter] = {
                 "id": uuid.uuid4(), "adapters": adapter, "size": 0, "capacity": self.rng.randint(4, 16),
-                "mixed": False, "switch_ms": self.rng.uniform(1.0, 5.0) if switched else 0.0, "prefill_ms": 0.0, "decode_ms": 0.0, "tokens": 0,
-                "peak_vram_bytes": self.rng.randint(3_000_000_000, 5_800_000_000), "oom_splits": 0,
+                "prefill_ms": 0.0, "decode_ms": 0.0, "tokens": 0,
+                "peak_vram_bytes": self.rng.randint(3_000_000_000, 5_800_000_000),
                 "worker": self.worker, "started_at": started, "finished_at": started,
             }
             self.done.append(batch)
@@ -48,8 +47,6 @@ class _Batcher:
         batch["decode_ms"] = max(batch["decode_ms"], job["decode_ms"] or 0.0)
         batch["tokens"] += job["completion_tokens"] or 0
         batch["finished_at"] = max(batch["finished_at"], job["finished_at"] or started)
-        if job["error_code"] == "out_of_memory":
-            batch["oom_splits"] += 1
         return batch["id"]
 
 
@@ -82,7 +79,7 @@ def _job(rng: random.Random, adapter: str, requested: str, created: datetime, no
         "created_at": created,
         "started_at": created + timedelta(milliseconds=queue_ms) if ran else None,
         "finished_at": finished if done else (created if status == "cancelled" else None),
-        "queue_ms": queue_ms if ran else None, "switch_ms": 0.0 if done else None,
+        "queue_ms": queue_ms if ran else None,
         "prefill_ms": prefill_ms if done else None, "decode_ms": decode_ms if done else None,
         "ttft_ms": queue_ms + prefill_ms if done else None,
         "total_ms": (finished - created).total_seconds() * 1000 if done else None,

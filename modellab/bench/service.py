@@ -66,7 +66,6 @@ class BatchRow:
     started_at: datetime
     finished_at: datetime | None
     peak_vram_bytes: int | None
-    oom_splits: int | None
 
 
 class Processes:
@@ -227,5 +226,5 @@ class Service:
             if since is not None:
                 query = query.where(ClaimGroup.started_at >= since)
             return [BatchRow(id=str(b.id), adapters=b.adapters, size=b.size, started_at=b.started_at,
-                             finished_at=b.finished_at, peak_vram_bytes=b.peak_vram_bytes, oom_splits=b.oom_splits)
+                             finished_at=b.finished_at, peak_vram_bytes=b.peak_vram_bytes)
                     for b in session.scalars(query)]

@@ -82,7 +82,7 @@ def claim_group(session: Session, adapter: str, limit: int, worker: str, lease_s
     reads; on PostgreSQL `FOR UPDATE SKIP LOCKED` lets concurrent workers take disjoint rows (a key's jobs another
     worker holds are skipped, and the claim is that much smaller). A single UPDATE ... IN (SELECT ... LIMIT) is
     not enough there: the planner may run the subquery more than once."""
-    group = ClaimGroup(id=uuid.uuid4(), adapters=adapter, mixed=False, worker=worker, started_at=_now())
+    group = ClaimGroup(id=uuid.uuid4(), adapters=adapter, worker=worker, started_at=_now())
     session.add(group)
     session.flush()
     ids: list[uuid.UUID] = []
@@ -148,9 +148,9 @@ def _aware(moment: datetime | str) -> datetime:
 
 def close_group(session: Session, group_id: uuid.UUID, figures: GroupFigures) -> None:
     session.query(ClaimGroup).filter(ClaimGroup.id == group_id).update({
-        ClaimGroup.switch_ms: 0.0, ClaimGroup.prefill_ms: figures.prefill_ms, ClaimGroup.decode_ms: figures.decode_ms,
+        ClaimGroup.prefill_ms: figures.prefill_ms, ClaimGroup.decode_ms: figures.decode_ms,
         ClaimGroup.tokens: figures.tokens, ClaimGroup.peak_vram_bytes: figures.peak_vram_bytes,
-        ClaimGroup.oom_splits: 0, ClaimGroup.finished_at: _now(),
+        ClaimGroup.finished_at: _now(),
     })
 
 

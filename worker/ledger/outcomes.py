@@ -28,8 +28,7 @@ def job_outcome(result: GenerationResult, output: str, calibration: Calibration 
     the adapter's (shared/calibration.py). `choices`: the options the job offers (shared/schemas.py: job_choices);
     an object that names another is no decision (the grammar writes none such; free text can)."""
     text = stored_text(result.text) if result.text is not None else None
-    # Slots never switch adapters: a row carries its own (docs/architecture.md §14).
-    timings = dict(switch_ms=0.0, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
+    timings = dict(prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
                    first_token_ms=result.first_token_ms, finish_reason=result.finish_reason, logprobs=result.logprobs,
                    prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens)
     if result.error_code:
