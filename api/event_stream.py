@@ -60,7 +60,7 @@ def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settin
                 yield sse("done", _stored(job))
                 return
             yield sse("status", {"status": job.status, "attempt": job.attempts})
-        # The text the client has built from this connection, as it builds it (README: deltas appended, `running`
+        # The text the client has built from this connection, as it builds it (docs/api.md: deltas appended, `running`
         # restarting it, `resync` setting it); None where it resumed and its text so far is not known here (its
         # client checks it against `done`).
         built: str | None = "" if last_event_id is None else None

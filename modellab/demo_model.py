@@ -78,7 +78,7 @@ class DemoSpec:
     eval_samples: int  # of the validation split, scored at the end of adapter training
     test_samples: int  # of the test split, scored on the unquantized base at the end of the build
     # Of the training prompts and of the base's scenario documents: the same decisions asked in plain words
-    # (`kevlaya models build-demo --question-share`; the shipped model has none, README: Evaluation says why).
+    # (`kevlaya models build-demo --question-share`; docs/model-lab.md, The demo model, gives the shipped build's).
     question_share: float = 0.0
 
 

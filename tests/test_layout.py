@@ -1,5 +1,5 @@
-"""The layout keeps the architecture readable (README: The code layout): imports go one way, and each constant
-and preset has one home. Read from the source with `ast`, so an import inside a function counts too."""
+"""The layout keeps the architecture readable (docs/development.md: The code layout): imports go one way, and
+each constant and preset has one home. Read from the source with `ast`, so an import inside a function counts too."""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ def test_status_page_shows_the_run_in_a_real_browser(env, api, start_process, tm
         shot = tmp_path / "status-page.png"
         page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 10_000
-        if os.environ.get("KEVLAYA_UPDATE_SCREENSHOT"):  # refresh the README's picture
+        if os.environ.get("KEVLAYA_UPDATE_SCREENSHOT"):  # refresh docs/operations.md's picture
             shutil.copy(shot, ROOT / "docs" / "status-page.png")
 
         # logging out forgets the key and shows the form again

@@ -1,7 +1,8 @@
 """The worker's own Prometheus registry and its structured log lines, one per claim group and one per job.
 
-The worker child serves the registry on `KEVLAYA_WORKER_METRICS_PORT` once its model is loaded (README:
-Monitoring). Nothing here imports torch at module level: the Celery parent imports this module too."""
+The worker child serves the registry on `KEVLAYA_WORKER_METRICS_PORT` once its model is loaded
+(docs/operations.md: Monitoring). Nothing here imports torch at module level: the Celery parent imports this
+module too."""
 
 from __future__ import annotations
 
