@@ -108,7 +108,7 @@ def _job_row(batch: FileBatch, request: Request) -> dict[str, Any]:
         "input": job.input.model_dump() if not isinstance(job.input, str) else job.input,
         "params": job.params.model_dump(exclude_none=True), "meta": job.metadata, "api_key_id": batch.api_key_id,
         "created_at": _now(), "attempts": 0, "priority": Priority.BATCH, "file_batch_id": batch.id,
-        "batch_line": request.line, "custom_id": request.custom_id,
+        "batch_line": request.line, "custom_id": request.custom_id, **job.row_columns(),
     }
     # Charged, never refused: the input file was admitted under the key's quota (docs/architecture.md §16).
     row["stored_bytes"] = usage.request_bytes(row)

@@ -44,6 +44,7 @@ def new_job(request: JobCreate, key: ApiKey) -> Job:
         api_key_id=key.id,
         created_at=datetime.now(timezone.utc),
         priority=Priority.INTERACTIVE,
+        **request.row_columns(),
     )
     job.stored_bytes = usage.request_bytes(vars(job))  # what it charges its key (api/quotas.py)
     return job

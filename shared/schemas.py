@@ -212,20 +212,21 @@ CallId = Annotated[Text, Field(min_length=1, max_length=100)]
 MAX_TOOLS = 128  # OpenAI's limit
 
 
+def check_arguments(value: str) -> str:
+    """A call's arguments: a JSON object, as a string (chat's tool_calls, the Responses API's function_call items)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        raise ValueError("must be a JSON object, as a string") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("must be a JSON object, as a string")
+    return value
+
+
 class CalledFunction(RequestModel):
     name: ToolName
-    arguments: Text = Field(description="the call's arguments: a JSON object, as a string")
-
-    @field_validator("arguments")
-    @classmethod
-    def _an_object(cls, value: str) -> str:
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            raise ValueError("must be a JSON object, as a string") from None
-        if not isinstance(parsed, dict):
-            raise ValueError("must be a JSON object, as a string")
-        return value
+    arguments: Annotated[Text, AfterValidator(check_arguments)] = Field(
+        description="the call's arguments: a JSON object, as a string")
 
 
 class ToolCall(RequestModel):
@@ -300,6 +301,23 @@ class MessagesInput(RequestModel):
     messages: Messages
 
 
+def check_parameters(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A function's arguments schema (chat's tools, the Responses API's function tools): an object's, and one the
+    tools' grammar can enforce."""
+    if value is not None:
+        if value.get("type", "object") != "object":
+            raise ValueError("must be the schema of an object (type: object)")
+        # GrammarError (a ValueError): a 422 naming the feature, never a runtime failure
+        grammar.tool_calls_grammar({"f": value}, False, None)
+    return value
+
+
+def check_unique_names(names: list[str]) -> None:
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"each function name once: {', '.join(map(repr, repeated))} repeated")
+
+
 class FunctionSpec(RequestModel):
     """OpenAI's function tool definition."""
 
@@ -309,15 +327,7 @@ class FunctionSpec(RequestModel):
         default=None, description="the arguments' JSON schema (an object); left out, no arguments")
     strict: bool | None = Field(default=None, description="the schema is always enforced, strict or not")
 
-    @field_validator("parameters")
-    @classmethod
-    def _enforceable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            if value.get("type", "object") != "object":
-                raise ValueError("must be the schema of an object (type: object)")
-            # GrammarError (a ValueError): a 422 naming the feature, never a runtime failure
-            grammar.tool_calls_grammar({"f": value}, False, None)
-        return value
+    _enforceable = field_validator("parameters")(check_parameters)
 
 
 class Tool(RequestModel):
@@ -338,10 +348,7 @@ ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 
 
 def check_tools(value: list[Tool] | None) -> list[Tool] | None:
-    names = [tool.function.name for tool in value or []]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise ValueError(f"each function name once: {', '.join(map(repr, repeated))} repeated")
+    check_unique_names([tool.function.name for tool in value or []])
     return value
 
 
@@ -445,6 +452,10 @@ class JobCreate(RequestModel):
 
     def messages(self) -> list[dict[str, str]]:
         return to_messages(self.input if isinstance(self.input, str) else self.input.model_dump())
+
+    def row_columns(self) -> dict[str, Any]:
+        """Columns of the job's row beyond those every job has: a response's (api/responses/schemas.py)."""
+        return {}
 
     def prompt_chars(self) -> int:
         return sum(len(m["content"]) for m in self.messages())

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from shared.models import Job, JobStatus, KeyUsage, Priority
 
 _PENDING = "kevlaya.usage_charges"
-REQUEST_FIELDS = ("input", "params", "meta", "idempotency_key")
+REQUEST_FIELDS = ("input", "params", "meta", "idempotency_key", "response_request")
 RESULT_FIELDS = ("result_text", "decision", "logprobs", "error_message")
 
 
