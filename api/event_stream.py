@@ -1,21 +1,23 @@
 """Server-Sent Events out of a job's followed events (api/job_events.py): the job's own event stream
-(`GET /v1/jobs/{id}/events`) and OpenAI's chunk stream (`POST /v1/chat/completions` with `stream: true`).
-docs/architecture.md §8 describes both."""
+(`GET /v1/jobs/{id}/events`), and the updates of a job's answer (`answer_updates`) that OpenAI's chunk stream
+(`POST /v1/chat/completions` with `stream: true`, here) and the Responses API's events (api/responses/stream.py)
+are made of. docs/architecture.md §8 and §17 describe them."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.chat_schemas import call_out, chat_answered
+from api.chat_schemas import answer_calls, call_out, chat_answered
 from api.errors import ApiError
-from api.job_events import Gap, follow_job
+from api.job_events import Gap, StreamEvent, follow_job
 from api.submission import read_visible
 from shared.job_stream import ESCALATED, RUNNING, is_entry_id
 from shared.models import ApiKey, JobStatus
@@ -89,94 +91,196 @@ def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settin
     return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
 
 
+@dataclass(frozen=True)
+class TextDelta:
+    """More of the answer's text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class NewCalls:
+    """Calls whose text is complete, after the `first` already told."""
+
+    calls: list[dict[str, Any]]  # in OpenAI's chat shape (api/chat_schemas.py `call_out`)
+    first: int
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The job's answer is whole: everything of it was told before this."""
+
+    job: JobOut
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The job ended without an answer (failed, or cancelled)."""
+
+    job: JobOut
+
+
+@dataclass(frozen=True)
+class Diverged:
+    """The job was run again and its stored answer differs from what was told already."""
+
+    job: JobOut
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """The job did not finish within the stream's time; it goes on."""
+
+
+Update = TextDelta | NewCalls | Ended | Failed | Diverged | TimedOut
+
+
+class AnswerTracker:
+    """What a client of a job's answer is told, entry by entry of the job's stream: the answer's text as it grows
+    and its calls once each is complete, never taking back what it was told (docs/architecture.md §8, Events).
+
+    An `auto` job tells the stage that answers: Laya's short answer whole once it is known to be the answer, Kev's
+    as it is written once Laya escalated. A run that restarts (its worker died, or the stream was lost) cannot take
+    back text already told: the rest then comes as the stored answer's remainder, or, where it differs, `Diverged`.
+    A tool_calls job's calls come each whole once its text is complete; text that may still open a call is held
+    back until it cannot. One update list per entry, so the same entries always give the same updates (the
+    Responses API numbers its events by them)."""
+
+    def __init__(self, job: JobOut) -> None:
+        self.sent, self.run, self.buffering = "", "", job.requested_adapter == "auto"
+        self.sent_calls: list[dict[str, Any]] = []  # the calls told so far
+        self.tools_job = job.params.get("output") == "tool_calls"
+        self.job = job
+
+    def restart(self) -> None:
+        """A gap in the stream: what it still holds comes again from its start."""
+        self.run = ""
+
+    def entry(self, event: StreamEvent) -> list[Update]:
+        if event.event == "status" and event.data.get("status") == RUNNING:
+            self.run = ""
+        elif event.event == "status" and event.data.get("status") == ESCALATED:
+            self.run, self.buffering = "", False
+        elif event.event == "delta":
+            self.run += event.data["text"]
+        else:
+            return []
+        if self.buffering:
+            return []
+        if self.tools_job and may_open_call(self.run):
+            calls = [call_out(self.job, i, name, arguments)
+                     for i, (name, arguments) in enumerate(leading_calls(self.run)[0])]
+            if calls[:len(self.sent_calls)] == self.sent_calls and len(calls) > len(self.sent_calls):
+                first, self.sent_calls = len(self.sent_calls), calls
+                return [NewCalls(calls[first:], first)]
+        elif self.run.startswith(self.sent) and len(self.run) > len(self.sent):
+            delta, self.sent = self.run[len(self.sent):], self.run
+            return [TextDelta(delta)]
+        return []
+
+    def end(self, job: JobOut) -> list[Update]:
+        """The finished job, as stored: the rest of its answer and `Ended`, or why it has none to tell."""
+        if not chat_answered(job):
+            return [Failed(job)]
+        calls, _whole = answer_calls(job)
+        text = "" if calls else _text(job)
+        if not text.startswith(self.sent) or calls[:len(self.sent_calls)] != self.sent_calls:
+            return [Diverged(job)]
+        rest: list[Update] = [TextDelta(text[len(self.sent):])] if len(text) > len(self.sent) else []
+        if len(calls) > len(self.sent_calls):
+            rest.append(NewCalls(calls[len(self.sent_calls):], len(self.sent_calls)))
+        self.sent, self.sent_calls = text, calls
+        return [*rest, Ended(job)]
+
+
+async def answer_updates(key: ApiKey, job: JobOut, timeout_s: float,
+                         heartbeat_s: float) -> AsyncIterator[list[Update] | None]:
+    """The updates of a job's answer (`AnswerTracker`) as its stream brings them, those of one wake-up together;
+    None when `heartbeat_s` passed in silence. Ends after the last update: `Ended`, `Failed`, `Diverged`, or
+    `TimedOut` once `timeout_s` has passed."""
+    deadline, tracker = time.monotonic() + timeout_s, AnswerTracker(job)
+    # Something comes at least every `beat` seconds, so the deadline is checked in time.
+    async for item in follow_job(job, _reader(key, job), "0", min(heartbeat_s, timeout_s)):
+        if time.monotonic() > deadline and not isinstance(item, JobOut):
+            yield [TimedOut()]
+            return
+        if item is None:
+            yield None
+        elif isinstance(item, Gap):
+            tracker.restart()
+        elif isinstance(item, list):
+            if updates := [update for event in item for update in tracker.entry(event)]:
+                yield updates
+        else:
+            yield tracker.end(item)
+            return
+
+
 def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool, settings: Settings,
                       final: Callable[[JobOut], dict[str, Any]]) -> StreamingResponse:
-    """OpenAI's `chat.completion.chunk` stream of the job's answer. An `auto` job streams the stage that answers:
-    Laya's short answer is sent whole once it is known to be the answer, Kev's as it is written once Laya escalated.
-    A run that restarts (its worker died, or the stream was lost) cannot take back text already sent: the rest
-    then comes as the stored answer's remainder, or, where it differs, the stream ends with an error. A tool_calls
-    job's calls come as OpenAI's `tool_calls` deltas, each whole once its text is complete (its id, type and
-    name, then its arguments); text that may still open a call is held back until it cannot."""
+    """OpenAI's `chat.completion.chunk` stream of the job's answer (`answer_updates`): its text as content deltas,
+    its calls as OpenAI's `tool_calls` deltas (each call's id, type and name, then its arguments)."""
     created, chunk_id = int(job.created_at.timestamp()), f"chatcmpl-{job.id}"
-    deadline = time.monotonic() + settings.chat_timeout_s
+    timeout_s = settings.chat_timeout_s
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None, **extra: Any) -> str:
         return sse(None, {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
                           "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
                                        "logprobs": logprobs}], **extra})
 
-    tools_job = job.params.get("output") == "tool_calls"
-
     def call_chunks(calls: list[dict[str, Any]], first: int) -> list[str]:
-        return [piece for index, call in enumerate(calls[first:], first) for piece in (
+        return [piece for index, call in enumerate(calls, first) for piece in (
             chunk({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
                                    "function": {"name": call["function"]["name"], "arguments": ""}}]}),
             chunk({"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]}))]
 
     # an answer that can only be calls has no content, as OpenAI's first chunk then says
-    only_calls = tools_job and (job.params.get("tool_choice") or "auto") != "auto"
+    only_calls = job.params.get("output") == "tool_calls" and (job.params.get("tool_choice") or "auto") != "auto"
+
+    def error(code: str, message: str) -> str:
+        return sse(None, {"error": {"code": code, "message": message}})
 
     async def chunks() -> AsyncIterator[str]:
         yield chunk({"role": "assistant", "content": None if only_calls else ""})
-        sent, run, buffering = "", "", job.requested_adapter == "auto"
-        sent_calls: list[dict[str, Any]] = []  # the calls streamed so far
-        # Something comes at least every `beat` seconds, so the deadline is checked in time.
-        beat = min(settings.stream_heartbeat_s, settings.chat_timeout_s)
-        async for item in follow_job(job, _reader(key, job), "0", beat):
-            if time.monotonic() > deadline and not isinstance(item, JobOut):
-                yield sse(None, {"error": {"code": "timeout", "message": f"job {job.id} did not finish within "
-                                           f"{settings.chat_timeout_s} s; it stays queued: poll GET /v1/jobs/{job.id}"}})
-                break
-            if item is None:
+        async for updates in answer_updates(key, job, timeout_s, settings.stream_heartbeat_s):
+            if updates is None:
                 yield HEARTBEAT
-            elif isinstance(item, Gap):
-                run = ""  # what the stream still holds comes again from its start
-            elif isinstance(item, list):
-                for event in item:
-                    if event.event == "status" and event.data.get("status") == RUNNING:
-                        run = ""
-                    elif event.event == "status" and event.data.get("status") == ESCALATED:
-                        run, buffering = "", False
-                    elif event.event == "delta":
-                        run += event.data["text"]
-                if buffering:
+                continue
+            pieces: list[str] = []
+            text = ""  # the text of consecutive deltas goes as one chunk
+            for update in updates:
+                if isinstance(update, TextDelta):
+                    text += update.text
                     continue
-                if tools_job and may_open_call(run):
-                    calls = [call_out(job, i, name, arguments)
-                             for i, (name, arguments) in enumerate(leading_calls(run)[0])]
-                    if calls[:len(sent_calls)] == sent_calls and len(calls) > len(sent_calls):
-                        for piece in call_chunks(calls, len(sent_calls)):
-                            yield piece
-                        sent_calls = calls
-                elif run.startswith(sent) and len(run) > len(sent):
-                    yield chunk({"content": run[len(sent):]})
-                    sent = run
-            elif isinstance(item, JobOut):
-                if not chat_answered(item):
-                    message = item.error.message if item.error else item.status
-                    yield sse(None, {"error": {"code": item.error.code if item.error else item.status,
-                                               "message": f"job {item.id} failed: {message}"}})
-                    break
-                completion = final(item)
-                text = completion["choices"][0]["message"]["content"] or ""
-                calls = completion["choices"][0]["message"].get("tool_calls") or []
-                if not text.startswith(sent) or calls[:len(sent_calls)] != sent_calls:
-                    yield sse(None, {"error": {"code": "internal", "message": f"job {item.id} was run again and its "
-                                               "answer differs from the text already streamed; read it with GET "
-                                               f"/v1/jobs/{item.id}"}})
-                    break
-                if len(text) > len(sent):
-                    yield chunk({"content": text[len(sent):]})
-                for piece in call_chunks(calls, len(sent_calls)):
-                    yield piece
-                choice = completion["choices"][0]
-                # The log-probabilities, when asked for, come whole with the last chunk.
-                yield chunk({}, choice["finish_reason"], choice["logprobs"],
-                            kevlaya={"job_id": str(item.id), "answered_by": completion["kevlaya"]["answered_by"],
-                                     "decision": completion["kevlaya"]["decision"]})
-                if include_usage:
-                    yield sse(None, {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
-                                     "model": model, "choices": [], "usage": completion["usage"]})
+                if text:
+                    pieces.append(chunk({"content": text}))
+                    text = ""
+                if isinstance(update, NewCalls):
+                    pieces += call_chunks(update.calls, update.first)
+                elif isinstance(update, Ended):
+                    completion = final(update.job)
+                    choice = completion["choices"][0]
+                    # The log-probabilities, when asked for, come whole with the last chunk.
+                    pieces.append(chunk({}, choice["finish_reason"], choice["logprobs"], kevlaya={
+                        "job_id": str(update.job.id), "answered_by": completion["kevlaya"]["answered_by"],
+                        "decision": completion["kevlaya"]["decision"]}))
+                    if include_usage:
+                        pieces.append(sse(None, {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                                                 "model": model, "choices": [], "usage": completion["usage"]}))
+                elif isinstance(update, Failed):
+                    ended = update.job
+                    message = ended.error.message if ended.error else ended.status
+                    pieces.append(error(ended.error.code if ended.error else ended.status,
+                                        f"job {ended.id} failed: {message}"))
+                elif isinstance(update, Diverged):
+                    pieces.append(error("internal", f"job {update.job.id} was run again and its answer differs from "
+                                        f"the text already streamed; read it with GET /v1/jobs/{update.job.id}"))
+                elif isinstance(update, TimedOut):
+                    pieces.append(error("timeout", f"job {job.id} did not finish within {timeout_s} s; it stays "
+                                        f"queued: poll GET /v1/jobs/{job.id}"))
+            if text:
+                pieces.append(chunk({"content": text}))
+            yield "".join(pieces)
         yield sse(None, "[DONE]")
 
     return StreamingResponse(chunks(), media_type="text/event-stream", headers=HEADERS)
