@@ -2,9 +2,9 @@
 
 A line is `{"custom_id", "method": "POST", "url", "body"}`. What makes the file unreadable as a batch (a line
 that is not a JSON object of that shape, a repeated `custom_id`, a `url` other than the batch's endpoint, no
-request at all) fails the whole batch before any line is stored: `MalformedFile`, with each line's error. A body the chat endpoint would
-refuse is that line's error alone: it is answered in the error file with the status and error body the live
-endpoint would have given, and the other lines run."""
+request at all) fails the whole batch before any line is stored: `MalformedFile`, with each line's error. A body the
+endpoint (chat completions, or responses) would refuse is that line's error alone: it is answered in the error file
+with the status and error body the live endpoint would have given, and the other lines run."""
 
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
-from api.chat_schemas import ChatRequest
+from api.chat_schemas import CHAT_FIELDS, ChatRequest
 from api.errors import ApiError, validation_error_body
+from api.prompt_budget import FieldNames
+from api.responses.schemas import ENDPOINT as RESPONSES
+from api.responses.schemas import RESPONSES_FIELDS, ResponseJob, ResponsesRequest
 from shared.schemas import JobCreate
 
 MAX_CUSTOM_ID = 512
@@ -132,21 +135,36 @@ def read_requests(path: Path, endpoint: str, check: Callable[[JobCreate], None],
         for number, raw in _lines(source, max_line_bytes):
             if number > after_line and raw is not None:
                 custom_id, body = _envelope(raw, endpoint)
-                yield _request(number, custom_id, body, check)
+                yield _request(number, custom_id, body, check, endpoint)
 
 
-def _request(number: int, custom_id: str, body: dict[str, Any], check: Callable[[JobCreate], None]
-             ) -> Request | Rejected:
+def fields_of(job: JobCreate) -> FieldNames:
+    """How a line's request names its fields, for the limits the live endpoint checks."""
+    return RESPONSES_FIELDS if isinstance(job, ResponseJob) else CHAT_FIELDS
+
+
+def _job(body: dict[str, Any], endpoint: str) -> JobCreate:
+    """The line's job; ValidationError, or ApiError naming what a line cannot ask."""
+    if endpoint == RESPONSES:
+        request = ResponsesRequest.model_validate(body)
+        for field in ("stream", "background", "previous_response_id"):
+            if getattr(request, field):
+                raise ApiError(422, "invalid_request", f"{field}: not in a batch line (its answer goes to the "
+                               "output file; a line continues no response)")
+        return request.to_job([])
+    chat = ChatRequest.model_validate(body)
+    if chat.stream:
+        raise ApiError(422, "invalid_request", "stream: a batch line cannot stream; its answer goes to the output file")
+    return chat.to_job()
+
+
+def _request(number: int, custom_id: str, body: dict[str, Any], check: Callable[[JobCreate], None],
+             endpoint: str) -> Request | Rejected:
     try:
-        chat = ChatRequest.model_validate(body)
+        job = _job(body, endpoint)
+        check(job)
     except ValidationError as exc:
         return Rejected(number, custom_id, 422, validation_error_body(list(exc.errors()))["error"])
-    if chat.stream:
-        return Rejected(number, custom_id, 422, {"code": "invalid_request", "message": "stream: a batch line "
-                                                 "cannot stream; its answer goes to the output file"})
-    job = chat.to_job()
-    try:
-        check(job)
     except ApiError as exc:
         return Rejected(number, custom_id, exc.status_code, {"code": exc.code, "message": exc.message})
     return Request(number, custom_id, job)

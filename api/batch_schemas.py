@@ -17,7 +17,7 @@ from shared.stats import parse_window
 FILE_PREFIX, BATCH_PREFIX = "file-", "batch_"
 _ID = re.compile(r"[0-9a-f]{32}")
 
-BatchEndpoint = Literal["/v1/chat/completions"]  # the only endpoint a line may call here
+BatchEndpoint = Literal["/v1/chat/completions", "/v1/responses"]  # the endpoints a line may call here
 
 
 MAX_COMPLETION_WINDOW = timedelta(days=7)

@@ -26,6 +26,7 @@ from api.chat_schemas import chat_answered, completion
 from api.deletion import delete_files, delete_jobs
 from api.file_store import FileStore
 from api.presenters import jobs_out
+from api.responses.schemas import StoredResponse, response_object
 from shared import lifecycle, usage
 from shared.db import one_writer
 from shared.models import BatchStatus, FileBatch, Job, JobStatus, Priority, RejectedLine, StoredFile
@@ -276,12 +277,19 @@ def jsonl_line(value: Any) -> bytes:
     return (text + "\n").encode()
 
 
-def _result_line(job: Any, request_id: str) -> tuple[bool, dict[str, Any]]:
-    """(whether it goes to the output file, its line) for a finished job (JobOut)."""
+def _answer(job: Any, row: Job) -> dict[str, Any]:
+    """A line's answer, as its endpoint gives it: a chat completion, or a response object."""
+    stored = StoredResponse.of(row)
+    if stored is not None:
+        return response_object(job, stored).model_dump(mode="json")
+    return completion(job, job.requested_adapter).model_dump(mode="json")
+
+
+def _result_line(job: Any, request_id: str, row: Job) -> tuple[bool, dict[str, Any]]:
+    """(whether it goes to the output file, its line) for a finished job (JobOut) of its row."""
     line: dict[str, Any] = {"id": f"batch_req_{job.id.hex}", "custom_id": None, "response": None, "error": None}
     if chat_answered(job):
-        line["response"] = {"status_code": 200, "request_id": request_id,
-                            "body": completion(job, job.requested_adapter).model_dump(mode="json")}
+        line["response"] = {"status_code": 200, "request_id": request_id, "body": _answer(job, row)}
         return True, line
     code, message = (job.error.code, job.error.message) if job.error else ("internal", "no answer was stored")
     if code in (EXPIRED_ERROR[0], CANCELLED_ERROR[0]):
@@ -307,7 +315,7 @@ def _result_lines(session: Session, batch_id: uuid.UUID) -> Iterator[tuple[bool,
             return
         after = rows[-1].batch_line
         for row, job in zip(rows, jobs_out(session, rows)):
-            to_output, line = _result_line(job, str(job.id))
+            to_output, line = _result_line(job, str(job.id), row)
             line["custom_id"] = row.custom_id
             yield to_output, line
         session.expunge_all()

@@ -13,8 +13,8 @@ from fastapi.telemetry import TelemetryConfig
 
 from api.auth_throttle import AuthThrottle
 from api.batch_keeper import BatchKeeper
+from api.batch_lines import fields_of
 from api.body_limit import BodySizeLimit
-from api.chat_schemas import CHAT_FIELDS
 from api.deps import KeyCache
 from api.docs import install_docs
 from api.errors import install_error_handlers
@@ -24,6 +24,7 @@ from api.job_events import reader
 from api.job_writer import JobWriter
 from api.metrics import ApiMetrics, RequestMetrics
 from api.prompt_budget import PromptBudget
+from api.responses import routes as responses
 from api.routes import batches, chat, files, health, jobs, metrics, models, stats, status_page
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
@@ -46,6 +47,8 @@ def _with_configured_bounds(schema: dict[str, Any], settings: Settings) -> dict[
            maximum=settings.max_new_tokens_limit)
     for field in ("max_tokens", "max_completion_tokens"):
         _bound(components["ChatRequest"]["properties"][field], "integer", maximum=settings.max_new_tokens_limit)
+    _bound(components["ResponsesRequest"]["properties"]["max_output_tokens"], "integer",
+           maximum=settings.max_new_tokens_limit)
     _bound(components["JobCreate"]["properties"]["input"], "string", maxLength=settings.max_prompt_chars)
     _bound(components["Message"]["properties"]["content"], "string", maxLength=settings.max_prompt_chars)
     components["JobBatchCreate"]["properties"]["jobs"]["maxItems"] = settings.max_batch_submit
@@ -98,8 +101,8 @@ def create_app() -> FastAPI:
     )
     install_docs(app)
     install_error_handlers(app)
-    routers = [health.router, jobs.router, chat.router, files.router, batches.router, models.router, stats.router,
-               metrics.router, status_page.router]
+    routers = [health.router, jobs.router, chat.router, responses.router, files.router, batches.router,
+               models.router, stats.router, metrics.router, status_page.router]
     for router in routers:
         app.include_router(router)
     # Uploads are streamed to disk by their route, so they get a limit of their own (their form's few fields
@@ -119,7 +122,7 @@ def create_app() -> FastAPI:
     app.state.file_store = FileStore(settings.files_dir)
     intake = app.state.intake
     app.state.batch_keeper = BatchKeeper(settings, app.state.file_store,
-                                         lambda job: intake.check(job, names=CHAT_FIELDS))
+                                         lambda job: intake.check(job, names=fields_of(job)))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
