@@ -211,23 +211,21 @@ def test_a_queued_background_response_is_cancelled_and_deleted(quick, client: Te
     assert job["status"] == "cancelled"
     # a response that was not created in the background cannot be cancelled (OpenAI's rule)
     with pytest.raises(openai.APIStatusError) as caught:
-        openai_client.responses.create(model="laya", input=QUESTION)  # 504: no worker
-    with session_scope() as session:
-        waited = session.query(Job).filter(Job.response_request.is_not(None)).order_by(Job.created_at.desc()).first()
-    with pytest.raises(openai.BadRequestError):
-        openai_client.responses.cancel(f"resp_{waited.id.hex}")
-    # DELETE: a queued one is cancelled and deleted; then it is gone
+        openai_client.responses.create(model="laya", input=QUESTION)
+    assert caught.value.status_code == 504  # no worker: it stays queued
+    waited_id = caught.value.body["message"].split()[1]
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.responses.cancel(waited_id)
+    assert "background" in caught.value.body["message"]
+    # DELETE: a queued one is cancelled and deleted, a cancelled one deleted; then both are gone
     again = openai_client.responses.create(model="laya", input=QUESTION, background=True)
-    deleted = openai_client.responses.delete(again.id)
-    assert deleted is None  # the SDK returns nothing; the body is checked below
-    for response_id in (queued.id,):
-        answer = client.delete(f"/v1/responses/{response_id}", headers=AUTH)
-        assert answer.status_code == 200 and answer.json() == {"id": response_id, "object": "response",
-                                                               "deleted": True}
+    assert openai_client.responses.delete(again.id) is None  # the SDK returns nothing: the body is checked here
+    answer = client.delete(f"/v1/responses/{queued.id}", headers=AUTH)
+    assert answer.status_code == 200 and answer.json() == {"id": queued.id, "object": "response", "deleted": True}
     for response_id in (queued.id, again.id):
         with pytest.raises(openai.NotFoundError):
             openai_client.responses.retrieve(response_id)
-    assert caught.value.status_code == 504
+        assert client.get(f"/v1/jobs/{response_id.removeprefix('resp_')}", headers=AUTH).status_code == 404
 
 
 def test_input_items_list_the_responses_own_items(quick, client: TestClient):
@@ -278,6 +276,12 @@ def test_text_json_schema_and_each_tool_choice_answer_as_openai_does(env, api, s
                                         {"role": "user", "content": QUESTION}]
     assert job["params"]["output"] == "decision"  # the role answers as itself, as on chat
     assert openai_client.responses.retrieve(plain.id).output_text == plain.output_text
+    # a conversation kept by the client: the output items given back as they came
+    again = openai_client.responses.create(model="laya", input=[{"role": "user", "content": QUESTION}, *plain.output,
+                                                                {"role": "user", "content": "Why?"}])
+    assert job_of(api, again)["input"]["messages"] == [{"role": "user", "content": QUESTION},
+                                                       {"role": "assistant", "content": plain.output_text},
+                                                       {"role": "user", "content": "Why?"}]
 
     cut = openai_client.responses.create(model="kev", input=QUESTION, max_output_tokens=3,
                                          text={"format": {"type": "text"}})
@@ -318,7 +322,7 @@ def test_text_json_schema_and_each_tool_choice_answer_as_openai_does(env, api, s
     [call] = valid_calls(single)
     followed = openai_client.responses.create(
         model="kev", tools=TOOLS, tool_choice="required", max_output_tokens=400, temperature=0,
-        input=[{"role": "user", "content": QUESTION}, call.model_dump(exclude_none=True),
+        input=[{"role": "user", "content": QUESTION}, *single.output,
                {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, clear"}])
     valid_calls(followed)
     turns = job_of(api, followed)["input"]["messages"]

@@ -205,7 +205,8 @@ async def retrieve_response(
                                       starting_after), give_back)
 
 
-@router.delete("/{response_id}", response_model=ResponseDeleted, responses=error_responses(404, 409, *AUTH_ERRORS))
+@router.delete("/{response_id}", response_model=ResponseDeleted,
+               responses=error_responses(404, 409, 422, *AUTH_ERRORS))
 def delete_response(response_id: str, key: CurrentKey, session: SessionDep) -> ResponseDeleted:
     """A finished response is deleted (its job, with its `auto` stages); a queued one is cancelled and deleted; a
     running one: 409, delete it once it has finished."""
@@ -223,7 +224,7 @@ def delete_response(response_id: str, key: CurrentKey, session: SessionDep) -> R
 
 
 @router.post("/{response_id}/cancel", response_model=ResponseObject,
-             responses=error_responses(400, 404, 409, *AUTH_ERRORS))
+             responses=error_responses(400, 404, 409, 422, *AUTH_ERRORS))
 def cancel_response(response_id: str, key: CurrentKey, session: SessionDep) -> ResponseObject:
     """A queued background response is cancelled, as `POST /v1/jobs/{id}/cancel` cancels its job; one that has
     started or finished is left as it is (409); a cancelled one is answered as it is."""
