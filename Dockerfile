@@ -8,8 +8,8 @@ FROM python:3.12-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    KEVLAYA_API_HOST=0.0.0.0 \
-    KEVLAYA_FLOWER_HOST=0.0.0.0
+    KEVLAYA_API__HOST=0.0.0.0 \
+    KEVLAYA_FLOWER__HOST=0.0.0.0
 
 RUN groupadd --system --gid 10001 kevlaya \
  && useradd --system --uid 10001 --gid kevlaya --create-home --home-dir /home/kevlaya \

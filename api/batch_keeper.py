@@ -1,8 +1,8 @@
 """The batch keeper: one thread per API process that moves file batches along (docs/architecture.md §15).
 
-Every `KEVLAYA_BATCH_CHECK_INTERVAL_S` it stores the lines of `validating` batches as jobs, expires batches past
+Every `KEVLAYA_BATCH__CHECK_INTERVAL_S` it stores the lines of `validating` batches as jobs, expires batches past
 their completion window, writes the output and error files of batches whose lines have all finished, and
-removes expired files, files left without a row, and what is older than `KEVLAYA_RETENTION_S` (api/retention.py). Everything it does is in the database first, so a keeper
+removes expired files, files left without a row, and what is older than `KEVLAYA_QUOTAS__RETENTION_S` (api/retention.py). Everything it does is in the database first, so a keeper
 that dies (or a database that is away for a while) leaves nothing half done: the next look, here or in another
 API process, goes on from the rows."""
 
@@ -75,13 +75,13 @@ class BatchKeeper:
             try:
                 self.look()
             except Exception as exc:  # the database is away, say: the rows still hold everything
-                log.warning("batch keeper: %s; trying again in %.0f s", exc, self.settings.batch_check_interval_s)
-            self._kick.wait(self.settings.batch_check_interval_s)
+                log.warning("batch keeper: %s; trying again in %.0f s", exc, self.settings.batch.check_interval_s)
+            self._kick.wait(self.settings.batch.check_interval_s)
             self._kick.clear()
 
     def look(self) -> None:
         """One pass over every batch that needs something done."""
-        settings, lease_s = self.settings, self.settings.batch_lease_s
+        settings, lease_s = self.settings, self.settings.batch.lease_s
         with new_session() as session:
             validating = session.scalars(select(FileBatch.id).where(
                 FileBatch.status == BatchStatus.VALIDATING)).all()
@@ -91,7 +91,7 @@ class BatchKeeper:
                 if file_batches.take(session, batch_id, [BatchStatus.VALIDATING], self.owner, lease_s):
                     with self._leased(session, batch_id):
                         file_batches.validate(session, self.store, batch_id, self.owner, lease_s, self.check,
-                                              settings.max_body_bytes, wake)
+                                              settings.limits.body_bytes, wake)
             file_batches.expire_due(session)
             for batch_id in file_batches.ready_to_finish(session):
                 if self._stop.is_set():
@@ -118,7 +118,7 @@ class BatchKeeper:
                 file_batches.release(session, batch_id, self.owner)
             except Exception as exc:
                 log.warning("batch %s: the lease could not be given back (%s); it expires in %.0f s", batch_id,
-                            exc, self.settings.batch_lease_s)
+                            exc, self.settings.batch.lease_s)
             raise
 
     def _housekeep(self, session: Session) -> None:
@@ -131,7 +131,7 @@ class BatchKeeper:
             for file_id in expired:
                 self.store.remove(file_id)
             log.info("removed %d expired file(s)", len(expired))
-        retention.sweep(session, self.store, self.settings.retention_s, self._stop)
+        retention.sweep(session, self.store, self.settings.quotas.retention_s, self._stop)
         known = set(session.scalars(select(StoredFile.id)).all())
         if removed := self.store.remove_orphans(known, ORPHAN_AGE_S):
             log.info("removed %d file(s) no row names (left by a process that stopped mid-write)", removed)

@@ -29,7 +29,7 @@ class ConnectionCaps:
     per_address: int
     backlog: int  # the listen backlog: also how many sockets one pass of the accept loop may take before any closes
     fd_limit: int
-    clamped: bool  # KEVLAYA_API_MAX_CONNECTIONS asked for more than the descriptors allow
+    clamped: bool  # KEVLAYA_CONNECTIONS__MAX asked for more than the descriptors allow
 
 
 def connection_caps(settings: Settings, fd_limit: int | None = None) -> ConnectionCaps:
@@ -39,9 +39,9 @@ def connection_caps(settings: Settings, fd_limit: int | None = None) -> Connecti
             fd_limit = 1 << 20
     backlog = min(MAX_BACKLOG, max(16, fd_limit // 8))
     room = max(16, fd_limit - backlog - RESERVED_FDS)
-    asked = settings.api_max_connections
+    asked = settings.connections.max
     total = min(asked or room, room)
-    per_address = min(settings.api_max_connections_per_address or max(1, total // 2), total)
+    per_address = min(settings.connections.max_per_address or max(1, total // 2), total)
     return ConnectionCaps(total, per_address, backlog, fd_limit, clamped=asked is not None and asked > room)
 
 

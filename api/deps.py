@@ -79,7 +79,7 @@ def _bearer_key(credentials: HTTPAuthorizationCredentials | None) -> str:
 
 def _stored_key(session: Session, settings: Settings, plain: str) -> ApiKey:
     """The key's row, valid and not revoked, or 401."""
-    bootstrap = settings.api_key.get_secret_value() if settings.api_key else None
+    bootstrap = settings.api.key.get_secret_value() if settings.api.key else None
     if bootstrap and hmac.compare_digest(plain.encode(), bootstrap.encode()):
         if problem := weak_key_problem(bootstrap):  # `kevlaya api` refuses to start with it; an app built otherwise
             raise unauthorized(problem)

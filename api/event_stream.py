@@ -66,7 +66,7 @@ def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settin
         # restarting it, `resync` setting it); None where it resumed and its text so far is not known here (its
         # client checks it against `done`).
         built: str | None = "" if last_event_id is None else None
-        async for item in follow_job(job, _reader(key, job), position, settings.stream_heartbeat_s):
+        async for item in follow_job(job, _reader(key, job), position, settings.streams.heartbeat_s):
             if item is None:
                 yield HEARTBEAT
             elif isinstance(item, Gap):
@@ -221,7 +221,7 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
     """OpenAI's `chat.completion.chunk` stream of the job's answer (`answer_updates`): its text as content deltas,
     its calls as OpenAI's `tool_calls` deltas (each call's id, type and name, then its arguments)."""
     created, chunk_id = int(job.created_at.timestamp()), f"chatcmpl-{job.id}"
-    timeout_s = settings.chat_timeout_s
+    timeout_s = settings.limits.chat_timeout_s
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None, **extra: Any) -> str:
         return sse(None, {"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -242,7 +242,7 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
 
     async def chunks() -> AsyncIterator[str]:
         yield chunk({"role": "assistant", "content": None if only_calls else ""})
-        async for updates in answer_updates(key, job, timeout_s, settings.stream_heartbeat_s):
+        async for updates in answer_updates(key, job, timeout_s, settings.streams.heartbeat_s):
             if updates is None:
                 yield HEARTBEAT
                 continue

@@ -1,6 +1,6 @@
 """The bytes of the Files API on disk (docs/architecture.md §15).
 
-A file is stored as `<KEVLAYA_FILES_DIR>/<its id in hex>`: the path never comes from the client (an upload named
+A file is stored as `<KEVLAYA_BATCH__FILES_DIR>/<its id in hex>`: the path never comes from the client (an upload named
 `../../x` or holding NUL bytes is only a display name in the `files` row). Every file is written under `tmp/`
 first, flushed, then renamed into place, so a stored file is always whole; the row is committed after the rename,
 and a file left without a row by a process that died between the two is removed by `remove_orphans`."""

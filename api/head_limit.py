@@ -3,13 +3,13 @@ takes to come, and every connection counted against the process's caps (api/conn
 
 httptools parses several times faster than h11 (RELIABILITY.md, Load), but it takes a head of any size: it
 keeps a header that arrives in pieces until the header ends. This protocol counts the bytes of a head still
-being received and refuses it with 431 once they pass `KEVLAYA_MAX_HEADER_BYTES`, so nobody can make the
+being received and refuses it with 431 once they pass `KEVLAYA_LIMITS__HEADER_BYTES`, so nobody can make the
 server hold an endless head; a head that arrived whole is measured once parsed, so the bound is the same
 however the head was cut into reads. A refused request never reaches the app.
 
 uvicorn starts no timer before a connection's first request, nor while a head arrives: an idle socket, or one
 trickling a header line every few seconds, stayed open for good. Here a connection waiting for a head (from its
-opening, or from the end of its previous response) is closed after `KEVLAYA_API_HEAD_TIMEOUT_S`, and one whose
+opening, or from the end of its previous response) is closed after `KEVLAYA_CONNECTIONS__HEAD_TIMEOUT_S`, and one whose
 body comes too slowly gets 408 and is closed (api/body_timeout.py).
 """
 
@@ -48,9 +48,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         settings = get_settings()
-        self.max_head_bytes = settings.max_header_bytes
-        self.head_timeout_s = settings.api_head_timeout_s
-        self.body_timeout_s, self.body_min_rate = settings.api_body_timeout_s, settings.api_body_min_bytes_per_s
+        self.max_head_bytes = settings.limits.header_bytes
+        self.head_timeout_s = settings.connections.head_timeout_s
+        self.body_timeout_s = settings.connections.body_timeout_s
+        self.body_min_rate = settings.connections.body_min_bytes_per_s
         self._body: BodyClock | None = None  # while a request's body is awaited
         self._body_timer: asyncio.TimerHandle | None = None
         self.open = open_connections()
@@ -136,7 +137,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if self.cycle is not None and not self.cycle.response_started:
             self.transport.write(_answer(b"408 Request Timeout", "request_timeout",
                                          f"request body not received at {self.body_min_rate:g} bytes/s or more "
-                                         f"after {self.body_timeout_s:g} s (KEVLAYA_API_BODY_TIMEOUT_S)"))
+                                         f"after {self.body_timeout_s:g} s (KEVLAYA_CONNECTIONS__BODY_TIMEOUT_S)"))
         self.transport.close()
 
     def _stop_body_clock(self) -> None:

@@ -20,20 +20,20 @@ from shared.settings import Settings
 class Intake:
     settings: Settings
     budget: PromptBudget | None  # None: the tokenizer could not be read, prompts are not counted (logged)
-    writer: JobWriter | WriterProcess  # KEVLAYA_API_WRITER: a thread of this process, or a process of its own
+    writer: JobWriter | WriterProcess  # KEVLAYA_API__WRITER: a thread of this process, or a process of its own
 
     def check(self, request: JobCreate, field_prefix: str = "", names: FieldNames = JOB_FIELDS) -> None:
         """422 naming the field when the request is over a limit (characters, new tokens, the context)."""
         settings = self.settings
-        if request.prompt_chars() > settings.max_prompt_chars:
+        if request.prompt_chars() > settings.limits.prompt_chars:
             raise ApiError(422, "invalid_request",
                            f"{field_prefix}{names.input}: prompt has {request.prompt_chars()} characters, "
-                           f"the limit is {settings.max_prompt_chars}")
+                           f"the limit is {settings.limits.prompt_chars}")
         tokens = request.params.max_new_tokens
-        if tokens is not None and tokens > settings.max_new_tokens_limit:
+        if tokens is not None and tokens > settings.limits.max_new_tokens:
             raise ApiError(422, "invalid_request",
                            f"{field_prefix}{names.max_new_tokens}: {tokens} is over the limit of "
-                           f"{settings.max_new_tokens_limit}")
+                           f"{settings.limits.max_new_tokens}")
         if self.budget is not None:
             self.budget.check(request, field_prefix, names)
 

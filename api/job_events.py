@@ -154,7 +154,7 @@ class StreamReader:
         """The connection pool followers read their catch-ups with. Hundreds start or fall behind at once: a
         catch-up waits for one of READ_CONNECTIONS (redis-py's own pool would refuse it beyond 100)."""
         if self._client is None:
-            pool = aioredis.BlockingConnectionPool.from_url(get_settings().redis_url, max_connections=READ_CONNECTIONS,
+            pool = aioredis.BlockingConnectionPool.from_url(get_settings().redis.url, max_connections=READ_CONNECTIONS,
                                                             timeout=5, socket_connect_timeout=2, socket_timeout=5)
             self._client = aioredis.Redis.from_pool(pool)  # closed with the client
         return self._client
@@ -206,7 +206,7 @@ class StreamReader:
             self._task = loop.create_task(self._read(), name="job-stream-reader")
 
     async def _read(self) -> None:
-        client = aioredis.Redis.from_url(get_settings().redis_url, socket_connect_timeout=2,
+        client = aioredis.Redis.from_url(get_settings().redis.url, socket_connect_timeout=2,
                                          socket_timeout=BLOCK_MS / 1000 + 5)
         try:
             while True:

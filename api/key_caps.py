@@ -2,7 +2,7 @@
 
 Each holds a connection and a task of the API process for as long as its job runs, so one key's thousands of them
 slowed every other key's requests. Counted per API process (its event loop alone touches the counts): with
-`KEVLAYA_API_WORKERS` processes a key may hold that many times the cap in all.
+`KEVLAYA_API__WORKERS` processes a key may hold that many times the cap in all.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class OpenPerKey:
             give_back()
 
 
-streams = OpenPerKey("event streams", "too_many_streams", "KEVLAYA_STREAMS_PER_KEY")
-long_polls = OpenPerKey("long-polls", "too_many_long_polls", "KEVLAYA_LONG_POLLS_PER_KEY")
+streams = OpenPerKey("event streams", "too_many_streams", "KEVLAYA_CONNECTIONS__STREAMS_PER_KEY")
+long_polls = OpenPerKey("long-polls", "too_many_long_polls", "KEVLAYA_CONNECTIONS__LONG_POLLS_PER_KEY")
 
 
 class HeldStream(StreamingResponse):

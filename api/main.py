@@ -44,20 +44,20 @@ def _with_configured_bounds(schema: dict[str, Any], settings: Settings) -> dict[
     """Limits that come from settings, written into the schema so it tells the real bounds."""
     components = schema["components"]["schemas"]
     _bound(components["JobParams"]["properties"]["max_new_tokens"], "integer",
-           maximum=settings.max_new_tokens_limit)
+           maximum=settings.limits.max_new_tokens)
     for field in ("max_tokens", "max_completion_tokens"):
-        _bound(components["ChatRequest"]["properties"][field], "integer", maximum=settings.max_new_tokens_limit)
+        _bound(components["ChatRequest"]["properties"][field], "integer", maximum=settings.limits.max_new_tokens)
     _bound(components["ResponsesRequest"]["properties"]["max_output_tokens"], "integer",
-           maximum=settings.max_new_tokens_limit)
-    _bound(components["JobCreate"]["properties"]["input"], "string", maxLength=settings.max_prompt_chars)
-    _bound(components["Message"]["properties"]["content"], "string", maxLength=settings.max_prompt_chars)
-    components["JobBatchCreate"]["properties"]["jobs"]["maxItems"] = settings.max_batch_submit
+           maximum=settings.limits.max_new_tokens)
+    _bound(components["JobCreate"]["properties"]["input"], "string", maxLength=settings.limits.prompt_chars)
+    _bound(components["Message"]["properties"]["content"], "string", maxLength=settings.limits.prompt_chars)
+    components["JobBatchCreate"]["properties"]["jobs"]["maxItems"] = settings.limits.batch_submit
     for parameter in schema["paths"]["/v1/jobs/{job_id}/wait"]["get"]["parameters"]:
         if parameter["name"] == "timeout":
-            _bound(parameter["schema"], "number", maximum=settings.max_wait_timeout_s)
+            _bound(parameter["schema"], "number", maximum=settings.limits.wait_timeout_s)
     schema["info"]["description"] = (
-        f"Prompts are limited to {settings.max_prompt_chars} characters and, with the adapter's system prompt "
-        f"and max_new_tokens, to the model's context; request bodies to {settings.max_body_bytes} bytes. "
+        f"Prompts are limited to {settings.limits.prompt_chars} characters and, with the adapter's system prompt "
+        f"and max_new_tokens, to the model's context; request bodies to {settings.limits.body_bytes} bytes. "
         "Every error answer is `{\"error\": {\"code\", \"message\"}}`."
     )
     return schema
@@ -107,19 +107,19 @@ def create_app() -> FastAPI:
         app.include_router(router)
     # Uploads are streamed to disk by their route, so they get a limit of their own (their form's few fields
     # on top of the file) and are never held in memory here.
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
-                       streamed={"/v1/files": settings.files_max_bytes + 64 * 1024})
+    app.add_middleware(BodySizeLimit, max_bytes=settings.limits.body_bytes,
+                       streamed={"/v1/files": settings.batch.files_max_bytes + 64 * 1024})
     app.state.metrics = ApiMetrics()
     app.state.metrics.start_at_zero([*app.routes, *(route for router in routers for route in router.routes)])
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)  # outermost: refused bodies count too
     # Loaded once per app (not at import): counting prompt tokens at submit time needs the tokenizer.
     on_unit = app.state.metrics.note_unit
-    writer = (WriterProcess(on_unit) if settings.api_writer == "process"
-              else JobWriter(WakeupPublisher(settings.max_batch), on_unit))
+    writer = (WriterProcess(on_unit) if settings.api.writer == "process"
+              else JobWriter(WakeupPublisher(settings.engine.max_batch), on_unit))
     app.state.intake = Intake(settings, PromptBudget.load(settings), writer)
     app.state.key_cache = KeyCache()
     app.state.auth_throttle = AuthThrottle()
-    app.state.file_store = FileStore(settings.files_dir)
+    app.state.file_store = FileStore(settings.batch.files_dir)
     intake = app.state.intake
     app.state.batch_keeper = BatchKeeper(settings, app.state.file_store,
                                          lambda job: intake.check(job, names=fields_of(job)))

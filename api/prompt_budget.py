@@ -52,10 +52,10 @@ def context_length(config: dict) -> int | None:
 class PromptBudget:
     def __init__(self, tokenizer, context_tokens: int, settings: Settings):  # noqa: ANN001
         self.tokenizer, self.settings = tokenizer, settings
-        # Each job gets a slot of KEVLAYA_ENGINE_WINDOW_TOKENS: a job over it never runs.
-        window = settings.engine_window_tokens
+        # Each job gets a slot of KEVLAYA_ENGINE__WINDOW_TOKENS: a job over it never runs.
+        window = settings.engine.window_tokens
         if window < context_tokens:
-            self.context_tokens, self.limit_name = window, "the worker's window (KEVLAYA_ENGINE_WINDOW_TOKENS) of"
+            self.context_tokens, self.limit_name = window, "the worker's window (KEVLAYA_ENGINE__WINDOW_TOKENS) of"
         else:
             self.context_tokens, self.limit_name = context_tokens, "the model's context of"
         # The Rust tokenizer's settings are toggled per call; concurrent calls from the thread pool must not
@@ -68,9 +68,9 @@ class PromptBudget:
         """The base model's tokenizer and context length, or None (logged) when they cannot be read."""
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-        base = settings.base_model
+        base = settings.model.base
         try:
-            directory = base_directory(base, settings.model_cache_dir)
+            directory = base_directory(base, settings.model.cache_dir)
             if not directory.is_dir():  # a GGUF base the worker has not cached yet: read the file itself (slower)
                 return cls._from_gguf(locate(base), settings)
             config = json.loads((directory / "config.json").read_text())

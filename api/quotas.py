@@ -23,17 +23,17 @@ from shared.settings import Settings
 
 
 def queued_limit(row: KeyUsage | None, settings: Settings) -> int:
-    return settings.queued_jobs_per_key if row is None or row.max_queued_jobs is None else row.max_queued_jobs
+    return settings.quotas.queued_jobs_per_key if row is None or row.max_queued_jobs is None else row.max_queued_jobs
 
 
 def stored_limit(row: KeyUsage | None, settings: Settings) -> int:
-    return settings.stored_bytes_per_key if row is None or row.max_stored_bytes is None else row.max_stored_bytes
+    return settings.quotas.stored_bytes_per_key if row is None or row.max_stored_bytes is None else row.max_stored_bytes
 
 
 def over_storage(what: str, stored: int, adding: int, limit: int) -> ApiError:
     return ApiError(413, "storage_quota_exceeded",
                     f"{what}: this key stores {stored} bytes (jobs and files) and this would add {adding}; its limit "
-                    f"is {limit} bytes (KEVLAYA_STORED_BYTES_PER_KEY, or the key's own): delete jobs or files "
+                    f"is {limit} bytes (KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY, or the key's own): delete jobs or files "
                     "(DELETE /v1/jobs/{id}, /v1/files/{id}, /v1/batches/{id}), nothing was stored")
 
 
@@ -58,8 +58,8 @@ class Admission:
         if interactive and self.queued[key_id] + interactive > limit:
             return ApiError(429, "queued_jobs_limit",
                             f"this key has {self.queued[key_id]} jobs queued and the limit is {limit} "
-                            "(KEVLAYA_QUEUED_JOBS_PER_KEY, or the key's own); nothing was stored: retry once some "
-                            "have run", headers={"Retry-After": RETRY_AFTER_S})
+                            "(KEVLAYA_QUOTAS__QUEUED_JOBS_PER_KEY, or the key's own); nothing was stored: retry once "
+                            "some have run", headers={"Retry-After": RETRY_AFTER_S})
         adding = sum(job.stored_bytes or 0 for job in jobs)
         if error := self.take_bytes(key_id, adding, "jobs"):
             return error

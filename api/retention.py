@@ -1,5 +1,5 @@
 """Retention (docs/architecture.md §16): finished batches, finished jobs and files older than
-`KEVLAYA_RETENTION_S` are deleted, a chunk of rows per transaction, with their bytes on disk and their charge
+`KEVLAYA_QUOTAS__RETENTION_S` are deleted, a chunk of rows per transaction, with their bytes on disk and their charge
 on their keys' quotas. The batch keeper of each API process runs it with its housekeeping; processes that run
 it at once delete disjoint rows or nothing (a row deleted twice is deleted once)."""
 

@@ -189,13 +189,13 @@ def read_visible(key: ApiKey, job_id: uuid.UUID) -> JobOut:
 async def wait_finished(key: ApiKey, job_id: uuid.UUID, timeout_s: float) -> JobOut:
     """The job as soon as it is finished, or as it stands when `timeout_s` has passed. While it waits it holds
     no database connection and no thread: it wakes on the job's "finished" notice, or re-checks every
-    `KEVLAYA_WAIT_RECHECK_S` in case a notice was lost."""
+    `KEVLAYA_LIMITS__WAIT_RECHECK_S` in case a notice was lost."""
 
     def read() -> JobOut:
         return read_visible(key, job_id)
 
     deadline = time.monotonic() + timeout_s
-    recheck_s = get_settings().wait_recheck_s
+    recheck_s = get_settings().limits.wait_recheck_s
     with notices.watch(job_id) as finished:
         await notices.subscribed(timeout_s=min(1.0, timeout_s))
         job = await run_in_threadpool(read)

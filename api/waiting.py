@@ -2,7 +2,7 @@
 
 One Redis subscription per API process fans the notices out to the waiting requests. A waiter holds no
 database connection and no thread while it waits; it reads the job row when its notice arrives and, in case
-a notice was lost (Redis down, the subscription reconnecting), every `KEVLAYA_WAIT_RECHECK_S` anyway."""
+a notice was lost (Redis down, the subscription reconnecting), every `KEVLAYA_LIMITS__WAIT_RECHECK_S` anyway."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class FinishedJobNotices:
 
     async def _listen(self) -> None:
         while True:
-            client = aioredis.Redis.from_url(get_settings().redis_url, socket_connect_timeout=2,
+            client = aioredis.Redis.from_url(get_settings().redis.url, socket_connect_timeout=2,
                                              health_check_interval=30)
             try:
                 async with client.pubsub() as pubsub:

@@ -3,7 +3,7 @@
 A wake-up makes a worker drain the queue, not run one job, so the submits that arrive while one is being
 published need no wake-up of their own: they ride on the next one. The job writer (api/job_writer.py) only
 notes the jobs it committed (after the broker answered a ping, so a broker that is down still means 503 and
-nothing stored); one thread per API process publishes, one wake-up per `KEVLAYA_MAX_BATCH` jobs of each
+nothing stored); one thread per API process publishes, one wake-up per `KEVLAYA_ENGINE__MAX_BATCH` jobs of each
 adapter noted since its last publish, less the wake-ups still waiting in the broker for a worker to take them:
 those drain the new jobs too (a worker takes a wake-up only after the jobs were committed). While the workers
 are busy, a stream of submits is then covered by the one wake-up already waiting, at the cost of a queue-length

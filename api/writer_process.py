@@ -1,4 +1,4 @@
-"""The job writer in a process of its own (`KEVLAYA_API_WRITER=process`, the default).
+"""The job writer in a process of its own (`KEVLAYA_API__WRITER=process`, the default).
 
 In the API's process the writer (api/job_writer.py) is a thread, and every round trip it makes to the database or
 the broker lets go of the interpreter lock; under load, taking it back from the busy event loop costs up to a
@@ -163,7 +163,7 @@ def serve(connection: socket.socket) -> None:
         with sending, contextlib.suppress(OSError):  # OSError: the API went away, nobody waits for answers
             connection.sendall(data)
 
-    writer = JobWriter(WakeupPublisher(get_settings().max_batch), on_unit=lambda submits, seconds: send(("unit", submits, seconds)))
+    writer = JobWriter(WakeupPublisher(get_settings().engine.max_batch), on_unit=lambda submits, seconds: send(("unit", submits, seconds)))
     handed: dict[int, Future[list[Stored]]] = {}
 
     def answer(submit_id: int, done: Future[list[Stored]]) -> None:
@@ -195,7 +195,7 @@ def main() -> None:
     # it handed over is stored (or the child sees the API's end of the socket close).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    configure_logging(get_settings().log_format)
+    configure_logging(get_settings().monitoring.log_format)
     with socket.socket(fileno=int(sys.argv[1])) as connection, settled_collector():  # as in the API's process
         # a full collection walking every module would hold a unit, and every submit in it, for 50-100 ms
         log.info("job writer ready (process %d, %d objects out of the collector's sight)", os.getpid(),

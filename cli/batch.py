@@ -28,11 +28,11 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 TRANSIENT = (429, 502, 503, 504)  # a look at the batch that gets one of these is tried again
 
 Url = Annotated[Optional[str], typer.Option(
-    help="the API's base URL (default: http://127.0.0.1:8000, or as KEVLAYA_API_HOST and KEVLAYA_API_PORT say)")]
+    help="the API's base URL (default: http://127.0.0.1:8000, or as KEVLAYA_API__HOST and KEVLAYA_API__PORT say)")]
 Key = Annotated[Optional[str], typer.Option(
-    help="the API key; every user of the machine sees it in the process list: prefer --key-file or KEVLAYA_API_KEY")]
+    help="the API key; every user of the machine sees it in the process list: prefer --key-file or KEVLAYA_API__KEY")]
 KeyFile = Annotated[Optional[Path], typer.Option(
-    help="a file holding the API key (default: KEVLAYA_API_KEY); readable by you alone, it stays out of the process "
+    help="a file holding the API key (default: KEVLAYA_API__KEY); readable by you alone, it stays out of the process "
     "list and the shell's history")]
 Out = Annotated[Optional[Path], typer.Option(help="where the output file goes (the answered lines)")]
 Errors = Annotated[Optional[Path], typer.Option(help="where the error file goes (the lines that got an error)")]
@@ -43,7 +43,7 @@ BatchId = Annotated[str, typer.Argument(help="the batch's id (batch_...)")]
 # -- talking to the API ----------------------------------------------------------------------------------------
 
 def _key(key: str | None, key_file: Path | None) -> str:
-    """--key, else the file's first line, else KEVLAYA_API_KEY."""
+    """--key, else the file's first line, else KEVLAYA_API__KEY."""
     if key:
         return key
     if key_file is not None:
@@ -55,9 +55,9 @@ def _key(key: str | None, key_file: Path | None) -> str:
             fail(f"--key-file {key_file}: empty")
         return lines[0]
     settings = get_settings()
-    if settings.api_key is None:
-        fail("no API key: set KEVLAYA_API_KEY or pass --key-file")
-    return settings.api_key.get_secret_value()
+    if settings.api.key is None:
+        fail("no API key: set KEVLAYA_API__KEY or pass --key-file")
+    return settings.api.key.get_secret_value()
 
 
 def _client(url: str | None, key: str | None, key_file: Path | None = None) -> httpx.Client:
@@ -66,8 +66,8 @@ def _client(url: str | None, key: str | None, key_file: Path | None = None) -> h
     settings = get_settings()
     key = _key(key, key_file)
     if url is None:
-        host = "127.0.0.1" if settings.api_host in ("0.0.0.0", "::") else settings.api_host
-        url = f"http://{f'[{host}]' if ':' in host else host}:{settings.api_port}"
+        host = "127.0.0.1" if settings.api.host in ("0.0.0.0", "::") else settings.api.host
+        url = f"http://{f'[{host}]' if ':' in host else host}:{settings.api.port}"
     try:
         # the timeout is per read or write, not for the whole call: a large upload may take longer
         return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)

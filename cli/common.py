@@ -14,11 +14,11 @@ def fail(message: str) -> NoReturn:
 
 
 def require_database() -> None:
-    """Fail with one clear line, not a traceback, when KEVLAYA_DATABASE_URL does not answer or is not migrated."""
+    """Fail with one clear line, not a traceback, when KEVLAYA_DATABASE__URL does not answer or is not migrated."""
     from shared.migrate import schema_problem
     from shared.settings import get_settings
 
-    if problem := schema_problem(get_settings().database_url):
+    if problem := schema_problem(get_settings().database.url):
         fail(problem)
 
 
@@ -28,5 +28,5 @@ def require_own_schema() -> None:
     from shared.migrate import foreign_schema
     from shared.settings import get_settings
 
-    if problem := foreign_schema(get_settings().database_url):
+    if problem := foreign_schema(get_settings().database.url):
         fail(problem)

@@ -17,11 +17,11 @@ def db_upgrade(
     revision: Annotated[str, typer.Argument(help="target revision")] = "head",
     wait: Annotated[float, typer.Option(help="seconds to wait for the database to answer")] = 60,
 ) -> None:
-    """Apply migrations to KEVLAYA_DATABASE_URL (waits for the database first)."""
+    """Apply migrations to KEVLAYA_DATABASE__URL (waits for the database first)."""
     from shared.logs import masked_url
     from shared.migrate import newer_schema, upgrade, wait_for_database
 
-    url = get_settings().database_url
+    url = get_settings().database.url
     try:
         wait_for_database(url, wait)
     except Exception as exc:

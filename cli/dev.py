@@ -23,7 +23,7 @@ def dev_seed_jobs(
         help="then time GET /v1/stats for these windows (comma-separated; empty: skip)")] = "15m,1h,1d",
     repeat: Annotated[int, typer.Option(help="timed requests per window (the median is printed)")] = 3,
 ) -> None:
-    """Insert realistic job and batch rows into KEVLAYA_DATABASE_URL, then time /v1/stats on them."""
+    """Insert realistic job and batch rows into KEVLAYA_DATABASE__URL, then time /v1/stats on them."""
     import statistics
     import time
 
@@ -71,7 +71,7 @@ def dev_settings_doc(
     target: Annotated[Path | None, typer.Option(
         help="the Markdown file to write (default: docs/configuration.md)")] = None,
 ) -> None:
-    """The Configuration tables as Markdown, generated from the settings' Field descriptions and GROUPS."""
+    """The Configuration tables as Markdown, generated from the settings' Field descriptions and groups."""
     from shared import settings_doc
 
     markdown = settings_doc.render()

@@ -19,7 +19,7 @@ def keys_create(
     admin: Annotated[bool, typer.Option(help="may see every job, not only its own")] = False,
     rate_limit: Annotated[Optional[int], typer.Option(
         min=0, help="jobs a minute this key may submit, in a moving window (a batch of 256 counts 256); 0: unlimited "
-        "(default: KEVLAYA_NEW_KEY_RATE_LIMIT, 600)")] = None,
+        "(default: KEVLAYA_KEYS__DEFAULT_RATE_LIMIT, 600)")] = None,
     weight: Annotated[float, typer.Option(min=0.01, help="the key's share of the slots against other keys with work "
                                           "queued: a key of weight 2 holds twice the slots of one of weight 1")] = 1.0,
 ) -> None:
@@ -27,13 +27,13 @@ def keys_create(
     from shared.keys import BOOTSTRAP_NAME
     from shared.settings import get_settings
 
-    if name == BOOTSTRAP_NAME:  # the rows of KEVLAYA_API_KEY's values, revoked when it changes
-        fail(f"the name {BOOTSTRAP_NAME!r} is kept for the key of KEVLAYA_API_KEY: choose another")
+    if name == BOOTSTRAP_NAME:  # the rows of KEVLAYA_API__KEY's values, revoked when it changes
+        fail(f"the name {BOOTSTRAP_NAME!r} is kept for the key of KEVLAYA_API__KEY: choose another")
     require_database()
     from shared.db import session_scope
     from shared.keys import create_key
 
-    per_minute = get_settings().new_key_rate_limit if rate_limit is None else rate_limit
+    per_minute = get_settings().keys.default_rate_limit if rate_limit is None else rate_limit
     with session_scope() as session:
         row, plain = create_key(session, name, admin=admin, rate_limit_per_minute=per_minute or None,
                                 share_weight=weight)
@@ -43,7 +43,7 @@ def keys_create(
 
 @app.command("generate")
 def keys_generate() -> None:
-    """Print a new random key, stored nowhere: a value for KEVLAYA_API_KEY."""
+    """Print a new random key, stored nowhere: a value for KEVLAYA_API__KEY."""
     from shared.keys import generate_key
 
     typer.echo(generate_key())

@@ -42,7 +42,7 @@ def ensure_redis(url: str) -> tuple[str, subprocess.Popen | None]:
         log.info("redis: using %s", masked_url(url))
         return url, None
     if not local:
-        raise SystemExit(f"redis at {masked_url(url)} does not answer; start it or set KEVLAYA_REDIS_URL")
+        raise SystemExit(f"redis at {masked_url(url)} does not answer; start it or set KEVLAYA_REDIS__URL")
     try:
         binary = redis_server.redis_server_binary()
     except redis_server.RedisServerError as exc:
@@ -51,7 +51,7 @@ def ensure_redis(url: str) -> tuple[str, subprocess.Popen | None]:
     port = parsed.port or 6379
     password = parsed.password or kept_secret("redis_password", lambda: secrets.token_urlsafe(32))[0]
     log.info("redis: not running at %s, starting %s on port %s (data in %s, password in %s)", masked_url(url), binary,
-             port, data_dir, "KEVLAYA_REDIS_URL" if parsed.password else STATE_DIR / "redis_password")
+             port, data_dir, "KEVLAYA_REDIS__URL" if parsed.password else STATE_DIR / "redis_password")
     try:
         process = redis_server.start_redis_server(port, data_dir, persistent=True, binary=binary, password=password)
     except redis_server.RedisServerError as exc:
@@ -77,18 +77,18 @@ def kept_secret(name: str, make: Callable[[], str]) -> tuple[str, bool]:
 def local_api_key(settings: Settings) -> tuple[str, str]:
     """The admin key, and what to print about it: the key itself only when it was made now (shown once), else where
     it is kept."""
-    if settings.api_key:
-        return settings.api_key.get_secret_value(), "from KEVLAYA_API_KEY"
+    if settings.api.key:
+        return settings.api.key.get_secret_value(), "from KEVLAYA_API__KEY"
     key, made = kept_secret("api_key", generate_key)
     path = STATE_DIR / "api_key"
     return key, (f"{key}  (new: shown this once, kept in {path}, readable by you alone)" if made else f"in {path}")
 
 
 def flower_login(settings: Settings) -> tuple[str, str]:
-    """Flower's `user:password`, and what to print about it, as for the API key: KEVLAYA_FLOWER_BASIC_AUTH, else a
+    """Flower's `user:password`, and what to print about it, as for the API key: KEVLAYA_FLOWER__BASIC_AUTH, else a
     generated password kept in `.kevlaya/flower_auth`."""
-    if settings.flower_basic_auth:
-        return settings.flower_basic_auth.get_secret_value(), "login from KEVLAYA_FLOWER_BASIC_AUTH"
+    if settings.flower.basic_auth:
+        return settings.flower.basic_auth.get_secret_value(), "login from KEVLAYA_FLOWER__BASIC_AUTH"
     login, made = kept_secret("flower_auth", lambda: f"kevlaya:{secrets.token_urlsafe(18)}")
     path = STATE_DIR / "flower_auth"
     user, _, password = login.partition(":")
@@ -102,24 +102,24 @@ def run_local(with_flower: bool = True) -> int:
     # append-only file, the model cache) is private to this user from the start, not chmod-ed afterwards.
     os.umask(0o077)
     settings = get_settings()
-    if settings.api_key and (problem := weak_key_problem(settings.api_key.get_secret_value())):
+    if settings.api.key and (problem := weak_key_problem(settings.api.key.get_secret_value())):
         log.error("%s", problem)
         return 2
     from shared.migrate import newer_schema, upgrade
 
-    if problem := newer_schema(settings.database_url):
+    if problem := newer_schema(settings.database.url):
         log.error("%s", problem)
         return 2
-    upgrade(settings.database_url)
-    log.info("database: %s (migrated)", masked_url(settings.database_url))
+    upgrade(settings.database.url)
+    log.info("database: %s (migrated)", masked_url(settings.database.url))
     kevlaya = [sys.executable, "-m", "cli"]
     # The base first (a GGUF base is read into its cache once), so the API and the worker both start on it.
     if subprocess.run([*kevlaya, "models", "prepare"]).returncode != 0:
         return 2
-    redis_url, redis_process = ensure_redis(settings.redis_url)
+    redis_url, redis_process = ensure_redis(settings.redis.url)
     key, key_note = local_api_key(settings)
     # Secrets reach the children in their environment, which only this user can read; never on a command line.
-    env = {**os.environ, "KEVLAYA_API_KEY": key, "KEVLAYA_REDIS_URL": redis_url}
+    env = {**os.environ, "KEVLAYA_API__KEY": key, "KEVLAYA_REDIS__URL": redis_url}
     children = {
         "worker": subprocess.Popen([*kevlaya, "worker"], env=env),
         "api": subprocess.Popen([*kevlaya, "api"], env=env),
@@ -127,10 +127,10 @@ def run_local(with_flower: bool = True) -> int:
     flower_note = ""
     if with_flower:
         login, flower_note = flower_login(settings)
-        children["flower"] = subprocess.Popen([*kevlaya, "flower"], env={**env, "KEVLAYA_FLOWER_BASIC_AUTH": login})
+        children["flower"] = subprocess.Popen([*kevlaya, "flower"], env={**env, "KEVLAYA_FLOWER__BASIC_AUTH": login})
     print(
-        f"\n  API     http://{settings.api_host}:{settings.api_port}  (docs at /docs)\n"
-        + (f"  Flower  http://{settings.flower_host}:{settings.flower_port}  {flower_note}\n" if with_flower else "")
+        f"\n  API     http://{settings.api.host}:{settings.api.port}  (docs at /docs)\n"
+        + (f"  Flower  http://{settings.flower.host}:{settings.flower.port}  {flower_note}\n" if with_flower else "")
         + f"  API key {key_note}\n"
         "  Ctrl-C stops everything.\n",
         flush=True,

@@ -183,7 +183,7 @@ def models_calibrate(
     adapter: a job's confidence is then its decision's probability raised to the fitted exponent, so that answers
     reported at 0.9 are right about 90 % of the time. Decisions do not change.
 
-    Uses the configured base model and adapters (KEVLAYA_BASE_MODEL, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
+    Uses the configured base model and adapters (KEVLAYA_MODEL__BASE, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
     import logging
     import shlex
 
@@ -219,7 +219,7 @@ def models_calibrate(
 
 @app.command("prepare")
 def models_prepare() -> None:
-    """Make the configured base servable: a GGUF base is read once into its cache (KEVLAYA_MODEL_CACHE_DIR).
+    """Make the configured base servable: a GGUF base is read once into its cache (KEVLAYA_MODEL__CACHE_DIR).
     `kevlaya run` does this before it starts the worker and the API; the worker does it too when it is needed."""
     import logging
 
@@ -241,7 +241,7 @@ def models_verify() -> None:
 
     settings = get_settings()
     try:
-        base = base_directory(settings.base_model, settings.model_cache_dir)
+        base = base_directory(settings.model.base, settings.model.cache_dir)
     except BaseSourceError as exc:
         fail(str(exc))
     bad = False
@@ -257,7 +257,7 @@ def train(
     data: Annotated[Path, typer.Argument(help='JSONL file of {"prompt", "completion", "label"?} records')],
     adapter: Annotated[str, typer.Option(help="kev or laya: picks the preset (r, alpha, lr, system prompt)")],
     base: Annotated[Path, typer.Option(help="base model: a directory (Hugging Face format, with its tokenizer) or a "
-                                       ".gguf file (read once into KEVLAYA_MODEL_CACHE_DIR)")],
+                                       ".gguf file (read once into KEVLAYA_MODEL__CACHE_DIR)")],
     out: Annotated[Path, typer.Option(help="directory to write the adapter, training.json and the manifest into")],
     r: Annotated[Optional[int], typer.Option(help=f"LoRA rank (preset: {_presets('r')})")] = None,
     alpha: Annotated[Optional[int], typer.Option(help=f"LoRA alpha (preset: {_presets('alpha')})")] = None,
@@ -298,7 +298,7 @@ def train(
         from worker.model.gguf_cache import build_gguf_cache
 
         try:
-            base = build_gguf_cache(base, get_settings().model_cache_dir)
+            base = build_gguf_cache(base, get_settings().model.cache_dir)
         except BaseSourceError as exc:
             fail(str(exc))
     try:
@@ -342,7 +342,7 @@ def evaluate(
     """Decision accuracy, valid-JSON rate, calibration and latency per mode on the held-out split, through the
     worker's slot decoder.
 
-    Uses the configured base model and adapters (KEVLAYA_BASE_MODEL, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
+    Uses the configured base model and adapters (KEVLAYA_MODEL__BASE, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
     import json
     import logging
     import shlex
@@ -359,8 +359,8 @@ def evaluate(
     loaded = load_model(settings)
     report = run_evaluation(loaded, settings, items, chosen, batch_size, grammar)
     if compare_precision:
-        nf4 = uses_nf4(loaded.device, settings.quantization, base_parameters(prepare_base(settings)))
-        other = settings.model_copy(update={"quantization": "none" if nf4 else "nf4"})
+        nf4 = uses_nf4(loaded.device, settings.model.quantization, base_parameters(prepare_base(settings)))
+        other = settings.updated(model={"quantization": "none" if nf4 else "nf4"})
         del loaded
         second = run_evaluation(load_model(other), other, items, ("laya", "kev"), batch_size, grammar)
         nf4_run, reference = (report, second) if nf4 else (second, report)

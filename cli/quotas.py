@@ -39,7 +39,8 @@ def quotas_set(
     queued_jobs: Annotated[Optional[int], typer.Option(min=1, help="interactive jobs it may have queued")] = None,
     stored_bytes: Annotated[Optional[int], typer.Option(min=1024, help="bytes of jobs and files it may keep")] = None,
     default: Annotated[bool, typer.Option("--default", help="back to the settings' limits "
-                                          "(KEVLAYA_QUEUED_JOBS_PER_KEY, KEVLAYA_STORED_BYTES_PER_KEY)")] = False,
+                                          "(KEVLAYA_QUOTAS__QUEUED_JOBS_PER_KEY, "
+                                          "KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY)")] = False,
 ) -> None:
     """Give one key its own limits (the others keep the settings')."""
     try:

@@ -21,7 +21,7 @@ def require_guarded_redis() -> None:
     from shared.redis_auth import redis_url_problem
 
     settings = get_settings()
-    if problem := redis_url_problem(settings.redis_url, settings.redis_allow_no_password):
+    if problem := redis_url_problem(settings.redis.url, settings.redis.allow_no_password):
         fail(problem)
 
 
@@ -34,8 +34,8 @@ def _run_celery(args: list[str]) -> None:
 
 
 def api_log_config(log_format: str) -> dict[str, Any]:
-    """uvicorn's own logging, plus the service's loggers (`kevlaya.*`) on stderr in KEVLAYA_LOG_FORMAT. Given to
-    uvicorn, so every API process it starts applies it; without it those loggers had no handler, their INFO
+    """uvicorn's own logging, plus the service's loggers (`kevlaya.*`) on stderr in KEVLAYA_MONITORING__LOG_FORMAT.
+    Given to uvicorn, so every API process it starts applies it; without it those loggers had no handler, their INFO
     lines were lost and their warnings printed bare."""
     from uvicorn.config import LOGGING_CONFIG
 
@@ -49,7 +49,7 @@ def api_log_config(log_format: str) -> dict[str, Any]:
 
 
 def api(reload: Annotated[bool, typer.Option(help="restart on code changes (development)")] = False) -> None:
-    """Serve the REST API on KEVLAYA_API_HOST:KEVLAYA_API_PORT."""
+    """Serve the REST API on KEVLAYA_API__HOST:KEVLAYA_API__PORT."""
     import uvicorn
 
     from api.bootstrap_key import retire_replaced_keys, start_problem
@@ -65,16 +65,16 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
         typer.echo(note, err=True)
     caps = connection_caps(settings)
     if caps.clamped:
-        typer.secho(f"KEVLAYA_API_MAX_CONNECTIONS={settings.api_max_connections} is more than the descriptor limit "
+        typer.secho(f"KEVLAYA_CONNECTIONS__MAX={settings.connections.max} is more than the descriptor limit "
                     f"{caps.fd_limit} allows: {caps.total} (raise `ulimit -n` for more)", fg=typer.colors.YELLOW,
                     err=True)
     typer.echo(f"connections: at most {caps.total} per API process, {caps.per_address} per client address "
                f"(descriptor limit {caps.fd_limit})", err=True)
     # No WebSocket routes: an upgrade would hand the socket to a protocol outside the connection caps.
-    uvicorn.run("api.main:create_app", factory=True, host=settings.api_host, port=settings.api_port,
-                reload=reload, workers=None if reload else settings.api_workers, proxy_headers=True,
-                log_level="info", log_config=api_log_config(settings.log_format), http=BoundedHeadProtocol,
-                ws="none", backlog=caps.backlog, timeout_keep_alive=settings.api_idle_timeout_s)
+    uvicorn.run("api.main:create_app", factory=True, host=settings.api.host, port=settings.api.port,
+                reload=reload, workers=None if reload else settings.api.workers, proxy_headers=True,
+                log_level="info", log_config=api_log_config(settings.monitoring.log_format), http=BoundedHeadProtocol,
+                ws="none", backlog=caps.backlog, timeout_keep_alive=settings.connections.idle_timeout_s)
 
 
 def worker(loglevel: Annotated[str, typer.Option(help="Celery log level")] = "INFO") -> None:
@@ -120,19 +120,19 @@ def _flower_answers_only(hosts: tuple[str, ...]) -> None:
 
 
 def flower() -> None:
-    """Serve Flower (queue monitoring) on KEVLAYA_FLOWER_HOST:KEVLAYA_FLOWER_PORT."""
+    """Serve Flower (queue monitoring) on KEVLAYA_FLOWER__HOST:KEVLAYA_FLOWER__PORT."""
     settings = get_settings()
-    args = ["flower", f"--address={settings.flower_host}", f"--port={settings.flower_port}"]
-    if settings.flower_db:  # task history survives a restart of Flower
-        args += ["--persistent=True", f"--db={settings.flower_db}"]
+    args = ["flower", f"--address={settings.flower.host}", f"--port={settings.flower.port}"]
+    if settings.flower.db:  # task history survives a restart of Flower
+        args += ["--persistent=True", f"--db={settings.flower.db}"]
     # Secrets travel in the environment, not on the command line, where `ps` shows them to every user.
-    os.environ["CELERY_BROKER_URL"] = settings.redis_url
+    os.environ["CELERY_BROKER_URL"] = settings.redis.url
     os.environ.pop("FLOWER_BASIC_AUTH", None)
-    if settings.flower_basic_auth:
-        os.environ["FLOWER_BASIC_AUTH"] = settings.flower_basic_auth.get_secret_value()
-    elif settings.flower_host not in LOCAL_NAMES:
-        fail("Flower listens beyond localhost: set KEVLAYA_FLOWER_BASIC_AUTH=user:password")
-    if settings.flower_host in LOCAL_NAMES:  # beyond, the names it is reached by are not known here
+    if settings.flower.basic_auth:
+        os.environ["FLOWER_BASIC_AUTH"] = settings.flower.basic_auth.get_secret_value()
+    elif settings.flower.host not in LOCAL_NAMES:
+        fail("Flower listens beyond localhost: set KEVLAYA_FLOWER__BASIC_AUTH=user:password")
+    if settings.flower.host in LOCAL_NAMES:  # beyond, the names it is reached by are not known here
         _flower_answers_only(("127.0.0.1", "localhost", "[::1]", "::1"))
     _run_celery(args)
 

@@ -11,7 +11,7 @@ target_metadata = Base.metadata
 
 
 def run_migrations_offline() -> None:
-    url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
+    url = config.get_main_option("sqlalchemy.url") or get_settings().database.url
     context.configure(url=url, target_metadata=target_metadata, literal_binds=True,
                       render_as_batch=url.startswith("sqlite"))
     with context.begin_transaction():
@@ -19,7 +19,7 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
-    url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
+    url = config.get_main_option("sqlalchemy.url") or get_settings().database.url
     engine = make_engine(url)
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata,

@@ -517,7 +517,7 @@ def calibrate_adapters(out: Path, device: str) -> dict[str, Any]:
     (the NF4 base on CUDA), and write it beside the adapter (shared/calibration.py)."""
     from modellab.evaluation import fit_adapter_calibrations, load_scenarios
 
-    settings = Settings(_env_file=None, base_model=str(out / "base"), device=device,
+    settings = Settings(_env_file=None, model={"base": str(out / "base"), "device": device},
                         kev={"path": str(out / "kev")}, laya={"path": str(out / "laya")})
     loaded, scenarios = load_model(settings), load_scenarios(out / VAL_SCENARIOS)
     calibrations: dict[str, Any] = {}

@@ -124,10 +124,10 @@ class Evaluator:
         return answers
 
     def _decoder(self) -> SlotDecoder:
-        window = min(self.settings.engine_window_tokens, self.loaded.context or self.settings.engine_window_tokens)
+        window = min(self.settings.engine.window_tokens, self.loaded.context or self.settings.engine.window_tokens)
         return SlotDecoder(self.loaded.model, self.loaded.tokenizer, sorted(self.loaded.adapters),
                            slots=self.batch_size, window=window, eos_ids=self.loaded.eos_ids,
-                           prefill_tokens=self.settings.engine_prefill_tokens)
+                           prefill_tokens=self.settings.engine.prefill_tokens)
 
     def _request(self, adapter: str, scenario: Scenario, constrained: bool) -> GenerationRequest:
         profile = self.settings.adapter_profile(adapter)
@@ -162,7 +162,7 @@ class Evaluator:
         for first, second in zip(laya, kev, strict=True):
             decision = {"decision": first.decision, "confidence": first.confidence} if first.decision else None
             outcome = JobOutcome(status="succeeded" if decision else "failed", decision=decision)
-            if needs_escalation(outcome, self.settings.cascade_threshold):
+            if needs_escalation(outcome, self.settings.cascade.threshold):
                 combined.append(Answer(
                     id=first.id, label=first.label, decision=second.decision, confidence=second.confidence,
                     correct=second.correct, latency_ms=first.latency_ms + second.latency_ms,
@@ -224,7 +224,7 @@ def run_evaluation(loaded: LoadedModel, settings: Settings, scenarios: list[tupl
         # The stored answers re-combine for any threshold: the accuracy / latency trade-off at no extra cost.
         sweep = []
         for threshold in THRESHOLDS:
-            tuned = Evaluator(loaded, settings.model_copy(update={"cascade_threshold": threshold}), batch_size)
+            tuned = Evaluator(loaded, settings.updated(cascade={"threshold": threshold}), batch_size)
             summary = summarize("auto", tuned.cascade(answers["laya"], answers["kev"]))
             sweep.append({"threshold": threshold, "accuracy": summary.accuracy,
                           "mean_latency_ms": summary.mean_latency_ms, "escalation_rate": summary.escalation_rate})
@@ -233,7 +233,7 @@ def run_evaluation(loaded: LoadedModel, settings: Settings, scenarios: list[tupl
         "batch_size": batch_size,
         "grammar": grammar,
         "device": loaded.device,
-        "cascade_threshold": settings.cascade_threshold,
+        "cascade_threshold": settings.cascade.threshold,
         "modes": {mode: {k: v for k, v in asdict(r).items() if k != "answers"} for mode, r in reports.items()},
         "laya_calibration": calibration(answers["laya"]) if "laya" in answers else None,
         "kev_calibration": calibration(answers["kev"]) if "kev" in answers else None,

@@ -95,7 +95,7 @@ class ReferenceRuntime:
 
     @classmethod
     def load(cls, settings: Settings) -> ReferenceRuntime:
-        return cls(load_model(settings), ignore_eos=settings.ignore_eos)
+        return cls(load_model(settings), ignore_eos=settings.engine.ignore_eos)
 
     def run_batch(self, requests: list[GenerationRequest]) -> ReferenceRun:
         """Every request to the end; each adapter's rows with that adapter active, split by sampling settings."""

@@ -10,7 +10,7 @@ from shared.settings import Settings
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     return {
-        "broker_url": settings.redis_url,
+        "broker_url": settings.redis.url,
         # The jobs table is the status of record; Celery results would only grow Redis.
         "task_ignore_result": True,
         "result_backend": None,
@@ -25,15 +25,15 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_concurrency": 1,
         "worker_pool": "prefork",
         # Every wake-up is a task and a restart reloads the model, so recycling is opt-in.
-        "worker_max_tasks_per_child": settings.worker_recycle_after_tasks,
+        "worker_max_tasks_per_child": settings.reliability.worker_recycle_after_tasks,
         # The model is loaded in each new pool child before it reports up; Celery kills a child that takes longer
         # than this (4 s by default), and a replacement child that can never load in time is killed forever.
-        "worker_proc_alive_timeout": settings.model_load_timeout_s,
-        "task_time_limit": settings.job_time_limit_s,
-        "task_soft_time_limit": max(settings.job_time_limit_s - 30, 5),
+        "worker_proc_alive_timeout": settings.reliability.model_load_timeout_s,
+        "task_time_limit": settings.reliability.job_time_limit_s,
+        "task_soft_time_limit": max(settings.reliability.job_time_limit_s - 30, 5),
         # Redis re-delivers an unacked message after the visibility timeout: keep it above the longest task.
-        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
-        "result_backend_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        "broker_transport_options": {"visibility_timeout": settings.reliability.visibility_timeout_s},
+        "result_backend_transport_options": {"visibility_timeout": settings.reliability.visibility_timeout_s},
         "broker_connection_retry_on_startup": True,
         "worker_send_task_events": True,  # Flower
         "task_send_sent_event": True,

@@ -21,8 +21,8 @@ def make_engine(url: str) -> Engine:
         # As many connections as the API has request threads: past the pool size each checkout would open
         # (and set up) a new connection, and close it again.
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
-                               pool_size=settings.db_pool_size, max_overflow=settings.db_pool_size,
-                               pool_timeout=settings.db_pool_timeout_s)
+                               pool_size=settings.database.pool_size, max_overflow=settings.database.pool_size,
+                               pool_timeout=settings.database.pool_timeout_s)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection, _record):  # noqa: ANN001
@@ -31,17 +31,17 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA busy_timeout=30000")
             cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.execute(f"PRAGMA synchronous={settings.sqlite_synchronous}")
+            cursor.execute(f"PRAGMA synchronous={settings.database.sqlite_synchronous}")
             cursor.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=settings.db_pool_size, max_overflow=20,
-                         pool_timeout=settings.db_pool_timeout_s)
+    return create_engine(url, pool_pre_ping=True, pool_size=settings.database.pool_size, max_overflow=20,
+                         pool_timeout=settings.database.pool_timeout_s)
 
 
 @lru_cache
 def get_engine() -> Engine:
-    return make_engine(get_settings().database_url)
+    return make_engine(get_settings().database.url)
 
 
 @lru_cache

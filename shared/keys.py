@@ -1,6 +1,6 @@
 """API keys: random tokens shown once; only their SHA-256 is stored (they are high-entropy, so no KDF needed).
 
-A key set by hand (`KEVLAYA_API_KEY`) must be as hard to guess as a made one: see `weak_key_problem`. That key is
+A key set by hand (`KEVLAYA_API__KEY`) must be as hard to guess as a made one: see `weak_key_problem`. That key is
 a row too, named `BOOTSTRAP_NAME`; a new value revokes the rows of the values before it (`retire_old_bootstrap_keys`).
 """
 
@@ -16,14 +16,14 @@ from sqlalchemy.orm import Session
 from shared.models import ApiKey
 
 KEY_PREFIX = "kl_"
-BOOTSTRAP_NAME = "bootstrap"  # the row of KEVLAYA_API_KEY's value; `kevlaya keys create` refuses the name
+BOOTSTRAP_NAME = "bootstrap"  # the row of KEVLAYA_API__KEY's value; `kevlaya keys create` refuses the name
 MIN_KEY_CHARS = 32
 MIN_DISTINCT_CHARS = 10
 KEY_RULE = (f"at least {MIN_KEY_CHARS} characters, at least {MIN_DISTINCT_CHARS} of them different "
             "(make one with `kevlaya keys generate`)")
 
 
-def weak_key_problem(key: str, setting: str = "KEVLAYA_API_KEY") -> str | None:
+def weak_key_problem(key: str, setting: str = "KEVLAYA_API__KEY") -> str | None:
     """Why `key`, given by hand in `setting`, is too easy to guess, or None. A floor, not a measure: a made key
     (`generate_key`, 46 characters of 64 kinds) passes, and so does a hex string of 128 random bits; a word, a short
     string or one character repeated does not."""
@@ -66,7 +66,7 @@ def find_key(session: Session, plain: str) -> ApiKey | None:
 
 
 def ensure_bootstrap_key(session: Session, plain: str) -> ApiKey:
-    """The `KEVLAYA_API_KEY` admin key gets a row too, so its jobs have an owner like any other. A value seen for
+    """The `KEVLAYA_API__KEY` admin key gets a row too, so its jobs have an owner like any other. A value seen for
     the first time revokes the rows of the values before it (the caller commits both together)."""
     return bootstrap_row(session, plain)[0]
 

@@ -1,4 +1,4 @@
-"""Log lines as text or JSON (`KEVLAYA_LOG_FORMAT`). Structured fields travel in `extra={"fields": {...}}`:
+"""Log lines as text or JSON (`KEVLAYA_MONITORING__LOG_FORMAT`). Structured fields travel in `extra={"fields": {...}}`:
 text lines append them as key=value, JSON lines carry them as top-level keys."""
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def _revisions(url: str) -> tuple[str | None, str | None, bool]:
 
 def _newer(shown: str, current: str | None, head: str | None) -> str:
     return (f"database {shown} was migrated by a newer version of kevlaya (migration {current}); this version "
-            f"knows migrations up to {head}: run the newer version, or point KEVLAYA_DATABASE_URL at another "
+            f"knows migrations up to {head}: run the newer version, or point KEVLAYA_DATABASE__URL at another "
             "database")
 
 

@@ -103,8 +103,8 @@ class KeyUsage(Base):
 
     api_key_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), primary_key=True)
     stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # jobs' and files'
-    max_queued_jobs: Mapped[int | None] = mapped_column(Integer)  # None: KEVLAYA_QUEUED_JOBS_PER_KEY
-    max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)  # None: KEVLAYA_STORED_BYTES_PER_KEY
+    max_queued_jobs: Mapped[int | None] = mapped_column(Integer)  # None: KEVLAYA_QUOTAS__QUEUED_JOBS_PER_KEY
+    max_stored_bytes: Mapped[int | None] = mapped_column(BigInteger)  # None: KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY
 
 
 class ClaimGroup(Base):
@@ -201,7 +201,8 @@ class Job(Base):
 
 
 class StoredFile(Base):
-    """A file of the Files API: its bytes live in KEVLAYA_FILES_DIR under this id, never under a client's name."""
+    """A file of the Files API: its bytes live in KEVLAYA_BATCH__FILES_DIR under this id, never under a client's
+    name."""
 
     __tablename__ = "files"
     __table_args__ = (Index("ix_files_key_created", "api_key_id", "created_at", "id"),)

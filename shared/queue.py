@@ -33,9 +33,9 @@ def publish_wakeup(job_id: uuid.UUID | None, adapter: str) -> None:
         celery_app().send_task(
             RUN_TASK,
             args=[str(job_id) if job_id else None, adapter],
-            retry=settings.publish_retries > 0,
+            retry=settings.reliability.publish_retries > 0,
             retry_policy={
-                "max_retries": settings.publish_retries,
+                "max_retries": settings.reliability.publish_retries,
                 "interval_start": 0,
                 "interval_step": 0.2,
                 "interval_max": 0.5,
@@ -47,7 +47,7 @@ def publish_wakeup(job_id: uuid.UUID | None, adapter: str) -> None:
 
 @lru_cache
 def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(get_settings().redis_url, socket_timeout=2, socket_connect_timeout=2)
+    return redis.Redis.from_url(get_settings().redis.url, socket_timeout=2, socket_connect_timeout=2)
 
 
 def waiting_wakeups() -> int:

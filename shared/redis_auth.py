@@ -35,10 +35,10 @@ def redis_url_problem(url: str, allow_no_password: bool = False) -> str | None:
     parts = urlsplit(url)
     if parts.scheme == "unix" or has_password(url) or is_loopback(parts.hostname) or allow_no_password:
         return None
-    return (f"KEVLAYA_REDIS_URL ({masked_url(url)}) has no password and its host {parts.hostname} is not a loopback "
+    return (f"KEVLAYA_REDIS__URL ({masked_url(url)}) has no password and its host {parts.hostname} is not a loopback "
             "address: anyone who reaches it reads and writes every job's live output. Set one "
             "(`redis://:password@host:6379/0`, Redis started with `requirepass`), or, on a network nobody else reaches, "
-            "KEVLAYA_REDIS_ALLOW_NO_PASSWORD=true")
+            "KEVLAYA_REDIS__ALLOW_NO_PASSWORD=true")
 
 
 def with_password(url: str, password: str) -> str:

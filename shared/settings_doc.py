@@ -1,15 +1,17 @@
-"""The Configuration tables of docs/configuration.md, generated from the settings: one table per group of
-`GROUPS`, one row per variable, the field's description as its meaning (`kevlaya dev settings-doc`). Reads the
-class only: building `Settings()` would read the environment, and the tables document the defaults."""
+"""The Configuration tables of docs/configuration.md, generated from the settings (`kevlaya dev settings-doc`): one
+table per group of `Settings` in its order, headed by the group model's title with its docstring as the note under
+it (the roles' profiles share one table), one row per variable, the field's description as its meaning. Reads the
+classes only: building `Settings()` would read the environment, and the tables document the defaults."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
 
-from shared.settings import GROUP_NOTES, GROUPS, Settings
+from shared.settings import AdapterProfile, Settings
 
 PREFIX = "KEVLAYA_"
 BEGIN = "<!-- settings:begin -->"
@@ -20,8 +22,33 @@ UNITS = ((1024 ** 3, "GiB"), (1024 ** 2, "MiB"), (1024, "KiB"))
 
 
 def is_profile(field: FieldInfo) -> bool:
-    """A nested model (a role's profile): its fields are `KEVLAYA_<NAME>__<FIELD>`."""
-    return isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    """A role's profile: its fields are `KEVLAYA_<ROLE>__<FIELD>`."""
+    return isinstance(field.annotation, type) and issubclass(field.annotation, AdapterProfile)
+
+
+def group_model(name: str) -> type[BaseModel]:
+    """The model of a field of `Settings` (a group, or a role's profile)."""
+    return Settings.model_fields[name].annotation  # type: ignore[return-value]
+
+
+def sections() -> list[tuple[str, list[str]]]:
+    """(heading, the `Settings` fields it documents) in the class's order; neighbouring profiles share one."""
+    out: list[tuple[str, list[str]]] = []
+    for name, field in Settings.model_fields.items():
+        if is_profile(field) and out and is_profile(Settings.model_fields[out[-1][1][-1]]):
+            out[-1][1].append(name)
+        else:
+            out.append(("Roles" if is_profile(field) else title(group_model(name)), [name]))
+    return out
+
+
+def title(model: type[BaseModel]) -> str:
+    return model.model_config.get("title") or model.__name__
+
+
+def note(model: type[BaseModel]) -> str:
+    """The line under a heading: the model's docstring (a profile's is `AdapterProfile`'s)."""
+    return cell(inspect.cleandoc(model.__doc__ or ""))
 
 
 def variable(*names: str) -> str:
@@ -61,20 +88,18 @@ def profile_description(model: type[BaseModel], name: str) -> str:
     return ""
 
 
-def rows(group: tuple[str, ...]) -> list[str]:
-    fields = Settings.model_fields
-    profiles = [name for name in group if is_profile(fields[name])]
+def rows(names: list[str]) -> list[str]:
+    """A group's rows (one name), or the profiles' rows (one per profile field, every profile in it)."""
+    if not is_profile(Settings.model_fields[names[0]]):
+        [group] = names
+        return [f"| `{variable(group, name)}` | {default(name, field.default)} | {description(field)} |"
+                for name, field in group_model(group).model_fields.items()]
+    model = group_model(names[0])
     lines = []
-    for name in group:
-        field = fields[name]
-        if not is_profile(field):
-            lines.append(f"| `{variable(name)}` | {default(name, field.default)} | {description(field)} |")
-        elif name == profiles[0]:  # the profiles' fields, once for all of the group's profiles
-            model: type[BaseModel] = field.annotation  # type: ignore[assignment]
-            for sub in model.model_fields:
-                names = ", ".join(f"`{variable(p, sub)}`" for p in profiles)
-                defaults = " / ".join(default(sub, getattr(fields[p].default, sub)) for p in profiles)
-                lines.append(f"| {names} | {defaults} | {profile_description(model, sub)} |")
+    for sub in model.model_fields:
+        variables = ", ".join(f"`{variable(p, sub)}`" for p in names)
+        defaults = " / ".join(default(sub, getattr(Settings.model_fields[p].default, sub)) for p in names)
+        lines.append(f"| {variables} | {defaults} | {profile_description(model, sub)} |")
     return lines
 
 
@@ -82,15 +107,14 @@ def render() -> str:
     """The Markdown between the markers (markers excluded)."""
     fields = Settings.model_fields
     parts = ["<!-- generated from shared/settings.py by `kevlaya dev settings-doc --write`: edit the settings' "
-             "Field descriptions and GROUPS there, not this block -->"]
-    for group, names in GROUPS.items():
-        parts.append(f"### {group}")
-        if group in GROUP_NOTES:
-            parts.append(GROUP_NOTES[group])
-        profiles = [f"- `{variable(name)}__*`: {description(fields[name])}"
-                    for name in names if is_profile(fields[name])]
-        if profiles:
-            parts.append("\n".join(profiles))
+             "Field descriptions and group docstrings there, not this block -->"]
+    for heading, names in sections():
+        parts.append(f"### {heading}")
+        profile = is_profile(fields[names[0]])
+        if text := note(AdapterProfile if profile else group_model(names[0])):
+            parts.append(text)
+        if profile:
+            parts.append("\n".join(f"- `{variable(name)}__*`: {description(fields[name])}" for name in names))
         parts.append("\n".join([HEADER, *rows(names)]))
     return "\n\n".join(parts)
 

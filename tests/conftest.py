@@ -44,7 +44,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite serves the demo model (4.4 M parameters, built by the project: fast on 2 cores) unless a test says
 # otherwise; the tests of the default model (SmolLM2, tests/test_base_source.py) and the newcomer's `make run`
 # (tests/test_local_run.py) set or clear these themselves. Child processes inherit them.
-for _setting, _value in {"KEVLAYA_BASE_MODEL": DEMO_MODEL_DIR / "base", "KEVLAYA_KEV__PATH": DEMO_MODEL_DIR / "kev",
+for _setting, _value in {"KEVLAYA_MODEL__BASE": DEMO_MODEL_DIR / "base", "KEVLAYA_KEV__PATH": DEMO_MODEL_DIR / "kev",
                          "KEVLAYA_LAYA__PATH": DEMO_MODEL_DIR / "laya"}.items():
     os.environ.setdefault(_setting, str(Path(__file__).resolve().parents[1] / _value))
 
@@ -279,7 +279,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_random_model(tmp_path_factory.mktemp("models"), "tiny", seed=0)
 
 
-API_KEY = "kl_test_bootstrap_key_5f0c2a9e7d41b6832c"  # as strong as KEVLAYA_API_KEY must be (shared/keys.py)
+API_KEY = "kl_test_bootstrap_key_5f0c2a9e7d41b6832c"  # as strong as KEVLAYA_API__KEY must be (shared/keys.py)
 
 
 @contextlib.contextmanager
@@ -312,15 +312,15 @@ def service_env(database_url: str, redis_server: RedisServer, monkeypatch: pytes
     """KEVLAYA_* settings for this test, applied to this process and handed to child processes."""
     redis_server.flush()
     env = {
-        "KEVLAYA_FILES_DIR": str(tmp_path / "files"),
-        "KEVLAYA_DATABASE_URL": database_url,
-        "KEVLAYA_REDIS_URL": redis_server.url,
-        "KEVLAYA_API_KEY": API_KEY,
-        "KEVLAYA_MAX_BATCH": "16",
-        "KEVLAYA_LEASE_SECONDS": "3",
-        "KEVLAYA_SWEEP_INTERVAL_S": "1",
-        "KEVLAYA_HEARTBEAT_TTL_S": "3",
-        "KEVLAYA_PUBLISH_RETRIES": "0",
+        "KEVLAYA_BATCH__FILES_DIR": str(tmp_path / "files"),
+        "KEVLAYA_DATABASE__URL": database_url,
+        "KEVLAYA_REDIS__URL": redis_server.url,
+        "KEVLAYA_API__KEY": API_KEY,
+        "KEVLAYA_ENGINE__MAX_BATCH": "16",
+        "KEVLAYA_RELIABILITY__LEASE_SECONDS": "3",
+        "KEVLAYA_RELIABILITY__SWEEP_INTERVAL_S": "1",
+        "KEVLAYA_RELIABILITY__HEARTBEAT_TTL_S": "3",
+        "KEVLAYA_RELIABILITY__PUBLISH_RETRIES": "0",
     }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -334,12 +334,12 @@ def worker_env(service_env: dict[str, str], tiny_model: dict[str, Path]) -> dict
     """`service_env` plus the tiny model, for tests that run a worker."""
     return {
         **service_env,
-        "KEVLAYA_BASE_MODEL": str(tiny_model["base"]),
+        "KEVLAYA_MODEL__BASE": str(tiny_model["base"]),
         "KEVLAYA_KEV__PATH": str(tiny_model["kev"]),
         "KEVLAYA_LAYA__PATH": str(tiny_model["laya"]),
-        "KEVLAYA_DEVICE": "cpu",
+        "KEVLAYA_MODEL__DEVICE": "cpu",
         # a free port per test: other workers on this machine may hold the default one
-        "KEVLAYA_WORKER_METRICS_PORT": str(free_port()),
+        "KEVLAYA_MONITORING__METRICS_PORT": str(free_port()),
     }
 
 
@@ -425,7 +425,7 @@ def client(service_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iter
     what the API processes of the other tests run (tests/test_job_writer.py tests it on its own)."""
     from api.main import create_app
 
-    monkeypatch.setenv("KEVLAYA_API_WRITER", "thread")
+    monkeypatch.setenv("KEVLAYA_API__WRITER", "thread")
     get_settings.cache_clear()
     # The app's start collects garbage, then freezes what is left (shared/collector.py): in an API process that
     # is a young heap, here it is the whole test process's, a collection that took ~0.15 s a test. Frozen
@@ -450,13 +450,13 @@ TEXT = {"output": "text"}  # random weights answer noise, so ask for the raw tex
 @pytest.fixture
 def env(worker_env: dict[str, str], request: pytest.FixtureRequest) -> dict[str, str]:
     # `@pytest.mark.parametrize("env", [{...}], indirect=True)` adds settings for the API and workers of one test
-    return {**worker_env, "KEVLAYA_API_PORT": str(free_port()), **getattr(request, "param", {})}
+    return {**worker_env, "KEVLAYA_API__PORT": str(free_port()), **getattr(request, "param", {})}
 
 
 def start_api(start_process, env) -> httpx.Client:  # noqa: ANN001
     """A real API process on `env`'s port, once it answers; the caller closes the client."""
     process = start_process("api", env)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}", headers=AUTH, timeout=30)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}", headers=AUTH, timeout=30)
 
     def healthy() -> bool:
         assert process.process.poll() is None, process.output()

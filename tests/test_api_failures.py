@@ -52,8 +52,8 @@ def unreachable_database(database_url: str) -> tuple[str, list[str]]:
 
 def test_database_down_is_503_json_with_retry_after_and_no_address(client, service_env, monkeypatch):
     assert submit(client).status_code == 202
-    url, secrets = unreachable_database(service_env["KEVLAYA_DATABASE_URL"])
-    switch_to(monkeypatch, KEVLAYA_DATABASE_URL=url)
+    url, secrets = unreachable_database(service_env["KEVLAYA_DATABASE__URL"])
+    switch_to(monkeypatch, KEVLAYA_DATABASE__URL=url)
     for response in (submit(client), client.get("/v1/jobs", headers=AUTH),
                      client.get(f"/v1/jobs/{uuid.uuid4()}", headers=AUTH)):
         assert response.status_code == 503, response.text
@@ -68,7 +68,7 @@ def test_database_down_is_503_json_with_retry_after_and_no_address(client, servi
 
 def test_redis_down_answers_name_no_host_or_port(client, monkeypatch):
     port = str(free_port())
-    switch_to(monkeypatch, KEVLAYA_REDIS_URL=f"redis://127.0.0.1:{port}/0")
+    switch_to(monkeypatch, KEVLAYA_REDIS__URL=f"redis://127.0.0.1:{port}/0")
     refused = submit(client)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_unavailable"
     assert port not in refused.text and "127.0.0.1" not in refused.text
@@ -167,12 +167,13 @@ def test_a_chunked_body_over_the_limit_is_413(client):
 def test_readiness_needs_every_adapter_served_and_shows_no_paths(client):
     settings = get_settings()
     reason = "adapter kev (/srv/secret-models/kev) failed verification: adapter_model.safetensors: mismatch"
-    beat("host-a:1", {"model_loaded": True, "unavailable_adapters": {"kev": reason}}, settings.heartbeat_ttl_s)
+    ttl = settings.reliability.heartbeat_ttl_s
+    beat("host-a:1", {"model_loaded": True, "unavailable_adapters": {"kev": reason}}, ttl)
     ready = client.get("/readyz")
     assert ready.status_code == 503
     assert "kev" in ready.json()["checks"]["adapters"] and "secret-models" not in ready.text
     # another worker serves kev: ready
-    beat("host-b:1", {"model_loaded": True, "unavailable_adapters": {}}, settings.heartbeat_ttl_s)
+    beat("host-b:1", {"model_loaded": True, "unavailable_adapters": {}}, settings.reliability.heartbeat_ttl_s)
     ready = client.get("/readyz")
     assert ready.status_code == 200, ready.text
     assert ready.json()["checks"]["adapters"] == "ok"
@@ -199,7 +200,7 @@ def test_the_bootstrap_key_can_be_revoked_with_the_cli(client, service_env):
 @pytest.fixture
 def server(service_env: dict[str, str], start_process) -> str:  # noqa: ANN001
     port = free_port()
-    process = start_process("api", {**service_env, "KEVLAYA_API_PORT": str(port)})
+    process = start_process("api", {**service_env, "KEVLAYA_API__PORT": str(port)})
     base = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -255,7 +256,7 @@ def _raw_exchange(server: str, pieces: list[bytes]) -> http.client.HTTPResponse:
 
 @pytest.mark.parametrize("arrival", ["whole", "in pieces, never ending"])
 def test_a_head_over_the_limit_is_refused_with_431_however_it_arrives(server, arrival):
-    limit = get_settings().max_header_bytes
+    limit = get_settings().limits.header_bytes
     head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (limit + 1_000)
     if arrival == "whole":
         pieces = [head + b"\r\n\r\n"]
@@ -270,7 +271,7 @@ def test_a_head_over_the_limit_is_refused_with_431_however_it_arrives(server, ar
 
 
 def test_the_head_limit_counts_each_request_alone_and_never_the_body(server):
-    limit = get_settings().max_header_bytes
+    limit = get_settings().limits.header_bytes
     host, port = server.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     try:  # two heads of 60 % of the limit on one kept-alive connection: each is under it

@@ -144,13 +144,13 @@ def test_rows_stored_before_the_check_stay_readable(client):
 # -- prompt tokens against the model's context -------------------------------------------------------------
 
 def context_tokens() -> int:
-    return json.loads((ROOT / get_settings().base_model / "config.json").read_text())["max_position_embeddings"]
+    return json.loads((ROOT / get_settings().model.base / "config.json").read_text())["max_position_embeddings"]
 
 
 def test_a_prompt_longer_than_the_context_is_refused_at_submit_naming_the_limit(client):
     # Under the character limit, but each of these words is a few tokens: far over the 1,024-token context.
     prompt = " ".join(f"q{i}z" for i in range(2000))
-    assert len(prompt) < get_settings().max_prompt_chars
+    assert len(prompt) < get_settings().limits.prompt_chars
     response = client.post("/v1/jobs", json={"adapter": "laya", "input": prompt}, headers=AUTH)
     assert_refused(response, "input")
     assert f"context of {context_tokens()} tokens" in response.json()["error"]["message"]
@@ -191,7 +191,7 @@ def test_max_new_tokens_counts_against_the_context(client):
     messages = [{"role": "system", "content": settings.kev.system_prompt}, {"role": "user", "content": prompt}]
     used = budget.prompt_tokens(messages)
     room = context_tokens() - used
-    assert 0 < room < settings.max_new_tokens_limit
+    assert 0 < room < settings.limits.max_new_tokens
     fits = client.post("/v1/jobs", headers=AUTH,
                        json={"adapter": "kev", "input": prompt, "params": {"max_new_tokens": room}})
     assert fits.status_code == 202, fits.text
@@ -212,13 +212,13 @@ def test_max_new_tokens_counts_against_the_context(client):
 
 
 def test_the_limit_is_the_workers_window(service_env, monkeypatch):
-    """A worker gives each job a window of KEVLAYA_ENGINE_WINDOW_TOKENS; a job that fits the model's
+    """A worker gives each job a window of KEVLAYA_ENGINE__WINDOW_TOKENS; a job that fits the model's
     context but not the window is refused at submit, naming the setting, instead of failing on the worker."""
     from fastapi.testclient import TestClient
 
     from api.main import create_app
 
-    monkeypatch.setenv("KEVLAYA_ENGINE_WINDOW_TOKENS", "256")
+    monkeypatch.setenv("KEVLAYA_ENGINE__WINDOW_TOKENS", "256")
     get_settings.cache_clear()
     with TestClient(create_app()) as client:
         prompt = "Pick A or B."
@@ -228,7 +228,7 @@ def test_the_limit_is_the_workers_window(service_env, monkeypatch):
         over = client.post("/v1/jobs", headers=AUTH,
                            json={"adapter": "laya", "input": prompt, "params": {"max_new_tokens": 300}})
         assert_refused(over, "input")
-        assert "KEVLAYA_ENGINE_WINDOW_TOKENS) of 256 tokens" in over.json()["error"]["message"]
+        assert "KEVLAYA_ENGINE__WINDOW_TOKENS) of 256 tokens" in over.json()["error"]["message"]
     get_settings.cache_clear()
 
 

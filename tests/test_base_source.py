@@ -124,14 +124,14 @@ def test_an_adapter_records_the_gguf_it_was_made_for_and_another_file_is_refused
 def test_kevlaya_models_prepare_refuses_a_bad_base_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cli", "models", "prepare"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120,
-                          env={**os.environ, "KEVLAYA_BASE_MODEL": str(write_gguf(tmp_path / "odd.gguf", "rwkv7")),
-                               "KEVLAYA_MODEL_CACHE_DIR": str(tmp_path / "cache")})
+                          env={**os.environ, "KEVLAYA_MODEL__BASE": str(write_gguf(tmp_path / "odd.gguf", "rwkv7")),
+                               "KEVLAYA_MODEL__CACHE_DIR": str(tmp_path / "cache")})
     assert done.returncode == 2
     assert "error: base" in done.stderr and "'rwkv7'" in done.stderr
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
-SMOLLM2 = {"KEVLAYA_BASE_MODEL": DEFAULT_BASE, "KEVLAYA_MODEL_CACHE_DIR": str(SHARED_CACHE),
+SMOLLM2 = {"KEVLAYA_MODEL__BASE": DEFAULT_BASE, "KEVLAYA_MODEL__CACHE_DIR": str(SHARED_CACHE),
            "KEVLAYA_KEV__PATH": str(ROOT / "models" / "smollm2" / "kev"),
            "KEVLAYA_LAYA__PATH": str(ROOT / "models" / "smollm2" / "laya")}
 TRAIN_OR_FLY = ("Should I take the train or fly to Lyon? The train takes 2 h and costs 40 EUR; the flight takes 1 h "

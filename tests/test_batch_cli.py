@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 def batch_args(env: dict[str, str], *args: str, key: str = API_KEY) -> list[str]:
-    return [str(KEVLAYA), "batch", *args, "--url", f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}", "--key", key]
+    return [str(KEVLAYA), "batch", *args, "--url", f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}", "--key", key]
 
 
 def kevlaya_batch(env: dict[str, str], cwd: Path, *args: str, key: str = API_KEY) -> subprocess.CompletedProcess:
@@ -151,8 +151,8 @@ def test_the_key_can_come_from_a_file_and_stay_out_of_the_process_list(env, api,
     key_file, wrong_file = tmp_path / "key", tmp_path / "wrong-key"
     key_file.write_text(API_KEY + "\n")
     wrong_file.write_text("kl_not_a_key\n")
-    command = [str(KEVLAYA), "batch", "cancel", batch["id"], "--url", f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}"]
-    clean = {name: value for name, value in env.items() if name != "KEVLAYA_API_KEY"}
+    command = [str(KEVLAYA), "batch", "cancel", batch["id"], "--url", f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}"]
+    clean = {name: value for name, value in env.items() if name != "KEVLAYA_API__KEY"}
 
     refused = subprocess.run([*command, "--key-file", str(wrong_file)], env=clean, cwd=tmp_path,
                              capture_output=True, text=True, timeout=60)

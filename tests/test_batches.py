@@ -62,7 +62,7 @@ def content_lines(client, file_id: str | None) -> list[dict]:  # noqa: ANN001
 # -- files ----------------------------------------------------------------------------------------------------
 
 def test_an_upload_is_stored_under_the_services_id_whatever_name_it_came_with(client, service_env):
-    files_dir = Path(service_env["KEVLAYA_FILES_DIR"])
+    files_dir = Path(service_env["KEVLAYA_BATCH__FILES_DIR"])
     content = jsonl([line("a"), line("b")])
     response = upload(client, content, name="../../escape\x00.jsonl")
     assert response.status_code == 200, response.text
@@ -82,7 +82,7 @@ def test_an_upload_is_stored_under_the_services_id_whatever_name_it_came_with(cl
 
 
 def test_uploads_are_refused_naming_the_field_or_limit_and_keep_nothing(client, service_env, monkeypatch):
-    files_dir = Path(service_env["KEVLAYA_FILES_DIR"])
+    files_dir = Path(service_env["KEVLAYA_BATCH__FILES_DIR"])
     unknown = upload(client, jsonl([line("a")]), expires="soon")
     assert unknown.status_code == 422 and "expires" in unknown.json()["error"]["message"]
     purpose = client.post("/v1/files", headers=AUTH, files={"file": ("x.jsonl", b"{}\n")},
@@ -94,14 +94,14 @@ def test_uploads_are_refused_naming_the_field_or_limit_and_keep_nothing(client, 
 
     from shared.settings import get_settings
 
-    monkeypatch.setattr(get_settings(), "files_max_lines", 3)
+    monkeypatch.setattr(get_settings().batch, "files_max_lines", 3)
     too_many = upload(client, jsonl([line(str(i)) for i in range(4)]))
     assert too_many.status_code == 413 and "3 lines" in too_many.json()["error"]["message"]
-    monkeypatch.setattr(get_settings(), "stored_bytes_per_key", 2048)
+    monkeypatch.setattr(get_settings().quotas, "stored_bytes_per_key", 2048)
     assert upload(client, jsonl([line("a")])).status_code == 200
     over_quota = upload(client, b" " * 1800 + jsonl([line("b")]))
     assert over_quota.status_code == 413 and over_quota.json()["error"]["code"] == "storage_quota_exceeded"
-    assert "KEVLAYA_STORED_BYTES_PER_KEY" in over_quota.json()["error"]["message"]
+    assert "KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY" in over_quota.json()["error"]["message"]
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(StoredFile)) == 1
     assert len([p for p in files_dir.iterdir() if p.is_file()]) == 1
@@ -156,7 +156,7 @@ def test_a_malformed_file_fails_the_whole_batch_and_stores_no_line(client):
 
 
 def openai_client(env: dict[str, str]) -> OpenAI:
-    return OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+    return OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}/v1", api_key=env["KEVLAYA_API__KEY"],
                   max_retries=0, timeout=60)
 
 
@@ -227,7 +227,7 @@ def test_lines_unfinished_at_the_end_of_the_completion_window_expire_into_the_er
     assert deleted.json() == {"id": batch.id, "object": "batch", "deleted": True}
     assert api.get(f"/v1/batches/{batch.id}").status_code == 404
     assert api.get(f"/v1/files/{expired.error_file_id}/content").status_code == 404
-    assert not (Path(env["KEVLAYA_FILES_DIR"]) / expired.error_file_id.removeprefix("file-")).exists()
+    assert not (Path(env["KEVLAYA_BATCH__FILES_DIR"]) / expired.error_file_id.removeprefix("file-")).exists()
     assert client.files.retrieve(file_id).id == file_id  # the upload stays
     wait_for(client, running.id, ("in_progress",))  # its lines are jobs once it is in progress, not at creation
     with session_scope() as session:
@@ -239,7 +239,7 @@ def test_lines_unfinished_at_the_end_of_the_completion_window_expire_into_the_er
 @pytest.mark.integration
 def test_the_official_openai_client_drives_a_batch_from_upload_to_output(env, api, start_process, tmp_path):
     start_worker(start_process, env, api)
-    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}/v1", api_key=env["KEVLAYA_API__KEY"],
                     max_retries=0, timeout=60)
     requests = [line(f"r{i}", model=("laya", "kev", "auto")[i % 3]) for i in range(9)]
     path = tmp_path / "requests.jsonl"

@@ -21,7 +21,7 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
                "--stream-jobs", "2",
                "--out", str(out), "--workdir", str(tmp_path / "work"), "--redis-url", redis_server.url]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "KEVLAYA_BENCH_MARKER": "1", "KEVLAYA_ENGINE_PREFILL_SHARE": "0.5"})
+                          env={**os.environ, "KEVLAYA_BENCH_MARKER": "1", "KEVLAYA_ENGINE__PREFILL_SHARE": "0.5"})
     assert done.returncode == 0, done.stderr[-3000:]
     [json_path] = out.glob("tiny-*.json")
     assert json_path.with_suffix(".png").stat().st_size > 0
@@ -53,7 +53,7 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     assert phases["wait"]["count"] == phases["step"]["count"]
     assert 0 < phases["wait"]["total_s"] < phases["step"]["total_s"]
     assert result["environment"]["KEVLAYA_BENCH_MARKER"] == "1"  # the settings the service inherited
-    assert result["engine_settings"]["engine_prefill_share"] == 0.5  # from the environment, as the worker reads it
+    assert result["engine_settings"]["prefill_share"] == 0.5  # from the environment, as the worker reads it
     assert service["slots"] >= 1
     # the same workload with every row under the decision grammar, with its steps' cost beside the free run's
     pairs = service["decision_grammar"]

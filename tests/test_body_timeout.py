@@ -1,6 +1,6 @@
-"""A request body that trickles is cut off (RELIABILITY.md, Security): after `KEVLAYA_API_BODY_TIMEOUT_S` a body must
-keep coming at `KEVLAYA_API_BODY_MIN_BYTES_PER_S` on average, else 408 and the connection closes; a body that comes
-at a healthy rate takes as long as it needs. A real API process on loopback."""
+"""A request body that trickles is cut off (RELIABILITY.md, Security): after `KEVLAYA_CONNECTIONS__BODY_TIMEOUT_S` a
+body must keep coming at `KEVLAYA_CONNECTIONS__BODY_MIN_BYTES_PER_S` on average, else 408 and the connection closes; a
+body that comes at a healthy rate takes as long as it needs. A real API process on loopback."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from api.body_timeout import BodyClock
 from tests.conftest import API_KEY, free_port, start_api
 
 SQLITE = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the database plays no part here
-TIMED = {"KEVLAYA_API_BODY_TIMEOUT_S": "1", "KEVLAYA_API_BODY_MIN_BYTES_PER_S": "1024"}
+TIMED = {"KEVLAYA_CONNECTIONS__BODY_TIMEOUT_S": "1", "KEVLAYA_CONNECTIONS__BODY_MIN_BYTES_PER_S": "1024"}
 
 
 @pytest.fixture
 def api_env(service_env: dict[str, str]) -> dict[str, str]:
-    return {**service_env, "KEVLAYA_API_PORT": str(free_port()), **TIMED}
+    return {**service_env, "KEVLAYA_API__PORT": str(free_port()), **TIMED}
 
 
 def head(length: int) -> bytes:
@@ -40,7 +40,7 @@ def answer_of(sock: socket.socket, limit_s: float) -> bytes:
 @SQLITE
 def test_a_trickled_body_gets_408_and_a_steady_one_is_served(api_env, start_process):
     client = start_api(start_process, api_env)
-    port = int(api_env["KEVLAYA_API_PORT"])
+    port = int(api_env["KEVLAYA_API__PORT"])
     trickle = socket.create_connection(("127.0.0.1", port))
     trickle.sendall(head(100_000) + b'{"adapter": "laya", ')
     started = time.monotonic()
@@ -52,7 +52,7 @@ def test_a_trickled_body_gets_408_and_a_steady_one_is_served(api_env, start_proc
             break  # closed already
     answer = answer_of(trickle, 10)
     assert time.monotonic() - started < 4, "the trickled body was not cut off"
-    assert answer.startswith(b"HTTP/1.1 408") and b"KEVLAYA_API_BODY_TIMEOUT_S" in answer, answer
+    assert answer.startswith(b"HTTP/1.1 408") and b"KEVLAYA_CONNECTIONS__BODY_TIMEOUT_S" in answer, answer
     trickle.close()
 
     # 6 kB in 2 s (3 kB/s, over the minimum), longer than the timeout: served

@@ -111,7 +111,7 @@ def demo_copy(tmp_path: Path) -> Path:
 
 
 def _demo_settings(model: Path) -> Settings:
-    return Settings(_env_file=None, base_model=str(model / "base"), device="cpu", max_batch=4,
+    return Settings(_env_file=None, model={"base": str(model / "base"), "device": "cpu"}, engine={"max_batch": 4},
                     kev={"path": str(model / "kev")}, laya={"path": str(model / "laya")})
 
 
@@ -164,8 +164,8 @@ def test_a_worker_refuses_an_adapter_whose_calibration_is_broken(demo_copy: Path
 
 
 def _calibrate(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(model.parent), "KEVLAYA_DEVICE": "cpu",
-           "KEVLAYA_BASE_MODEL": str(model / "base"), "KEVLAYA_KEV__PATH": str(model / "kev"),
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(model.parent), "KEVLAYA_MODEL__DEVICE": "cpu",
+           "KEVLAYA_MODEL__BASE": str(model / "base"), "KEVLAYA_KEV__PATH": str(model / "kev"),
            "KEVLAYA_LAYA__PATH": str(model / "laya")}
     return subprocess.run([sys.executable, "-m", "cli", "models", "calibrate", "--scenarios",
                            str(model / "val_scenarios.jsonl"), *args], cwd=ROOT, env=env, capture_output=True,

@@ -66,7 +66,7 @@ def test_a_decision_naming_an_option_the_job_does_not_offer_is_no_decision():
         assert answer(label, "text").decision["decision"] == label
     text = answer("car", "text")
     assert text.status == "succeeded" and text.decision is None and text.result_text == '{"decision": "car"}'
-    assert needs_escalation(text, Settings(_env_file=None).cascade_threshold)
+    assert needs_escalation(text, Settings(_env_file=None).cascade.threshold)
     assert answer("car", "decision").error_code == "invalid_output"
 
 
@@ -80,7 +80,7 @@ def test_a_decision_naming_an_option_the_job_does_not_offer_is_no_decision():
     ],
 )
 def test_escalation_rule(laya, escalate):
-    assert needs_escalation(laya, Settings(_env_file=None).cascade_threshold) is escalate
+    assert needs_escalation(laya, Settings(_env_file=None).cascade.threshold) is escalate
 
 
 @pytest.mark.integration
@@ -111,7 +111,7 @@ def forced_decision(label: str) -> dict:
 
 # Any decision Laya writes is sure enough, so an `auto` job escalates exactly when her answer holds none.
 @pytest.mark.integration
-@pytest.mark.parametrize("env", [{"KEVLAYA_CASCADE_THRESHOLD": "0"}], indirect=True)
+@pytest.mark.parametrize("env", [{"KEVLAYA_CASCADE__THRESHOLD": "0"}], indirect=True)
 def test_auto_says_who_answered_in_the_job_and_the_chat_completion(env, api, start_process):
     start_worker(start_process, env, api)
     question = "Train or flight to Berlin? Options: train, flight"
@@ -131,7 +131,7 @@ def test_auto_says_who_answered_in_the_job_and_the_chat_completion(env, api, sta
     listed = {j["id"]: j["answered_by"] for j in api.get("/v1/jobs", params={"adapter": "auto"}).json()["jobs"]}
     assert listed == {confident: "laya", unsure: "kev"}
 
-    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}/v1", api_key=env["KEVLAYA_API__KEY"],
                     max_retries=0, timeout=60)
     messages = [{"role": "user", "content": question}]
     sure = client.chat.completions.create(model="auto", max_tokens=80, temperature=0, messages=messages,
@@ -149,14 +149,14 @@ def test_auto_says_who_answered_in_the_job_and_the_chat_completion(env, api, sta
 
 @pytest.mark.integration
 @pytest.mark.parametrize("env", [{f"KEVLAYA_{name}": str(DEMO_MODEL_DIR.resolve() / part) for name, part in
-                                  (("BASE_MODEL", "base"), ("KEV__PATH", "kev"), ("LAYA__PATH", "laya"))}],
+                                  (("MODEL__BASE", "base"), ("KEV__PATH", "kev"), ("LAYA__PATH", "laya"))}],
                          indirect=True)
 def test_a_role_answers_chat_as_itself_under_its_grammar(env, api, start_process):
     """A chat answer is the role's own: Laya's decision object, Kev's analysis then his decision, under the role's
     grammar with `kevlaya.decision` filled; any `response_format` (`text` too) asks for another form; a `max_tokens`
     that ends the answer early is OpenAI's "length" with the text so far, not an error."""
     start_worker(start_process, env, api)
-    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}/v1", api_key=env["KEVLAYA_API__KEY"],
                     max_retries=0, timeout=60)
     scenario = generate(1, seed=5)[0]
     labels = [*(o.name for o in scenario.options), "none"]
@@ -187,7 +187,8 @@ def test_a_role_answers_chat_as_itself_under_its_grammar(env, api, start_process
 @pytest.mark.integration
 def test_the_official_openai_client_gets_answers_from_each_model(env, api, start_process):
     start_worker(start_process, env, api)
-    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"], max_retries=0, timeout=60)
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}/v1", api_key=env["KEVLAYA_API__KEY"],
+                    max_retries=0, timeout=60)
     for model in ("kev", "laya", "auto"):
         completion = client.chat.completions.create(
             model=model, max_tokens=6, temperature=0,
@@ -229,7 +230,7 @@ def test_the_official_openai_client_gets_schema_answers_stop_cuts_and_logprobs(e
     import jsonschema
 
     start_worker(start_process, env, api)
-    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}/v1", api_key=env["KEVLAYA_API__KEY"],
                     max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Train or flight to Berlin?"}]
     schema = {"type": "object", "properties": {"mode": {"enum": ["train", "flight"]}, "direct": {"type": "boolean"}},

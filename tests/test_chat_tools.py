@@ -134,11 +134,11 @@ def test_tools_and_tool_messages_the_server_cannot_honour_are_refused_naming_the
 
 # The tiny model's tokenizer takes a token per byte: the tools in the system prompt and up to 8 calls need more than
 # the default window.
-ROOMY = {"KEVLAYA_ENGINE_WINDOW_TOKENS": "2048"}
+ROOMY = {"KEVLAYA_ENGINE__WINDOW_TOKENS": "2048"}
 
 
 def openai_client(env: dict[str, str]) -> OpenAI:
-    return OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+    return OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}/v1", api_key=env["KEVLAYA_API__KEY"],
                   max_retries=0, timeout=120)
 
 
@@ -258,7 +258,7 @@ def test_job_params_for_tools_are_refused_naming_the_field(client: TestClient, p
 
 @pytest.fixture
 def quick_chat(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KEVLAYA_CHAT_TIMEOUT_S", "0.2")  # read when `client` builds the app
+    monkeypatch.setenv("KEVLAYA_LIMITS__CHAT_TIMEOUT_S", "0.2")  # read when `client` builds the app
 
 
 def test_an_assistant_turn_of_calls_may_bring_no_content_in_each_way_clients_send_it(quick_chat, client: TestClient):

@@ -94,8 +94,8 @@ def test_keys_create_list_revoke(service_env):
 def test_commands_on_a_database_not_ready_say_so_in_one_line(tmp_path):
     """Every command that reads or writes rows checks the database first: an empty SQLite file or a server that
     does not answer gives one line naming the fix (exit 2), not a traceback, and nothing is written."""
-    empty = {"KEVLAYA_DATABASE_URL": f"sqlite:///{tmp_path / 'fresh.db'}"}
-    away = {"KEVLAYA_DATABASE_URL": "postgresql+psycopg://nobody:s3cret@127.0.0.1:1/none"}
+    empty = {"KEVLAYA_DATABASE__URL": f"sqlite:///{tmp_path / 'fresh.db'}"}
+    away = {"KEVLAYA_DATABASE__URL": "postgresql+psycopg://nobody:s3cret@127.0.0.1:1/none"}
     commands = [("keys", "list"), ("keys", "create", "bot"), ("keys", "revoke", "9ec1927b-3d0a-44d4-8e6d-9c30bfabae8b"),
                 ("dev", "seed-jobs", "10")]
     for command in commands:
@@ -105,7 +105,7 @@ def test_commands_on_a_database_not_ready_say_so_in_one_line(tmp_path):
         result = kevlaya(*command, env=away)
         assert result.returncode == 2 and "does not answer" in result.stderr, (command, result.stderr)
         assert "s3cret" not in result.stderr
-    engine = create_engine(empty["KEVLAYA_DATABASE_URL"])
+    engine = create_engine(empty["KEVLAYA_DATABASE__URL"])
     try:
         assert inspect(engine).get_table_names() == []
     finally:
@@ -116,7 +116,7 @@ def test_cli_errors_are_clear(service_env):
     bad = kevlaya("keys", "revoke", "not-a-uuid", env=service_env)
     assert bad.returncode == 2 and "not a UUID" in bad.stderr
     missing = kevlaya("db", "upgrade", "--wait", "1",
-                      env={"KEVLAYA_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:1/none"})
+                      env={"KEVLAYA_DATABASE__URL": "postgresql+psycopg://nobody@127.0.0.1:1/none"})
     assert missing.returncode == 2 and "does not answer" in missing.stderr
     shape = kevlaya("models", "random", "/tmp/x", "--shape", "huge")
     assert shape.returncode == 2 and "--shape must be one of" in shape.stderr
@@ -129,8 +129,8 @@ def test_flower_gets_its_password_and_broker_through_the_environment(redis_serve
     from tests.conftest import free_port, wait_until
 
     port = free_port()
-    process = start_process("flower", {"KEVLAYA_REDIS_URL": redis_server.url, "KEVLAYA_FLOWER_PORT": str(port),
-                                       "KEVLAYA_FLOWER_BASIC_AUTH": "admin:s3cret-pw"}, fork=False)
+    process = start_process("flower", {"KEVLAYA_REDIS__URL": redis_server.url, "KEVLAYA_FLOWER__PORT": str(port),
+                                       "KEVLAYA_FLOWER__BASIC_AUTH": "admin:s3cret-pw"}, fork=False)
     base = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -159,7 +159,7 @@ def test_a_database_migrated_by_a_newer_version_is_refused_by_every_command_in_o
     upgrade(url)
     with sqlite3.connect(tmp_path / "newer.db") as connection:  # as a later version's migration would leave it
         connection.execute("UPDATE alembic_version SET version_num = 'f00dfeed0042'")
-    env = {**os.environ, "KEVLAYA_DATABASE_URL": url, "KEVLAYA_REDIS_URL": "redis://127.0.0.1:1/0"}
+    env = {**os.environ, "KEVLAYA_DATABASE__URL": url, "KEVLAYA_REDIS__URL": "redis://127.0.0.1:1/0"}
     for command in (["api"], ["worker"], ["db", "upgrade", "--wait", "1"], ["keys", "list"], ["run"]):
         done = subprocess.run([sys.executable, "-m", "cli", *command], env=env, capture_output=True, text=True,
                               timeout=120)

@@ -36,7 +36,8 @@ class MissingVariable(Exception):
     pass
 
 
-_VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+# An argument may hold one level of nested interpolation: `${NEW:-${OLD:-default}}`.
+_VAR = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>(?:[^{}$]|\$\{[^{}]*\})*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
 
 
 def interpolate_string(text: str, env: dict[str, str]) -> str:
@@ -48,10 +49,10 @@ def interpolate_string(text: str, env: dict[str, str]) -> str:
         value = env.get(name)
         unset_or_empty = value is None or (op is not None and op.startswith(":") and value == "")
         if op in ("-", ":-"):
-            return arg if unset_or_empty else value
+            return interpolate_string(arg, env) if unset_or_empty else value
         if op in ("?", ":?"):
             if unset_or_empty:
-                raise MissingVariable(f"{name}: {arg}")
+                raise MissingVariable(f"{name}: {interpolate_string(arg, env)}")
             return value
         return value or ""
 
@@ -147,6 +148,7 @@ def volume_targets(service: dict) -> dict[str, tuple[str, bool]]:
 def test_interpolation_model():
     env = {"SET": "x", "EMPTY": ""}
     assert interpolate_string("${SET:-d}/${UNSET:-d}/${EMPTY:-d}/${EMPTY-d}/$$SET/$SET", env) == "x/d/d//$SET/x"
+    assert interpolate_string("${UNSET:-${SET:-d}}/${UNSET:-${UNSET:-d}}/${SET:-${UNSET:?unused}}", env) == "x/d/x"
     with pytest.raises(MissingVariable, match="UNSET: need it"):
         interpolate_string("${UNSET:?need it}", env)
     with pytest.raises(MissingVariable):
@@ -241,7 +243,7 @@ def test_redis_asks_every_client_for_the_password():
     assert tokens[tokens.index("--requirepass") + 1] == REQUIRED_ENV["REDIS_PASSWORD"]
     assert service_env(redis)["REDISCLI_AUTH"] == REQUIRED_ENV["REDIS_PASSWORD"]  # the healthcheck's
     for name in (*APP_SERVICES_WITH_DB, "flower"):
-        assert make_url(service_env(compose["services"][name])["KEVLAYA_REDIS_URL"]).password == \
+        assert make_url(service_env(compose["services"][name])["KEVLAYA_REDIS__URL"]).password == \
             REQUIRED_ENV["REDIS_PASSWORD"], name
 
 
@@ -263,17 +265,17 @@ def gpu_ids(service: dict) -> list[str]:
 
 @pytest.mark.parametrize("name", WORKERS)
 def test_each_worker_owns_one_gpu_and_gets_time_to_finish_a_batch(name):
-    from shared.settings import Settings
+    from shared.settings import ReliabilitySettings
 
     worker = raw_compose()["services"][name]
     assert len(gpu_ids(worker)) == 1
     grace = duration_seconds(worker["stop_grace_period"])
     assert grace > 10, "docker SIGKILLs after 10 s by default (docs/architecture.md §11)"
     # A task stops claiming new batches after drain_seconds and then finishes the batch it holds.
-    assert grace > Settings.model_fields["drain_seconds"].default
+    assert grace > ReliabilitySettings.model_fields["drain_seconds"].default
     assert worker.get("init") is True
     assert command_tokens(worker) == ["worker"]
-    assert service_env(resolved_compose()["services"][name])["KEVLAYA_DEVICE"] == "cuda"
+    assert service_env(resolved_compose()["services"][name])["KEVLAYA_MODEL__DEVICE"] == "cuda"
     assert volume_targets(worker)["/app/models"] == ("./models", True)
 
 
@@ -293,10 +295,10 @@ def test_scaled_out_workers_use_distinct_gpus():
 def test_flower_requires_basic_auth():
     flower = resolved_compose()["services"]["flower"]
     env = service_env(flower)
-    assert env["KEVLAYA_FLOWER_BASIC_AUTH"] == REQUIRED_ENV["FLOWER_BASIC_AUTH"]
-    assert env["KEVLAYA_FLOWER_HOST"] == "0.0.0.0" and env["KEVLAYA_FLOWER_PORT"] == "5555"
-    assert make_url(env["KEVLAYA_REDIS_URL"]).host == "redis"
-    assert "KEVLAYA_DATABASE_URL" not in env, "flower needs no database credentials"
+    assert env["KEVLAYA_FLOWER__BASIC_AUTH"] == REQUIRED_ENV["FLOWER_BASIC_AUTH"]
+    assert env["KEVLAYA_FLOWER__HOST"] == "0.0.0.0" and env["KEVLAYA_FLOWER__PORT"] == "5555"
+    assert make_url(env["KEVLAYA_REDIS__URL"]).host == "redis"
+    assert "KEVLAYA_DATABASE__URL" not in env, "flower needs no database credentials"
 
 
 def test_app_services_point_at_postgres_and_redis():
@@ -304,21 +306,24 @@ def test_app_services_point_at_postgres_and_redis():
     pg_env = service_env(compose["services"]["postgres"])
     for name in APP_SERVICES_WITH_DB:
         env = service_env(compose["services"][name])
-        db = make_url(env["KEVLAYA_DATABASE_URL"])
+        db = make_url(env["KEVLAYA_DATABASE__URL"])
         assert db.drivername == "postgresql+psycopg", name
         assert (db.host, db.port) == ("postgres", 5432), name
         assert db.username == pg_env["POSTGRES_USER"] and db.database == pg_env["POSTGRES_DB"], name
         assert db.password == REQUIRED_ENV["POSTGRES_PASSWORD"] == pg_env["POSTGRES_PASSWORD"], name
-        redis = make_url(env["KEVLAYA_REDIS_URL"])
+        redis = make_url(env["KEVLAYA_REDIS__URL"])
         assert (redis.drivername, redis.host, redis.port or 6379) == ("redis", "redis", 6379), name
         assert redis.password == REQUIRED_ENV["REDIS_PASSWORD"], name
     api_env = service_env(compose["services"]["api"])
-    assert api_env["KEVLAYA_API_HOST"] == "0.0.0.0" and api_env["KEVLAYA_API_PORT"] == "8000"
+    assert api_env["KEVLAYA_API__HOST"] == "0.0.0.0" and api_env["KEVLAYA_API__PORT"] == "8000"
 
 
 def test_api_key_passes_through_only_when_set():
     api = resolved_compose()["services"]["api"]
-    assert "KEVLAYA_API_KEY" not in service_env(api), "an unset key must not become an empty key"
+    assert "KEVLAYA_API__KEY" not in service_env(api), "an unset key must not become an empty key"
+    assert service_env(api, {"KEVLAYA_API__KEY": "boot"})["KEVLAYA_API__KEY"] == "boot"
+    # its flat name of the release before passes through too, for the settings to read (and warn about)
+    assert "KEVLAYA_API_KEY" not in service_env(api)
     assert service_env(api, {"KEVLAYA_API_KEY": "boot"})["KEVLAYA_API_KEY"] == "boot"
 
 
@@ -327,17 +332,23 @@ def test_models_are_mounted_read_only_and_configurable():
         source, read_only = volume_targets(raw_compose()["services"][name])["/app/models"]
         assert source == "./models" and read_only, name
     defaults = service_env(resolved_compose()["services"]["worker"])
-    assert defaults["KEVLAYA_BASE_MODEL"] == "/app/models/demo/base"
+    assert defaults["KEVLAYA_MODEL__BASE"] == "/app/models/demo/base"
     assert defaults["KEVLAYA_KEV__PATH"] == "/app/models/demo/kev"
     assert defaults["KEVLAYA_LAYA__PATH"] == "/app/models/demo/laya"
     for name in ("api", *WORKERS):  # the worker writes the GGUF base's cache once, the API reads its tokenizer
-        assert service_env(resolved_compose()["services"][name])["KEVLAYA_MODEL_CACHE_DIR"] == "/model-cache"
+        assert service_env(resolved_compose()["services"][name])["KEVLAYA_MODEL__CACHE_DIR"] == "/model-cache"
         source, read_only = volume_targets(raw_compose()["services"][name])["/model-cache"]
         assert source == "model-cache" and read_only == (name == "api"), name
-    custom = service_env(
-        resolved_compose(KEVLAYA_BASE_MODEL="/app/models/qwen", KEVLAYA_KEV__PATH="/app/models/k")["services"]["worker"]
-    )
-    assert custom["KEVLAYA_BASE_MODEL"] == "/app/models/qwen" and custom["KEVLAYA_KEV__PATH"] == "/app/models/k"
+    custom = service_env(resolved_compose(KEVLAYA_MODEL__BASE="/app/models/qwen",
+                                          KEVLAYA_KEV__PATH="/app/models/k")["services"]["worker"])
+    assert custom["KEVLAYA_MODEL__BASE"] == "/app/models/qwen" and custom["KEVLAYA_KEV__PATH"] == "/app/models/k"
+    # the flat names of the release before still choose them, for one release; the new names win
+    flat = service_env(resolved_compose(KEVLAYA_BASE_MODEL="/app/models/old",
+                                        KEVLAYA_ENGINE_WINDOW_TOKENS="2048")["services"]["worker"])
+    assert (flat["KEVLAYA_MODEL__BASE"], flat["KEVLAYA_ENGINE__WINDOW_TOKENS"]) == ("/app/models/old", "2048")
+    both = service_env(resolved_compose(KEVLAYA_BASE_MODEL="/app/models/old",
+                                        KEVLAYA_MODEL__BASE="/app/models/new")["services"]["worker"])
+    assert both["KEVLAYA_MODEL__BASE"] == "/app/models/new"
 
 
 def test_app_services_share_one_image():
@@ -382,7 +393,7 @@ def test_compose_config(tmp_path):
         # resolve, and an unset secret stops it (what `config -q` would report).
         resolved = resolved_compose()
         for name in ("migrate", "api", "worker"):
-            assert "KEVLAYA_DATABASE_URL" in service_env(resolved["services"][name])
+            assert "KEVLAYA_DATABASE__URL" in service_env(resolved["services"][name])
         with pytest.raises(MissingVariable):
             interpolate(raw_compose(), {})
         return
@@ -464,13 +475,13 @@ def test_prometheus_scrapes_the_api_and_every_worker_at_their_service_names_and_
                for target in group["targets"]}
     paths = {job.get("metrics_path", "/metrics") for job in config["scrape_configs"]}
     assert paths == {"/metrics"}
-    expected = {f"api:{service_env(services['api'])['KEVLAYA_API_PORT']}"}
+    expected = {f"api:{service_env(services['api'])['KEVLAYA_API__PORT']}"}
     for name in WORKERS:
         env = service_env(services[name])
-        assert env["KEVLAYA_WORKER_METRICS_HOST"] == "0.0.0.0", "reachable from the prometheus container"
-        assert env["KEVLAYA_WORKER_METRICS_PORT"] != "0"
-        assert env["KEVLAYA_WORKER_METRICS_PORT"] in [str(p) for p in services[name].get("expose", [])]
-        expected.add(f"{name}:{env['KEVLAYA_WORKER_METRICS_PORT']}")
+        assert env["KEVLAYA_MONITORING__METRICS_HOST"] == "0.0.0.0", "reachable from the prometheus container"
+        assert env["KEVLAYA_MONITORING__METRICS_PORT"] != "0"
+        assert env["KEVLAYA_MONITORING__METRICS_PORT"] in [str(p) for p in services[name].get("expose", [])]
+        expected.add(f"{name}:{env['KEVLAYA_MONITORING__METRICS_PORT']}")
     assert targets == expected
     for target in targets:
         assert target.split(":")[0] in services
@@ -502,7 +513,7 @@ def test_flower_keeps_its_history_on_a_volume_and_its_password_out_of_the_comman
     compose = raw_compose()
     flower = compose["services"]["flower"]
     env = service_env(resolved_compose()["services"]["flower"])
-    source, read_only = volume_targets(flower)[str(Path(env["KEVLAYA_FLOWER_DB"]).parent)]
+    source, read_only = volume_targets(flower)[str(Path(env["KEVLAYA_FLOWER__DB"]).parent)]
     assert source in compose["volumes"] and not read_only
     assert REQUIRED_ENV["FLOWER_BASIC_AUTH"] not in " ".join(command_tokens(flower))
     values = [rest for keyword, rest in dockerfile_instructions() if keyword == "RUN"]
@@ -512,7 +523,7 @@ def test_flower_keeps_its_history_on_a_volume_and_its_password_out_of_the_comman
 def test_the_apis_batch_files_live_on_a_volume_the_service_user_owns():
     compose = raw_compose()
     api = compose["services"]["api"]
-    files_dir = service_env(resolved_compose()["services"]["api"])["KEVLAYA_FILES_DIR"]
+    files_dir = service_env(resolved_compose()["services"]["api"])["KEVLAYA_BATCH__FILES_DIR"]
     source, read_only = volume_targets(api)[files_dir]
     assert source in compose["volumes"] and not read_only  # files and batches outlive a new container
     runs = " ".join(rest for keyword, rest in dockerfile_instructions() if keyword == "RUN")

@@ -1,5 +1,5 @@
 """Connections a client holds without a key (RELIABILITY.md, Security): a head that never comes, or comes a line at a
-time, is cut off after `KEVLAYA_API_HEAD_TIMEOUT_S`; more idle sockets than the API has file descriptors leave
+time, is cut off after `KEVLAYA_CONNECTIONS__HEAD_TIMEOUT_S`; more idle sockets than the API has file descriptors leave
 `/healthz` and a keyed request answering within a second; the caps' own bookkeeping. Real API processes on
 loopback; the crowds come from other processes and other loopback addresses (127.0.0.2, …)."""
 
@@ -25,7 +25,7 @@ SQLITE = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # t
 
 @pytest.fixture
 def api_env(service_env: dict[str, str], request: pytest.FixtureRequest) -> dict[str, str]:
-    return {**service_env, "KEVLAYA_API_PORT": str(free_port()), **getattr(request, "param", {})}
+    return {**service_env, "KEVLAYA_API__PORT": str(free_port()), **getattr(request, "param", {})}
 
 
 def closed_after(sock: socket.socket, limit_s: float) -> tuple[float, bytes]:
@@ -40,10 +40,10 @@ def closed_after(sock: socket.socket, limit_s: float) -> tuple[float, bytes]:
 
 
 @SQLITE
-@pytest.mark.parametrize("api_env", [{"KEVLAYA_API_HEAD_TIMEOUT_S": "1"}], indirect=True)
+@pytest.mark.parametrize("api_env", [{"KEVLAYA_CONNECTIONS__HEAD_TIMEOUT_S": "1"}], indirect=True)
 def test_an_idle_socket_and_a_trickled_head_are_closed_after_the_head_timeout(api_env, start_process):
     client = start_api(start_process, api_env)
-    port = int(api_env["KEVLAYA_API_PORT"])
+    port = int(api_env["KEVLAYA_API__PORT"])
     idle = socket.create_connection(("127.0.0.1", port))
     trickle = socket.create_connection(("127.0.0.1", port))
     trickle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
@@ -98,7 +98,8 @@ def descriptor_limit(log: str) -> int:
 
 
 @SQLITE
-@pytest.mark.parametrize("api_env", [{"KEVLAYA_API_HEAD_TIMEOUT_S": "120"}], indirect=True)  # the caps, not the timer
+@pytest.mark.parametrize("api_env", [{"KEVLAYA_CONNECTIONS__HEAD_TIMEOUT_S": "120"}],  # the caps, not the timer
+                         indirect=True)
 def test_more_idle_sockets_than_descriptors_leave_healthz_and_a_keyed_request_answering(api_env, start_process):
     client = start_api(start_process, api_env)
     limit = descriptor_limit(start_process.started[0].output())
@@ -106,7 +107,7 @@ def test_more_idle_sockets_than_descriptors_leave_healthz_and_a_keyed_request_an
     crowds = 3  # each in its own process, whose descriptors it needs, from an address of its own
     if sockets // crowds + 64 > resource.getrlimit(resource.RLIMIT_NOFILE)[1]:
         pytest.skip("the hard descriptor limit is too low for the crowds")
-    processes = [subprocess.Popen([sys.executable, "-c", CROWD, f"127.0.0.{2 + n}", api_env["KEVLAYA_API_PORT"],
+    processes = [subprocess.Popen([sys.executable, "-c", CROWD, f"127.0.0.{2 + n}", api_env["KEVLAYA_API__PORT"],
                                    str(sockets // crowds + (n < sockets % crowds))],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for n in range(crowds)]
     try:
@@ -159,7 +160,7 @@ def test_at_a_cap_the_connection_waiting_longest_is_closed_and_busy_ones_never()
 def test_the_caps_stay_under_the_descriptor_limit():
     caps = connection_caps(Settings(), fd_limit=1024)
     assert caps.total + caps.backlog + 256 <= 1024 and caps.per_address == caps.total // 2
-    asked = connection_caps(Settings(api_max_connections=10_000), fd_limit=1024)
+    asked = connection_caps(Settings(connections={"max": 10_000}), fd_limit=1024)
     assert asked.clamped and asked.total == caps.total
-    chosen = connection_caps(Settings(api_max_connections=100, api_max_connections_per_address=10), fd_limit=1024)
+    chosen = connection_caps(Settings(connections={"max": 100, "max_per_address": 10}), fd_limit=1024)
     assert (chosen.total, chosen.per_address) == (100, 10)

@@ -50,8 +50,8 @@ def hold_every_connection(engine: Engine) -> list[Connection]:
 
 
 def test_a_used_up_connection_pool_answers_503_within_its_timeout_and_serves_again(service_env, monkeypatch):
-    with app_client(monkeypatch, KEVLAYA_DB_POOL_SIZE="1", KEVLAYA_DB_POOL_TIMEOUT_S=str(POOL_TIMEOUT_S),
-                    KEVLAYA_BATCH_CHECK_INTERVAL_S="3600") as client:
+    with app_client(monkeypatch, KEVLAYA_DATABASE__POOL_SIZE="1", KEVLAYA_DATABASE__POOL_TIMEOUT_S=str(POOL_TIMEOUT_S),
+                    KEVLAYA_BATCH__CHECK_INTERVAL_S="3600") as client:
         first = client.post("/v1/jobs", headers=AUTH, json=JOB)
         assert first.status_code == 202, first.text
         held = hold_every_connection(get_engine())  # as slow requests would
@@ -95,7 +95,7 @@ def test_postgresql_refusing_new_connections_answers_503_at_once_and_serves_once
     try:
         with pytest.raises(exc.OperationalError, match="too many connections"):
             others.connect()
-        with app_client(monkeypatch, KEVLAYA_DATABASE_URL=limited_role) as client:
+        with app_client(monkeypatch, KEVLAYA_DATABASE__URL=limited_role) as client:
             assert_prompt_503(*timed(lambda: client.post("/v1/jobs", headers=AUTH, json=JOB)), "database_unavailable")
             assert_prompt_503(*timed(lambda: client.get("/v1/jobs", headers=AUTH)), "database_unavailable")
             assert rows_of(database_url) == 0
@@ -135,7 +135,7 @@ def test_redis_at_maxclients_refuses_submits_at_once_and_stores_nothing_until_cl
         broker = redis.Redis.from_url(server.url)
         broker.config_set("maxclients", str(broker.info("clients")["connected_clients"] + 4))
         held = fill_clients(server.url)
-        with app_client(monkeypatch, KEVLAYA_REDIS_URL=server.url) as client:
+        with app_client(monkeypatch, KEVLAYA_REDIS__URL=server.url) as client:
             assert_prompt_503(*timed(lambda: client.post("/v1/jobs", headers=AUTH, json=JOB)), "queue_unavailable")
             assert stored_jobs() == 0
 

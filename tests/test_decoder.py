@@ -29,7 +29,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def runtime() -> ReferenceRuntime:
-    return ReferenceRuntime.load(Settings(_env_file=None, device="cpu"))
+    return ReferenceRuntime.load(Settings(_env_file=None, model={"device": "cpu"}))
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_run_prefills_within_the_prefill_budget_as_the_serving_loop_does(runtime
 @pytest.mark.parametrize("static_steps", [False, True], ids=["eager-steps", "static-steps"])
 def test_a_prefill_in_chunks_answers_as_one_pass_and_no_pass_exceeds_the_chunk(runtime: ReferenceRuntime, decoder,
                                                                               static_steps: bool) -> None:
-    """KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS: a prompt block wider than the chunk runs as several forward passes, each
+    """KEVLAYA_ENGINE__PREFILL_CHUNK_TOKENS: a prompt block wider than the chunk runs as several forward passes, each
     attending to what the earlier ones cached; the answers are those of `generate`, and the largest pass (what a
     prefill's activation memory scales with) is the chunk, also for the throwaway prefill measured at start."""
     requests = mixed_requests()

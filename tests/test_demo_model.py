@@ -28,7 +28,7 @@ def test_build_record_names_its_command_and_size_budget():
 
 @pytest.fixture(scope="module")
 def evaluator() -> Evaluator:
-    settings = Settings(_env_file=None, base_model=str(DEMO / "base"), device="cpu",
+    settings = Settings(_env_file=None, model={"base": str(DEMO / "base"), "device": "cpu"},
                         kev={"path": str(DEMO / "kev")}, laya={"path": str(DEMO / "laya")})
     return Evaluator(load_model(settings), settings, batch_size=8)
 

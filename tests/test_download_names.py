@@ -36,7 +36,7 @@ NAMES = [
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the database plays no part here
 def test_a_download_names_the_file_without_paths_or_hidden_characters(service_env, start_process):
-    client = start_api(start_process, {**service_env, "KEVLAYA_API_PORT": str(free_port())})
+    client = start_api(start_process, {**service_env, "KEVLAYA_API__PORT": str(free_port())})
     for uploaded, shown in NAMES:
         stored = client.post("/v1/files", content=multipart(uploaded),
                              headers={"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"})

@@ -20,7 +20,7 @@ from tests.conftest import TEXT, sqlite_writers_fail_when_locked, start_worker, 
 
 @pytest.fixture
 def slot_env(env):  # noqa: ANN001, ANN201
-    return {**env, "KEVLAYA_MAX_BATCH": "4", "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}
+    return {**env, "KEVLAYA_ENGINE__MAX_BATCH": "4", "KEVLAYA_ENGINE__WINDOW_TOKENS": "1024"}
 
 
 @pytest.mark.integration
@@ -32,14 +32,14 @@ def test_jobs_of_both_adapters_all_succeed_through_slots(slot_env, api, start_pr
     too_long = submit(api, "kev", "Within the API's window, over the worker's.", max_new_tokens=700)
     # random weights never give Laya a confident decision: both escalate, and their Kev stages take slots too
     cascades = [submit(api, "auto", f"Pick A or B, case {i}.", max_new_tokens=4) for i in range(2)]
-    start_worker(start_process, {**slot_env, "KEVLAYA_ENGINE_PREFILL_TOKENS": "64",
-                                 "KEVLAYA_ENGINE_WINDOW_TOKENS": "768"}, api)
+    start_worker(start_process, {**slot_env, "KEVLAYA_ENGINE__PREFILL_TOKENS": "64",
+                                 "KEVLAYA_ENGINE__WINDOW_TOKENS": "768"}, api)
     [worker] = live_workers().values()  # its heartbeat says how it serves (the status page shows it)
-    # KEVLAYA_MAX_BATCH=4 rows for any role, plus one slot reserved for Laya (a quarter of 4)
+    # KEVLAYA_ENGINE__MAX_BATCH=4 rows for any role, plus one slot reserved for Laya (a quarter of 4)
     assert (worker["slots"], worker["window_tokens"]) == (5, 768)
     refused = wait_finished(api, [too_long])[0]
     assert refused["status"] == "failed" and refused["error"]["code"] == "invalid_input"
-    assert "KEVLAYA_ENGINE_WINDOW_TOKENS" in refused["error"]["message"]
+    assert "KEVLAYA_ENGINE__WINDOW_TOKENS" in refused["error"]["message"]
     jobs = wait_finished(api, job_ids)
     assert [j["status"] for j in jobs] == ["succeeded"] * 30, [j["error"] for j in jobs]
     settled = wait_finished(api, cascades)
@@ -59,8 +59,8 @@ def test_jobs_of_both_adapters_all_succeed_through_slots(slot_env, api, start_pr
 @pytest.mark.integration
 def test_a_laya_job_does_not_wait_for_the_kev_jobs_in_flight(slot_env, api, start_process):
     # Exact lengths (end-of-sequence ignored): the random tiny model must not end the Kev jobs early.
-    start_worker(start_process, {**slot_env, "KEVLAYA_IGNORE_EOS": "true",
-                                 "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}, api)
+    start_worker(start_process, {**slot_env, "KEVLAYA_ENGINE__IGNORE_EOS": "true",
+                                 "KEVLAYA_ENGINE__WINDOW_TOKENS": "1024"}, api)
     kev = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=600) for i in range(3)]
 
     def decoding() -> bool:
@@ -83,7 +83,8 @@ def test_a_laya_job_does_not_wait_for_the_kev_jobs_in_flight(slot_env, api, star
 def test_a_laya_job_takes_its_reserved_slot_while_a_starving_kev_backlog_waits(slot_env, api, start_process):
     """Every slot but Laya's reserved one holds a Kev job and more Kev jobs wait past the fairness bound: the
     reserved slot stays free, and a Laya job arriving takes it at once instead of after a Kev row finishes."""
-    start_worker(start_process, {**slot_env, "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_MAX_WAIT_MS": "0"}, api)
+    start_worker(start_process, {**slot_env, "KEVLAYA_ENGINE__IGNORE_EOS": "true",
+                                 "KEVLAYA_ENGINE__MAX_WAIT_MS": "0"}, api)
     kev = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=600) for i in range(8)]
 
     def statuses() -> dict[str, str]:
@@ -107,7 +108,7 @@ def test_a_laya_job_takes_its_reserved_slot_while_a_starving_kev_backlog_waits(s
 
 @pytest.mark.integration
 def test_a_worker_killed_mid_decode_loses_nothing_and_runs_nothing_twice(slot_env, api, start_process):
-    long_jobs = {**slot_env, "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_ENGINE_WINDOW_TOKENS": "1024"}
+    long_jobs = {**slot_env, "KEVLAYA_ENGINE__IGNORE_EOS": "true", "KEVLAYA_ENGINE__WINDOW_TOKENS": "1024"}
     worker = start_worker(start_process, long_jobs, api)
     job_ids = [submit(api, "kev", f"Long analysis number {i}.", max_new_tokens=600) for i in range(6)]
 
@@ -119,7 +120,7 @@ def test_a_worker_killed_mid_decode_loses_nothing_and_runs_nothing_twice(slot_en
     worker.kill(signal.SIGKILL)
     killed = {str(job_id) for job_id, _ in running()}
     assert killed
-    start_worker(start_process, {**long_jobs, "KEVLAYA_LEASE_SECONDS": "3"}, api)
+    start_worker(start_process, {**long_jobs, "KEVLAYA_RELIABILITY__LEASE_SECONDS": "3"}, api)
     jobs = wait_finished(api, job_ids)
     assert [j["status"] for j in jobs] == ["succeeded"] * 6, [j["error"] for j in jobs]
     assert all(j["attempts"] == (2 if j["id"] in killed else 1) for j in jobs)
@@ -152,9 +153,9 @@ def test_out_of_memory_in_a_step_puts_the_newest_jobs_back_and_every_job_still_r
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
-                        ignore_eos=True)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 4, "ignore_eos": True}, kev={"path": str(tiny_model["kev"])},
+                        laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         jobs = [Job(adapter=a, requested_adapter=a, input=f"Question {i}?", params={**TEXT, "max_new_tokens": 12})
                 for i, a in enumerate(["kev", "laya", "kev", "laya"])]
@@ -188,9 +189,9 @@ def _engine_with_jobs(tiny_model, count: int):  # noqa: ANN001, ANN202
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
-                        ignore_eos=True)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 4, "ignore_eos": True}, kev={"path": str(tiny_model["kev"])},
+                        laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         session.add_all([Job(adapter=a, requested_adapter=a, input=f"Question {i}?",
                              params={**TEXT, "max_new_tokens": 6 + 3 * i})
@@ -265,9 +266,9 @@ def test_a_job_that_runs_out_of_memory_alone_fails_instead_of_going_back_to_the_
     from worker.ledger.settle import generation_request
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=1,
-                        ignore_eos=True)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 1, "ignore_eos": True}, kev={"path": str(tiny_model["kev"])},
+                        laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         huge = Job(adapter="kev", requested_adapter="kev", input="A very long question " * 20,
                    params={**TEXT, "max_new_tokens": 6})
@@ -312,9 +313,9 @@ def test_a_job_alone_out_of_memory_on_a_card_another_process_filled_waits_and_ru
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=1,
-                        ignore_eos=True)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 1, "ignore_eos": True}, kev={"path": str(tiny_model["kev"])},
+                        laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         job = Job(adapter="kev", requested_adapter="kev", input="Question?", params={**TEXT, "max_new_tokens": 6})
         session.add(job)
@@ -349,8 +350,9 @@ def test_a_reservation_shrinks_with_the_slots_an_out_of_memory_left(service_env,
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 4}, kev={"path": str(tiny_model["kev"])},
+                        laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Question {i}?",
                              params={**TEXT, "max_new_tokens": 4}) for i in range(3)])
@@ -372,8 +374,9 @@ def test_a_job_the_engine_cannot_run_fails_alone_and_its_batch_mates_finish(serv
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 4}, kev={"path": str(tiny_model["kev"])},
+                        laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         jobs = [Job(id=uuid.uuid4(), adapter="kev", requested_adapter="kev", input=f"Question {i}?",
                     params={**TEXT, "max_new_tokens": 6, **({"temperature": "warm"} if i == 1 else {})})
@@ -403,10 +406,10 @@ def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_st
 
     # no latency role: Laya's jobs are prefilled with Kev's (not apart), so all four rows finish at one step; no
     # spare slot for another key, so the four jobs of one key take all four slots
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 4, "ignore_eos": True, "key_spare_slots": 0},
                         kev={"path": str(tiny_model["kev"])},
-                        laya={"path": str(tiny_model["laya"]), "reserved_slots": 0}, max_batch=4, ignore_eos=True,
-                        key_spare_slots=0)
+                        laya={"path": str(tiny_model["laya"]), "reserved_slots": 0})
     with session_scope() as session:
         jobs = [Job(id=uuid.uuid4(), adapter=a, requested_adapter=a, input=f"Question {i}?",
                     params={**TEXT, "max_new_tokens": 5}) for i, a in enumerate(["kev", "laya", "kev", "laya"])]
@@ -446,9 +449,9 @@ def test_a_claim_group_is_closed_in_the_commit_that_finishes_its_last_job(servic
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
-                        ignore_eos=True)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 4, "ignore_eos": True}, kev={"path": str(tiny_model["kev"])},
+                        laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         session.add_all([Job(id=uuid.uuid4(), adapter=a, requested_adapter=a, input=f"Question {i}?",
                              params={**TEXT, "max_new_tokens": 2 + i}) for i, a in enumerate(["kev", "laya"] * 3)])
@@ -496,9 +499,9 @@ def test_the_decode_loop_leaves_the_results_text_to_the_writer_thread(service_en
     from worker.model import tokens
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
-                        ignore_eos=True, engine_switch_interval_ms=0.25)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 4, "ignore_eos": True, "switch_interval_ms": 0.25},
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         jobs = [Job(id=uuid.uuid4(), adapter=a, requested_adapter=a, input=f"Question {i}?",
                     params={**TEXT, "max_new_tokens": 6}) for i, a in enumerate(["kev", "laya", "kev"])]
@@ -543,7 +546,7 @@ def _timed(prefills: list, engine, run, adapters_of):  # noqa: ANN001, ANN202
 
 
 def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(service_env, tiny_model, monkeypatch):
-    """One prompt per prefill (KEVLAYA_ENGINE_PREFILL_TOKENS=1): the Laya job first, then Kev prompts one by one,
+    """One prompt per prefill (KEVLAYA_ENGINE__PREFILL_TOKENS=1): the Laya job first, then Kev prompts one by one,
     each in passes between steps. While the Laya row decodes, a Kev pass of d seconds is followed by at least
     d × (1 − share) / share seconds of decoding before the next one (share 0.25: 3 d), so the Laya row spends at
     most a quarter of its time waiting for them."""
@@ -551,10 +554,11 @@ def test_kev_prefills_are_paced_while_a_laya_row_decodes_and_every_job_succeeds(
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
-                        ignore_eos=True, engine_prefill_tokens=1, engine_prefill_share=0.25,
-                        max_wait_ms=600_000)  # on a loaded machine no job may reach the bound, which is never paced
+    # On a loaded machine no job may reach the fairness bound, which is never paced.
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])},
+                        engine={"max_batch": 4, "ignore_eos": True, "prefill_tokens": 1, "prefill_share": 0.25,
+                                "max_wait_ms": 600_000})
     with session_scope() as session:
         session.add(Job(adapter="laya", requested_adapter="laya", input="Quick: A or B?",
                         params={**TEXT, "max_new_tokens": 120}))
@@ -586,9 +590,9 @@ def _engine_with_a_kev_job(tiny_model, new_tokens: int):  # noqa: ANN001, ANN202
     from worker.engine.loop import Engine
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
-                        ignore_eos=True, engine_prefill_chunk_tokens=16)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 4, "ignore_eos": True, "prefill_chunk_tokens": 16},
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         session.add(Job(adapter="kev", requested_adapter="kev", input="Weigh option A.",
                         params={**TEXT, "max_new_tokens": new_tokens}))
@@ -596,7 +600,7 @@ def _engine_with_a_kev_job(tiny_model, new_tokens: int):  # noqa: ANN001, ANN202
 
 
 def test_a_laya_job_claimed_during_a_kev_prefill_goes_before_its_next_pass(service_env, tiny_model, monkeypatch):
-    """KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS: Kev prompts that come while rows decode are prefilled one pass (here 16
+    """KEVLAYA_ENGINE__PREFILL_BETWEEN_STEPS: Kev prompts that come while rows decode are prefilled one pass (here 16
     padded tokens) between two steps; a Laya job claimed meanwhile is prefilled whole before the next pass, so it
     waits for one pass, not for the whole Kev prefill."""
     engine = _engine_with_a_kev_job(tiny_model, new_tokens=80)
@@ -733,9 +737,9 @@ def test_a_laya_job_is_looked_for_at_every_step_while_its_reserved_slot_stands_u
     from worker.model.loading import load_model
 
     monkeypatch.setattr(loop, "IDLE_POLL_S", 3600.0)
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=4,
-                        ignore_eos=True)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 4, "ignore_eos": True}, kev={"path": str(tiny_model["kev"])},
+                        laya={"path": str(tiny_model["laya"])})
     with session_scope() as session:
         session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Weigh option {i}.",
                              params={**TEXT, "max_new_tokens": 60}) for i in range(2)])
@@ -763,16 +767,16 @@ def test_a_laya_job_is_looked_for_at_every_step_while_its_reserved_slot_stands_u
 
 
 def test_with_latency_steps_laya_rows_step_alone_beside_kev_rows_and_every_job_succeeds(service_env, tiny_model):
-    """KEVLAYA_ENGINE_LATENCY_STEPS: the engine's decoder gives the Laya rows (the role with reserved slots: 2 of
+    """KEVLAYA_ENGINE__LATENCY_STEPS: the engine's decoder gives the Laya rows (the role with reserved slots: 2 of
     8 here) steps of their own beside Kev rows, and every job still gets its tokens, once."""
     from shared.settings import Settings
     from worker.engine.loop import Engine
     from worker.metrics import METRICS
     from worker.model.loading import load_model
 
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])}, max_batch=8,
-                        ignore_eos=True, engine_latency_steps=True)
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 8, "ignore_eos": True, "latency_steps": True},
+                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])})
     new_tokens = {"kev": 30, "laya": 8}
     with session_scope() as session:
         session.add_all([Job(adapter=a, requested_adapter=a, input=f"Question {i}?",

@@ -17,8 +17,8 @@ from modellab.evaluation import Answer, calibration, summarize
 
 def test_eval_command_writes_a_consistent_report(tiny_model, tmp_path: Path):
     data = write_dataset(tmp_path / "data", n_train=4, n_val=2, n_test=6, seed=1)
-    env = {**os.environ, "KEVLAYA_BASE_MODEL": str(tiny_model["base"]), "KEVLAYA_KEV__PATH": str(tiny_model["kev"]),
-           "KEVLAYA_LAYA__PATH": str(tiny_model["laya"]), "KEVLAYA_DEVICE": "cpu",
+    env = {**os.environ, "KEVLAYA_MODEL__BASE": str(tiny_model["base"]), "KEVLAYA_KEV__PATH": str(tiny_model["kev"]),
+           "KEVLAYA_LAYA__PATH": str(tiny_model["laya"]), "KEVLAYA_MODEL__DEVICE": "cpu",
            "KEVLAYA_KEV__MAX_NEW_TOKENS": "12", "KEVLAYA_LAYA__MAX_NEW_TOKENS": "6"}
     out = tmp_path / "results"
     run = subprocess.run([sys.executable, "-m", "cli", "eval", "--scenarios", str(data["test_scenarios"]),

@@ -55,7 +55,7 @@ def slow_model(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture
 def notices(env):
-    collector = Notices(env["KEVLAYA_REDIS_URL"])
+    collector = Notices(env["KEVLAYA_REDIS__URL"])
     yield collector
     collector.close()
 
@@ -134,8 +134,9 @@ def assert_every_job_ended_once(job_ids: list[str], notices: Notices | None, exp
 
 @pytest.mark.slow  # three model loads of ~10 s and NF4 batches on the CPU: about 3 minutes per database
 def test_pool_child_killed_three_times_with_a_slow_loading_model(env, api, start_process, slow_model, notices):
-    env = {**env, "KEVLAYA_BASE_MODEL": str(slow_model["base"]), "KEVLAYA_KEV__PATH": str(slow_model["kev"]),
-           "KEVLAYA_LAYA__PATH": str(slow_model["laya"]), "KEVLAYA_QUANTIZATION": "nf4", "KEVLAYA_MAX_ATTEMPTS": "10",
+    env = {**env, "KEVLAYA_MODEL__BASE": str(slow_model["base"]), "KEVLAYA_KEV__PATH": str(slow_model["kev"]),
+           "KEVLAYA_LAYA__PATH": str(slow_model["laya"]), "KEVLAYA_MODEL__QUANTIZATION": "nf4",
+           "KEVLAYA_RELIABILITY__MAX_ATTEMPTS": "10",
            "KEVLAYA_KEV__MAX_NEW_TOKENS": "16"}  # an escalated Kev stage would otherwise write up to 512 tokens
     worker = start_worker(start_process, env, api)
     load_s = float(READY.search(worker.output()).group(1))
@@ -176,13 +177,13 @@ def test_main_process_killed_then_restarted_loses_nothing(env, api, start_proces
 
 def test_a_worker_that_cannot_load_its_model_leaves_wake_ups_to_healthy_workers(env, api, start_process, tmp_path):
     # No sweeper re-publishing: a job runs only if its own wake-up reaches a worker that can serve it.
-    env = {**env, "KEVLAYA_SWEEP_INTERVAL_S": "600"}
-    broken = start_process("worker", {**env, "KEVLAYA_BASE_MODEL": str(tmp_path / "missing-model")})
+    env = {**env, "KEVLAYA_RELIABILITY__SWEEP_INTERVAL_S": "600"}
+    broken = start_process("worker", {**env, "KEVLAYA_MODEL__BASE": str(tmp_path / "missing-model")})
     wait_until(lambda: "stopped consuming kevlaya.jobs" in broken.output(), 120, interval=0.5,
                what=f"the broken worker to stop consuming:\n{broken.output()}")
     job_ids = [submit(api, "laya", f"wake-up {i}", max_new_tokens=4) for i in range(3)]
     time.sleep(3)
-    queue = redis.Redis.from_url(env["KEVLAYA_REDIS_URL"])
+    queue = redis.Redis.from_url(env["KEVLAYA_REDIS__URL"])
     # the wake-ups wait in Redis for a worker that can serve them (submits that met a publish in progress
     # share its wake-up: api/wakeups.py)
     assert 1 <= queue.llen("kevlaya.jobs") <= 3
@@ -209,8 +210,8 @@ def own_redis(request: pytest.FixtureRequest, tmp_path: Path) -> RedisServer:
 
 def test_redis_restarted_with_jobs_submitted_before_and_during_the_outage(env, start_process, own_redis,
                                                                           monkeypatch):
-    env = {**env, "KEVLAYA_REDIS_URL": own_redis.url}
-    monkeypatch.setenv("KEVLAYA_REDIS_URL", own_redis.url)
+    env = {**env, "KEVLAYA_REDIS__URL": own_redis.url}
+    monkeypatch.setenv("KEVLAYA_REDIS__URL", own_redis.url)
     reset_process_state()
     api = start_api(start_process, env)
     worker = start_worker(start_process, env, api)
@@ -390,7 +391,7 @@ def test_api_killed_mid_batch_submit_stores_each_batch_whole_or_not_at_all(env, 
             ids = [j["id"] for j in response.json()["jobs"]]
             assert set(stored_keys([b["idempotency_key"] for b in sent[name][0]]).values()) == set(ids)
             job_ids += [i for i in ids if i not in job_ids]
-        start_worker(start_process, {**env, "KEVLAYA_MAX_BATCH": "64"}, api)
+        start_worker(start_process, {**env, "KEVLAYA_ENGINE__MAX_BATCH": "64"}, api)
         job_ids.append(submit(api, "laya", "after the restart", max_new_tokens=1))
         wait_finished(api, job_ids, timeout=300)
         assert_every_job_ended_once(job_ids, notices)
@@ -437,7 +438,7 @@ def test_poison_jobs_among_good_ones_fail_alone_and_the_others_succeed(env, api,
         poison = make()
         job_ids.append(poison)
         expected[poison] = ("failed", code, what)
-    worker_env = {**env, "KEVLAYA_MAX_BATCH": "4",
+    worker_env = {**env, "KEVLAYA_ENGINE__MAX_BATCH": "4",
                   "KEVLAYA_LAYA__SYSTEM_PROMPT": "You are Laya. " + "Decide fast and answer in JSON. " * 12}
     start_worker(start_process, worker_env, api)
     wait_until(lambda: ledger_problems() == [] and all(
@@ -463,7 +464,7 @@ def worker_of(process) -> str:  # noqa: ANN001
 
 
 def test_two_workers_share_one_queue_and_one_killed_mid_batch_runs_nothing_twice(env, api, start_process, notices):
-    env = {**env, "KEVLAYA_MAX_BATCH": "2"}
+    env = {**env, "KEVLAYA_ENGINE__MAX_BATCH": "2"}
     workers = [start_worker(start_process, env, api), start_worker(start_process, env, api)]
 
     def loaded(worker) -> bool:  # noqa: ANN001 - /readyz is ready with one worker; each reports on its own
@@ -532,8 +533,8 @@ def test_a_batch_survives_worker_api_redis_and_database_faults_with_each_line_an
     """One batch through every fault in turn: the API killed just after the batch is created (mid-validation),
     the worker killed mid-drain, Redis restarted (here without its data), the database away for 10 s."""
     admin_url = request.getfixturevalue("postgres_admin_url") if database_url.startswith("postgresql") else None
-    env = {**env, "KEVLAYA_REDIS_URL": own_redis.url, "KEVLAYA_BATCH_LEASE_S": "3"}
-    monkeypatch.setenv("KEVLAYA_REDIS_URL", own_redis.url)
+    env = {**env, "KEVLAYA_REDIS__URL": own_redis.url, "KEVLAYA_BATCH__LEASE_S": "3"}
+    monkeypatch.setenv("KEVLAYA_REDIS__URL", own_redis.url)
     reset_process_state()
     api = start_api(start_process, env)
     worker = start_worker(start_process, env, api)

@@ -176,8 +176,8 @@ def runtime(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRuntime:
     def profile(name: str) -> dict[str, object]:
         return dict(path=str(dirs[name]), max_new_tokens=24)
 
-    return ReferenceRuntime.load(Settings(_env_file=None, base_model=str(dirs["base"]), kev=profile("kev"),
-                                          laya=profile("laya"), device="cpu"))
+    return ReferenceRuntime.load(Settings(_env_file=None, model={"base": str(dirs["base"]), "device": "cpu"},
+                                          kev=profile("kev"), laya=profile("laya")))
 
 
 def requests() -> list[GenerationRequest]:

@@ -27,7 +27,7 @@ from worker.generation import GenerationRequest
 from worker.ledger.outcomes import job_outcome
 from worker.model.tokens import decode_with_spans
 
-SETTINGS = Settings(_env_file=None, device="cpu")
+SETTINGS = Settings(_env_file=None, model={"device": "cpu"})
 SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1},
@@ -46,7 +46,7 @@ def random_weights(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRuntime
     from modellab.model_factory import build_random_model
 
     paths = build_random_model(tmp_path_factory.mktemp("random"), "tiny", seed=1)
-    return ReferenceRuntime.load(Settings(_env_file=None, device="cpu", base_model=str(paths["base"]),
+    return ReferenceRuntime.load(Settings(_env_file=None, model={"device": "cpu", "base": str(paths["base"])},
                                           kev={"path": str(paths["kev"])}, laya={"path": str(paths["laya"])}))
 
 
@@ -317,7 +317,7 @@ def test_chat_parameters_that_cannot_be_honoured_are_refused_naming_them(client:
 
 @pytest.fixture
 def quick_chat(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KEVLAYA_CHAT_TIMEOUT_S", "0.2")  # read when `client` builds the app
+    monkeypatch.setenv("KEVLAYA_LIMITS__CHAT_TIMEOUT_S", "0.2")  # read when `client` builds the app
 
 
 def test_chat_parameters_become_the_jobs_own(quick_chat, client: TestClient):

@@ -242,7 +242,7 @@ print(errors)
 
 
 def test_api_processes_on_one_sqlite_file_take_turns_at_writing(tmp_path):
-    """With KEVLAYA_API_WORKERS > 1 several processes write one SQLite file: they take turns on a lock file
+    """With KEVLAYA_API__WORKERS > 1 several processes write one SQLite file: they take turns on a lock file
     beside it (shared/db.py: one_writer) instead of on SQLite's busy handler. With the handler off, none of
     two processes writing at once ever finds the database locked."""
     import os
@@ -254,7 +254,7 @@ def test_api_processes_on_one_sqlite_file_take_turns_at_writing(tmp_path):
 
     url = f"sqlite:///{tmp_path / 'jobs.db'}"
     upgrade(url)
-    env = {**os.environ, "KEVLAYA_DATABASE_URL": url}
+    env = {**os.environ, "KEVLAYA_DATABASE__URL": url}
     start = f"{time.time() + 3:.3f}"
     writers = [subprocess.Popen([sys.executable, "-c", WRITER_PROCESS, start], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -263,7 +263,7 @@ def test_api_processes_on_one_sqlite_file_take_turns_at_writing(tmp_path):
     assert [out.strip() for out, _ in outputs] == ["0", "0"], outputs
 
 
-# -- the writer in a process of its own (KEVLAYA_API_WRITER=process, what `kevlaya api` runs) ----------------
+# -- the writer in a process of its own (KEVLAYA_API__WRITER=process, what `kevlaya api` runs) ----------------
 
 def run(coroutine):  # noqa: ANN001, ANN201
     return asyncio.run(coroutine)
@@ -308,7 +308,7 @@ def test_the_writer_process_answers_with_the_errors_the_thread_would(keys, servi
                 await writer.store(keys[1], [job(1)])
         finally:
             await writer.aclose(30)
-        monkeypatch.setenv("KEVLAYA_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+        monkeypatch.setenv("KEVLAYA_REDIS__URL", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
         writer = WriterProcess()
         try:
             with pytest.raises(ApiError) as refused:

@@ -1,7 +1,7 @@
-"""Per-key caps on requests that stay open (RELIABILITY.md, Security): one key past `KEVLAYA_STREAMS_PER_KEY` event
-streams or `KEVLAYA_LONG_POLLS_PER_KEY` long-polls gets 429 naming the cap, another key is served, and a closed
-stream gives its place back. A real API process on loopback; its job stays queued (no worker), so streams and
-waits stay open."""
+"""Per-key caps on requests that stay open (RELIABILITY.md, Security): one key past
+`KEVLAYA_CONNECTIONS__STREAMS_PER_KEY` event streams or `KEVLAYA_CONNECTIONS__LONG_POLLS_PER_KEY` long-polls gets 429
+naming the cap, another key is served, and a closed stream gives its place back. A real API process on loopback; its job
+stays queued (no worker), so streams and waits stay open."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True) 
 
 @pytest.fixture
 def capped(service_env: dict[str, str], start_process) -> httpx.Client:  # noqa: ANN001
-    env = {**service_env, "KEVLAYA_API_PORT": str(free_port()), "KEVLAYA_STREAMS_PER_KEY": str(CAP),
-           "KEVLAYA_LONG_POLLS_PER_KEY": str(CAP)}
+    env = {**service_env, "KEVLAYA_API__PORT": str(free_port()), "KEVLAYA_CONNECTIONS__STREAMS_PER_KEY": str(CAP),
+           "KEVLAYA_CONNECTIONS__LONG_POLLS_PER_KEY": str(CAP)}
     client = start_api(start_process, env)
     yield client
     client.close()
@@ -61,10 +61,11 @@ def assert_capped(answer: httpx.Response, code: str, variable: str) -> None:
 def test_a_key_over_its_stream_cap_gets_429_and_a_closed_stream_gives_its_place_back(capped):
     job = queued_job(capped, AUTH)
     held = [opened(capped, f"/v1/jobs/{job}/events", AUTH) for _ in range(CAP)]
-    assert_capped(capped.get(f"/v1/jobs/{job}/events"), "too_many_streams", "KEVLAYA_STREAMS_PER_KEY")
+    assert_capped(capped.get(f"/v1/jobs/{job}/events"), "too_many_streams", "KEVLAYA_CONNECTIONS__STREAMS_PER_KEY")
     chat = {"model": "laya", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     before = capped.get("/v1/jobs").json()["jobs"]
-    assert_capped(capped.post("/v1/chat/completions", json=chat), "too_many_streams", "KEVLAYA_STREAMS_PER_KEY")
+    assert_capped(capped.post("/v1/chat/completions", json=chat), "too_many_streams",
+                  "KEVLAYA_CONNECTIONS__STREAMS_PER_KEY")
     assert capped.get("/v1/jobs").json()["jobs"] == before  # the refused chat stored no job
 
     other = other_key()
@@ -88,9 +89,10 @@ def test_a_key_over_its_long_poll_cap_gets_429(capped):
     held = [opened(capped, f"/v1/jobs/{job}/wait?timeout=30", AUTH, first_line=False) for _ in range(CAP)]
     time.sleep(0.5)  # both waits reached the server
     refused = capped.get(f"/v1/jobs/{job}/wait?timeout=30")
-    assert_capped(refused, "too_many_long_polls", "KEVLAYA_LONG_POLLS_PER_KEY")
+    assert_capped(refused, "too_many_long_polls", "KEVLAYA_CONNECTIONS__LONG_POLLS_PER_KEY")
     chat = {"model": "laya", "messages": [{"role": "user", "content": "hi"}]}
-    assert_capped(capped.post("/v1/chat/completions", json=chat), "too_many_long_polls", "KEVLAYA_LONG_POLLS_PER_KEY")
+    assert_capped(capped.post("/v1/chat/completions", json=chat), "too_many_long_polls",
+                  "KEVLAYA_CONNECTIONS__LONG_POLLS_PER_KEY")
     other = other_key()
     started = time.monotonic()
     answer = capped.get(f"/v1/jobs/{queued_job(capped, other)}/wait?timeout=0.2", headers=other)

@@ -1,4 +1,4 @@
-"""Keys (RELIABILITY.md, Security; issue 58): a new `KEVLAYA_API_KEY` revokes the old bootstrap key, a key set by hand
+"""Keys (RELIABILITY.md, Security; issue 58): a new `KEVLAYA_API__KEY` revokes the old bootstrap key, a key set by hand
 must be hard to guess, failed authentications are throttled per client address across API processes, and a key's
 rate limit counts jobs in a moving window. Real API processes, a real Redis, loopback only."""
 
@@ -38,7 +38,7 @@ def app_client(monkeypatch: pytest.MonkeyPatch, **env: str) -> TestClient:
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("KEVLAYA_API_WRITER", "thread")
+    monkeypatch.setenv("KEVLAYA_API__WRITER", "thread")
     reset_process_state()
     return TestClient(create_app(), raise_server_exceptions=False)
 
@@ -55,7 +55,7 @@ def test_a_new_api_key_value_revokes_the_old_one_at_the_api_start(env, start_pro
     first.close()
     start_process.started[-1].stop()
 
-    restarted = start_api(start_process, {**env, "KEVLAYA_API_KEY": NEW_KEY})
+    restarted = start_api(start_process, {**env, "KEVLAYA_API__KEY": NEW_KEY})
     try:
         old = restarted.get("/v1/stats", headers=bearer(API_KEY))  # before any use of the new value
         assert old.status_code == 401 and "revoked" in old.json()["error"]["message"]
@@ -74,11 +74,11 @@ def test_the_first_use_of_a_new_value_revokes_the_old_one_and_an_older_value_nev
     assert client.get("/v1/jobs", headers=AUTH).status_code == 200
     with session_scope() as session:
         _, made_key = create_key(session, "ci-bot")
-    with app_client(monkeypatch, KEVLAYA_API_KEY=NEW_KEY) as rotated:  # no start hook: the first use does it
+    with app_client(monkeypatch, KEVLAYA_API__KEY=NEW_KEY) as rotated:  # no start hook: the first use does it
         assert rotated.get("/v1/jobs", headers=bearer(NEW_KEY)).status_code == 200
         assert rotated.get("/v1/jobs", headers=bearer(API_KEY)).status_code == 401
         # an API process still on the old value, restarted: its start revokes nothing newer, its value stays revoked
-        monkeypatch.setenv("KEVLAYA_API_KEY", API_KEY)
+        monkeypatch.setenv("KEVLAYA_API__KEY", API_KEY)
         reset_process_state()
         from shared.settings import get_settings
 
@@ -97,15 +97,15 @@ def test_unsetting_the_api_key_revokes_the_bootstrap_key_at_the_start(client, mo
     from shared.settings import get_settings
 
     assert client.get("/v1/jobs", headers=AUTH).status_code == 200
-    monkeypatch.setenv("KEVLAYA_API_KEY", "")
+    monkeypatch.setenv("KEVLAYA_API__KEY", "")
     reset_process_state()
-    assert retire_replaced_keys(get_settings()) == ["KEVLAYA_API_KEY unset: 1 earlier bootstrap key(s) revoked"]
+    assert retire_replaced_keys(get_settings()) == ["KEVLAYA_API__KEY unset: 1 earlier bootstrap key(s) revoked"]
     assert client.get("/v1/jobs", headers=AUTH).status_code == 401
 
 
 def test_keys_create_keeps_the_bootstrap_name_for_the_api_key(service_env):
     refused = kevlaya("keys", "create", BOOTSTRAP_NAME, "--admin", env=service_env)
-    assert refused.returncode == 2 and "KEVLAYA_API_KEY" in refused.stderr
+    assert refused.returncode == 2 and "KEVLAYA_API__KEY" in refused.stderr
 
 
 # -- keys set by hand ----------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def test_keys_create_keeps_the_bootstrap_name_for_the_api_key(service_env):
                                   "0123456" * 4])
 def test_a_weak_key_is_refused_naming_the_setting_and_the_rule(weak):
     problem = weak_key_problem(weak)
-    assert problem and "KEVLAYA_API_KEY" in problem and "at least 32 characters" in problem
+    assert problem and "KEVLAYA_API__KEY" in problem and "at least 32 characters" in problem
 
 
 def test_made_keys_and_128_random_bits_in_hex_pass():
@@ -126,9 +126,10 @@ def test_made_keys_and_128_random_bits_in_hex_pass():
 def test_the_api_and_kevlaya_run_refuse_to_start_with_a_weak_key(service_env, tmp_path):
     for command in (["api"], ["run"]):
         done = subprocess.run([sys.executable, "-m", "cli", *command], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120, env={**os.environ, **service_env, "KEVLAYA_API_KEY": "letmein-letmein"})
+                              timeout=120, env={**os.environ, **service_env, "KEVLAYA_API__KEY": "letmein-letmein"})
         assert done.returncode == 2, (command, done.stdout, done.stderr)
-        assert "KEVLAYA_API_KEY is too short (15 characters)" in done.stderr and "at least 32 characters" in done.stderr
+        assert "KEVLAYA_API__KEY is too short (15 characters)" in done.stderr
+        assert "at least 32 characters" in done.stderr
     assert not (tmp_path / ".kevlaya").exists()  # `kevlaya run` stopped before it made anything
 
 
@@ -139,18 +140,18 @@ def test_keys_generate_prints_a_key_strong_enough(service_env):
 
 # -- failed authentications ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("env", [{"KEVLAYA_AUTH_FAILURES_PER_ADDRESS": "5", "KEVLAYA_AUTH_FAILURE_WINDOW_S": "60"}],
-                         indirect=True)
+@pytest.mark.parametrize("env", [{"KEVLAYA_KEYS__AUTH_FAILURES_PER_ADDRESS": "5",
+                                  "KEVLAYA_KEYS__AUTH_FAILURE_WINDOW_S": "60"}], indirect=True)
 def test_failed_authentications_are_throttled_per_address_across_api_processes(env, start_process):
     first = start_api(start_process, env)
-    second = start_api(start_process, {**env, "KEVLAYA_API_PORT": str(free_port())})
+    second = start_api(start_process, {**env, "KEVLAYA_API__PORT": str(free_port())})
     try:
         codes = [first.get("/v1/jobs", headers=bearer(f"kl_guess_{n}")).status_code for n in range(6)]
         assert codes == [401] * 5 + [429], codes
         refused = first.get("/v1/jobs")  # the client's own key, valid: the address is refused whatever it sends
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_auth_failures"
         assert 0 < int(refused.headers["retry-after"]) <= 60
-        assert "KEVLAYA_AUTH_FAILURES_PER_ADDRESS" in refused.json()["error"]["message"]
+        assert "KEVLAYA_KEYS__AUTH_FAILURES_PER_ADDRESS" in refused.json()["error"]["message"]
         # the other process counts the same failures: its first guess from the address is already refused
         assert second.get("/v1/jobs", headers=bearer("kl_guess_other")).status_code == 429
         assert second.post("/v1/jobs", json=JOB).status_code == 429
@@ -165,8 +166,8 @@ def test_failed_authentications_are_throttled_per_address_across_api_processes(e
 
 
 def test_with_redis_away_failures_are_not_counted_and_nobody_is_locked_out(client, monkeypatch, caplog):
-    monkeypatch.setenv("KEVLAYA_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
-    monkeypatch.setenv("KEVLAYA_AUTH_FAILURES_PER_ADDRESS", "2")
+    monkeypatch.setenv("KEVLAYA_REDIS__URL", f"redis://127.0.0.1:{free_port()}/0")
+    monkeypatch.setenv("KEVLAYA_KEYS__AUTH_FAILURES_PER_ADDRESS", "2")
     reset_process_state()
     caplog.set_level("WARNING", logger="kevlaya.api")
     assert [client.get("/v1/jobs", headers=bearer("kl_wrong")).status_code for _ in range(4)] == [401] * 4

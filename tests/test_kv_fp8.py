@@ -1,4 +1,4 @@
-"""The fp8 key/value cache (`KEVLAYA_ENGINE_KV_DTYPE=fp8`) on the shipped demo model: it holds one byte an element,
+"""The fp8 key/value cache (`KEVLAYA_ENGINE__KV_DTYPE=fp8`) on the shipped demo model: it holds one byte an element,
 and greedy answers agree with the compute-dtype cache's; `auto` changes nothing."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ NEW_TOKENS = 160  # more than any of these answers takes, so every decision clos
 
 @pytest.fixture(scope="module")
 def runtime() -> ReferenceRuntime:
-    return ReferenceRuntime.load(Settings(_env_file=None, device="cpu"))
+    return ReferenceRuntime.load(Settings(_env_file=None, model={"device": "cpu"}))
 
 
 def answers(runtime: ReferenceRuntime, requests: list[GenerationRequest], slots: int, window: int,
@@ -72,7 +72,7 @@ def test_an_fp8_block_holds_one_byte_an_element_as_the_budget_counts(runtime: Re
 
 def test_greedy_answers_with_an_fp8_cache_agree_with_the_compute_dtype_cache(runtime: ReferenceRuntime) -> None:
     """Held-out scenarios asked as `kevlaya eval` asks them (decision grammar, greedy), to both adapters."""
-    settings = Settings(_env_file=None, device="cpu")
+    settings = Settings(_env_file=None, model={"device": "cpu"})
     evaluator = Evaluator(runtime.loaded, settings)
     requests = [dataclasses.replace(evaluator._request(adapter, scenario, constrained=True), max_new_tokens=NEW_TOKENS)
                 for adapter in ("kev", "laya") for _, scenario in load_scenarios(SCENARIOS, limit=HELD_OUT)]
@@ -100,7 +100,8 @@ def test_fp8_static_steps_answer_as_its_eager_steps(runtime: ReferenceRuntime, s
 
 
 def test_auto_is_the_decoder_built_without_a_storage_dtype(runtime: ReferenceRuntime) -> None:
-    settings = Settings(_env_file=None, device="cpu", max_batch=4, engine_window_tokens=256, engine_kv_dtype="auto")
+    settings = Settings(_env_file=None, model={"device": "cpu"},
+                        engine={"max_batch": 4, "window_tokens": 256, "kv_dtype": "auto"})
     requests = mixed_requests()
     built = build_decoder(runtime.loaded, settings)
     try:
@@ -108,13 +109,14 @@ def test_auto_is_the_decoder_built_without_a_storage_dtype(runtime: ReferenceRun
         slots, got = built.kv.slots, built.run(requests)
     finally:
         built.close()
-    expected = answers(runtime, requests, slots, 256, texts=False, prefill_tokens=settings.engine_prefill_tokens)
+    expected = answers(runtime, requests, slots, 256, texts=False, prefill_tokens=settings.engine.prefill_tokens)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert [r.token_logprobs for r in got] == [r.token_logprobs for r in expected]
 
 
 def test_fp8_reaches_the_worker_decoder_from_the_settings(runtime: ReferenceRuntime) -> None:
-    settings = Settings(_env_file=None, device="cpu", max_batch=4, engine_window_tokens=256, engine_kv_dtype="fp8")
+    settings = Settings(_env_file=None, model={"device": "cpu"},
+                        engine={"max_batch": 4, "window_tokens": 256, "kv_dtype": "fp8"})
     built = build_decoder(runtime.loaded, settings)
     try:
         assert built.kv.layers[0].keys.dtype == built.kv.layers[0].values.dtype == FP8
@@ -123,6 +125,6 @@ def test_fp8_reaches_the_worker_decoder_from_the_settings(runtime: ReferenceRunt
 
 
 def test_an_unknown_kv_dtype_is_refused_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KEVLAYA_ENGINE_KV_DTYPE", "fp9")
-    with pytest.raises(pydantic.ValidationError, match="engine_kv_dtype"):
+    monkeypatch.setenv("KEVLAYA_ENGINE__KV_DTYPE", "fp9")
+    with pytest.raises(pydantic.ValidationError, match=r"engine\.kv_dtype"):
         Settings(_env_file=None)

@@ -1,4 +1,4 @@
-"""Steps of the latency rows alone (`SlotDecoder(latency_adapters=...)`, KEVLAYA_ENGINE_LATENCY_STEPS), on the
+"""Steps of the latency rows alone (`SlotDecoder(latency_adapters=...)`, KEVLAYA_ENGINE__LATENCY_STEPS), on the
 shipped demo model: after each step of every row, the Laya rows step once more by themselves, the Kev rows
 getting a hole at that column; every answer is still `generate`'s, with eager steps and with static ones (the
 steps CUDA graphs capture, run eagerly here)."""

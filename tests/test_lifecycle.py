@@ -25,7 +25,7 @@ from worker.ledger.claims import claim_group
 
 @pytest.fixture
 def notices(service_env):
-    collector = Notices(service_env["KEVLAYA_REDIS_URL"])
+    collector = Notices(service_env["KEVLAYA_REDIS__URL"])
     yield collector
     collector.close()
 
@@ -61,7 +61,7 @@ def test_a_kev_stage_that_fails_settles_its_parent(service_env, tiny_model: dict
     parent_id, kev_id = escalated_auto_job()
     with session_scope() as session:  # stored params the worker cannot use fail the Kev stage
         session.execute(update(Job).where(Job.id == kev_id).values(params={"temperature": "warm"}))
-    settings = Settings(_env_file=None, base_model=str(tiny_model["base"]), device="cpu",
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
                         kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])})
     engine = Engine(load_model(settings), settings)
     try:

@@ -97,9 +97,9 @@ def make(target: str, clone: Path, env: dict[str, str], *variables: str, **popen
 def test_make_run_serves_jobs_without_redis_or_postgresql_installed(fresh_clone: Path, bare_env: dict[str, str],
                                                                      tmp_path: Path):
     api_port, flower_port, redis_port = free_port(), free_port(), free_port()
-    env = {**bare_env, "KEVLAYA_API_PORT": str(api_port), "KEVLAYA_FLOWER_PORT": str(flower_port),
+    env = {**bare_env, "KEVLAYA_API__PORT": str(api_port), "KEVLAYA_FLOWER__PORT": str(flower_port),
            # a port where nothing listens: `run` must start a Redis there, and no redis-server is installed
-           "KEVLAYA_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"}
+           "KEVLAYA_REDIS__URL": f"redis://127.0.0.1:{redis_port}/0"}
     log_path = tmp_path / "run.log"
     log = open(log_path, "wb")
     started = time.monotonic()

@@ -33,8 +33,9 @@ def make_settings(dirs: dict[str, Path], **paths: str) -> Settings:
         return dict(path=paths.get(name, str(dirs[name])), max_new_tokens=8, temperature=0.0,
                     system_prompt=f"You are {name}.")
 
-    return Settings(_env_file=None, base_model=paths.get("base", str(dirs["base"])), kev=profile("kev"),
-                    laya=profile("laya"), device="cpu", verify_manifests=True)
+    return Settings(_env_file=None,
+                    model={"base": paths.get("base", str(dirs["base"])), "device": "cpu", "verify_manifests": True},
+                    kev=profile("kev"), laya=profile("laya"))
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,7 @@ def test_adapters_are_served_in_the_models_compute_dtype(model_dirs: dict[str, P
         save_file({k: v.to(saved) for k, v in load_file(weights).items()}, weights)
     monkeypatch.setattr(loading, "compute_dtype", lambda device: torch.float16)
     settings = make_settings(model_dirs, kev=str(dirs["kev"]), laya=str(dirs["laya"]))
-    loaded = loading.load_model(settings.model_copy(update={"verify_manifests": False}))
+    loaded = loading.load_model(settings.updated(model={"verify_manifests": False}))
     assert loaded.unavailable == {}
     dtypes = {name: p.dtype for name, p in loaded.model.named_parameters()}
     assert {d for name, d in dtypes.items() if ".lora_" in name} == {torch.float16}
@@ -173,7 +174,7 @@ def test_per_row_max_new_tokens(runtime: ReferenceRuntime) -> None:
 def test_timings_are_each_jobs_own(model_dirs: dict[str, Path]) -> None:
     """A row's decode time ends at its own last token, and a later group's first token comes after an earlier
     group's whole run: per-job figures, not the batch's copied to every row."""
-    runtime = ReferenceRuntime.load(make_settings(model_dirs).model_copy(update={"ignore_eos": True}))
+    runtime = ReferenceRuntime.load(make_settings(model_dirs).updated(engine={"ignore_eos": True}))
     short, long, other = runtime.run_batch([
         request("kev", PROMPTS[0], max_new_tokens=2), request("kev", PROMPTS[1], max_new_tokens=40),
         request("laya", PROMPTS[2], max_new_tokens=4),
@@ -187,7 +188,7 @@ def test_timings_are_each_jobs_own(model_dirs: dict[str, Path]) -> None:
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_ignore_eos_generates_exactly_max_new_tokens(model_dirs: dict[str, Path], ignore_eos: bool) -> None:
     """The benchmark setting: with EOS made the model's favourite token, rows still run to their own limit."""
-    runtime = ReferenceRuntime.load(make_settings(model_dirs).model_copy(update={"ignore_eos": ignore_eos}))
+    runtime = ReferenceRuntime.load(make_settings(model_dirs).updated(engine={"ignore_eos": ignore_eos}))
     eos = runtime.eos_ids[0]
 
     def favour_eos(_module: torch.nn.Module, _inputs: object, logits: torch.Tensor) -> torch.Tensor:
@@ -365,7 +366,7 @@ def test_nf4_base_serves_both_adapters_on_the_cpu(model_dirs: dict[str, Path]) -
     CPU backend lets it run here."""
     import bitsandbytes as bnb
 
-    settings = make_settings(model_dirs).model_copy(update={"quantization": "nf4"})
+    settings = make_settings(model_dirs).updated(model={"quantization": "nf4"})
     quantized = ReferenceRuntime.load(settings)
     layers = [m for m in quantized.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert layers and all(m.weight.quant_type == "nf4" for m in layers)

@@ -14,13 +14,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.settings import Settings
+from shared.settings import EngineSettings
 from tests.conftest import API_KEY, start_worker, submit, wait_finished, wait_until
 from tests.test_compose import dashboard_metric_names
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BUDGET_GIB = Settings.model_fields["vram_budget_gb"].default  # the tests' workers leave it unset
+DEFAULT_BUDGET_GIB = EngineSettings.model_fields["vram_budget_gb"].default  # the tests' workers leave it unset
 LATENCY_HISTOGRAMS = ("kevlaya_job_queue_wait_seconds", "kevlaya_job_time_to_first_token_seconds",
                       "kevlaya_job_time_per_output_token_seconds", "kevlaya_job_end_to_end_seconds")
 
@@ -57,10 +57,10 @@ def run_jobs(api: httpx.Client) -> list[dict]:
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_metrics_and_logs_after_a_real_run_and_a_silent_worker(env, api, start_process):
-    env = {**env, "KEVLAYA_LOG_FORMAT": "json"}
+    env = {**env, "KEVLAYA_MONITORING__LOG_FORMAT": "json"}
     worker = start_worker(start_process, env, api)
     jobs = run_jobs(api)
-    worker_url = f"http://127.0.0.1:{env['KEVLAYA_WORKER_METRICS_PORT']}/metrics"
+    worker_url = f"http://127.0.0.1:{env['KEVLAYA_MONITORING__METRICS_PORT']}/metrics"
     api.get("/v1/jobs/not-a-uuid")  # a 422, to see statuses other than 200 counted
 
     work = scrape(worker_url)
@@ -127,7 +127,7 @@ def test_metrics_and_logs_after_a_real_run_and_a_silent_worker(env, api, start_p
 def test_readiness_follows_the_model_load_not_the_next_heartbeat(env, api, start_process):
     """Heartbeats every 100 s: the worker still turns /readyz ready as soon as its model is loaded, because it
     beats once right after the load (the first beat, at start, says the model is not loaded yet)."""
-    slow_beats = {**env, "KEVLAYA_SWEEP_INTERVAL_S": "100", "KEVLAYA_HEARTBEAT_TTL_S": "300"}
+    slow_beats = {**env, "KEVLAYA_RELIABILITY__SWEEP_INTERVAL_S": "100", "KEVLAYA_RELIABILITY__HEARTBEAT_TTL_S": "300"}
     worker = start_process("worker", slow_beats)
     wait_until(lambda: "engine ready" in worker.log_path.read_text(errors="replace"), 60, what="the model to load")
     wait_until(lambda: api.get("/readyz").status_code == 200, 15, what="readiness after the load")

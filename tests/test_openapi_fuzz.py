@@ -34,11 +34,11 @@ def database_url(tmp_path: Path) -> str:
 @pytest.fixture
 def fuzzed_app(service_env: dict[str, str], monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     # No worker runs here: chat completions answer 504 quickly, long-polls end quickly.
-    monkeypatch.setenv("KEVLAYA_CHAT_TIMEOUT_S", "0.2")
-    monkeypatch.setenv("KEVLAYA_MAX_WAIT_TIMEOUT_S", "0.5")
+    monkeypatch.setenv("KEVLAYA_LIMITS__CHAT_TIMEOUT_S", "0.2")
+    monkeypatch.setenv("KEVLAYA_LIMITS__WAIT_TIMEOUT_S", "0.5")
     # Schemathesis checks that every wrong key gets 401: its thousands come from one address, which the failed-
     # authentication throttle would answer with 429 after 20 (tests/test_key_security.py tests the throttle).
-    monkeypatch.setenv("KEVLAYA_AUTH_FAILURES_PER_ADDRESS", "1000000")
+    monkeypatch.setenv("KEVLAYA_KEYS__AUTH_FAILURES_PER_ADDRESS", "1000000")
     from shared.settings import get_settings
 
     get_settings.cache_clear()
@@ -133,11 +133,11 @@ def test_schema_states_the_configured_bounds(fuzzed_app):
         return next(b for b in node.get("anyOf", [node]) if b.get("type") == kind)
 
     assert branch(components["JobParams"]["properties"]["max_new_tokens"], "integer")["maximum"] == \
-        configured.max_new_tokens_limit
+        configured.limits.max_new_tokens
     text_input = branch(components["JobCreate"]["properties"]["input"], "string")
-    assert text_input["minLength"] == 1 and text_input["maxLength"] == configured.max_prompt_chars
-    assert components["JobBatchCreate"]["properties"]["jobs"]["maxItems"] == configured.max_batch_submit
+    assert text_input["minLength"] == 1 and text_input["maxLength"] == configured.limits.prompt_chars
+    assert components["JobBatchCreate"]["properties"]["jobs"]["maxItems"] == configured.limits.batch_submit
     wait = spec["paths"]["/v1/jobs/{job_id}/wait"]["get"]["parameters"]
     timeout = branch(next(p for p in wait if p["name"] == "timeout")["schema"], "number")
-    assert timeout["maximum"] == configured.max_wait_timeout_s and timeout["exclusiveMinimum"] == 0
+    assert timeout["maximum"] == configured.limits.wait_timeout_s and timeout["exclusiveMinimum"] == 0
     assert components["ChatRequest"]["properties"]["messages"]["minItems"] == 1

@@ -141,7 +141,7 @@ def test_real_prometheus_scrapes_the_service_and_runs_every_dashboard_query(prom
         assert checked.returncode == 0, checked.stdout + checked.stderr
 
     api_target = api.base_url.host + f":{api.base_url.port}"
-    worker_target = f"127.0.0.1:{env['KEVLAYA_WORKER_METRICS_PORT']}"
+    worker_target = f"127.0.0.1:{env['KEVLAYA_MONITORING__METRICS_PORT']}"
     absent_target = f"127.0.0.1:{free_port()}"  # worker-gpu1 without its profile: nothing listens there
     config = local_config({"api:8000": api_target, "worker:9109": worker_target, "worker-gpu1:9109": absent_target})
     prometheus = Prometheus(prometheus_binary, config, tmp_path)

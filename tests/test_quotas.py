@@ -92,7 +92,7 @@ def in_parallel(count: int, call) -> list:  # noqa: ANN001
 
 # -- stored bytes: uploads --------------------------------------------------------------------------------------
 
-UPLOAD_QUOTA = {"KEVLAYA_STORED_BYTES_PER_KEY": str(MiB), "KEVLAYA_API_WORKERS": "2"}
+UPLOAD_QUOTA = {"KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY": str(MiB), "KEVLAYA_API__WORKERS": "2"}
 
 
 @pytest.mark.integration
@@ -100,7 +100,7 @@ UPLOAD_QUOTA = {"KEVLAYA_STORED_BYTES_PER_KEY": str(MiB), "KEVLAYA_API_WORKERS":
 def test_twenty_parallel_uploads_never_pass_the_keys_quota(env, api):
     """Two API processes; 20 uploads of 100 KiB at once under a 1 MiB quota: at most 10 are kept (before: 18 on
     PostgreSQL), the others get 413 naming the limit, and the disk and the key's usage hold exactly the kept ones."""
-    files_dir = Path(env["KEVLAYA_FILES_DIR"])
+    files_dir = Path(env["KEVLAYA_BATCH__FILES_DIR"])
     content = jsonl_bytes(100 * 1024)
 
     def one(_: int) -> httpx.Response:
@@ -112,7 +112,7 @@ def test_twenty_parallel_uploads_never_pass_the_keys_quota(env, api):
     refused = [a for a in answers if a.status_code != 200]
     assert 1 <= len(kept) <= MiB // len(content), [a.text for a in answers]
     assert all(a.status_code == 413 and a.json()["error"]["code"] == "storage_quota_exceeded" for a in refused)
-    assert all("KEVLAYA_STORED_BYTES_PER_KEY" in a.json()["error"]["message"] for a in refused)
+    assert all("KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY" in a.json()["error"]["message"] for a in refused)
     key_id = key_id_of()
     assert stored_bytes(key_id) == counted_from_rows(key_id) == len(kept) * len(content) <= MiB
     assert sorted(p.name for p in files_on_disk(files_dir)) == sorted(a.json()["id"].removeprefix("file-")
@@ -122,7 +122,7 @@ def test_twenty_parallel_uploads_never_pass_the_keys_quota(env, api):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the database plays no part here
-@pytest.mark.parametrize("env", [{"KEVLAYA_STORED_BYTES_PER_KEY": str(MiB)}], indirect=True)
+@pytest.mark.parametrize("env", [{"KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY": str(MiB)}], indirect=True)
 def test_an_upload_over_the_quota_stops_as_it_passes_and_leaves_no_file(env, start_process, tmp_path):
     """A 20 MiB upload under a 1 MiB quota is answered 413 while the client is still sending (after 2 MiB), and no
     byte of it stays anywhere: not under the files directory, not in the system's temporary directory."""
@@ -132,13 +132,13 @@ def test_an_upload_over_the_quota_stops_as_it_passes_and_leaves_no_file(env, sta
     system_tmp.mkdir()
     api = start_api(start_process, {**env, "TMPDIR": str(system_tmp)})
     api.close()
-    files_dir = Path(env["KEVLAYA_FILES_DIR"])
+    files_dir = Path(env["KEVLAYA_BATCH__FILES_DIR"])
     boundary = "quota-test-boundary"
     head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
             f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
             "Content-Type: application/jsonl\r\n\r\n").encode()
     declared = len(head) + 20 * MiB
-    with socket.create_connection(("127.0.0.1", int(env["KEVLAYA_API_PORT"])), timeout=10) as sock:
+    with socket.create_connection(("127.0.0.1", int(env["KEVLAYA_API__PORT"])), timeout=10) as sock:
         sock.sendall(f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
                      f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
                      f"Content-Length: {declared}\r\n\r\n".encode() + head)
@@ -154,7 +154,7 @@ def test_an_upload_over_the_quota_stops_as_it_passes_and_leaves_no_file(env, sta
     status_line, _, rest = answer.partition(b"\r\n")
     assert b" 413 " in status_line, answer[:500]
     body = json.loads(rest.partition(b"\r\n\r\n")[2])
-    assert body["error"]["code"] == "storage_quota_exceeded" and "KEVLAYA_STORED_BYTES_PER_KEY" in \
+    assert body["error"]["code"] == "storage_quota_exceeded" and "KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY" in \
         body["error"]["message"]
     assert temporary_files(files_dir) == [] and files_on_disk(files_dir) == []
     assert list(system_tmp.iterdir()) == []
@@ -164,7 +164,8 @@ def test_an_upload_over_the_quota_stops_as_it_passes_and_leaves_no_file(env, sta
 # -- queued jobs --------------------------------------------------------------------------------------------------
 
 @pytest.mark.integration
-@pytest.mark.parametrize("env", [{"KEVLAYA_QUEUED_JOBS_PER_KEY": "10", "KEVLAYA_API_WORKERS": "2"}], indirect=True)
+@pytest.mark.parametrize("env", [{"KEVLAYA_QUOTAS__QUEUED_JOBS_PER_KEY": "10", "KEVLAYA_API__WORKERS": "2"}],
+                         indirect=True)
 def test_parallel_submits_never_pass_the_queued_jobs_cap(env, api):
     """40 submits at once to two API processes (no worker: nothing leaves the queue) under a cap of 10: exactly 10
     are queued, the others get 429 naming the limit with Retry-After; another key is not held back."""
@@ -177,7 +178,7 @@ def test_parallel_submits_never_pass_the_queued_jobs_cap(env, api):
     assert sum(a.status_code == 202 for a in answers) == 10
     refused = next(a for a in answers if a.status_code == 429)
     assert refused.json()["error"]["code"] == "queued_jobs_limit" and refused.headers["Retry-After"]
-    assert "KEVLAYA_QUEUED_JOBS_PER_KEY" in refused.json()["error"]["message"]
+    assert "KEVLAYA_QUOTAS__QUEUED_JOBS_PER_KEY" in refused.json()["error"]["message"]
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == 10
         _, other = create_key(session, "other")
@@ -187,7 +188,7 @@ def test_parallel_submits_never_pass_the_queued_jobs_cap(env, api):
 
 
 def test_the_queued_jobs_cap_refuses_a_whole_batch_and_frees_as_jobs_leave_the_queue(client, monkeypatch):
-    monkeypatch.setattr(get_settings(), "queued_jobs_per_key", 3)
+    monkeypatch.setattr(get_settings().quotas, "queued_jobs_per_key", 3)
     body = {"adapter": "kev", "input": "a job", "params": TEXT}
     ids = [client.post("/v1/jobs", json=body, headers=AUTH).json()["id"] for _ in range(2)]
     over = client.post("/v1/jobs/batch", json={"jobs": [body, body]}, headers=AUTH)
@@ -234,11 +235,11 @@ def test_stored_bytes_count_jobs_and_a_batchs_error_file_and_deleting_frees_them
     usage = stored_bytes(key_id)
     assert usage == counted_from_rows(key_id) >= 6300 + len(batch_lines("a", "b", "c")) + error_file.bytes
 
-    monkeypatch.setattr(get_settings(), "stored_bytes_per_key", usage + 1500)
+    monkeypatch.setattr(get_settings().quotas, "stored_bytes_per_key", usage + 1500)
     big = {"adapter": "kev", "input": "small", "metadata": {"note": "z" * 2000}, "params": TEXT}
     refused = client.post("/v1/jobs", json=big, headers=AUTH)
     assert refused.status_code == 413 and refused.json()["error"]["code"] == "storage_quota_exceeded", refused.text
-    assert "KEVLAYA_STORED_BYTES_PER_KEY" in refused.json()["error"]["message"]
+    assert "KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY" in refused.json()["error"]["message"]
     assert upload(client, batch_lines("d") * 10).status_code == 413
     assert stored_bytes(key_id) == usage  # nothing stored, nothing charged
 
@@ -285,7 +286,7 @@ def test_retention_deletes_old_finished_jobs_files_and_batches_and_frees_their_b
                                                                                       service_env):
     import api.batch_keeper
 
-    files_dir = Path(service_env["KEVLAYA_FILES_DIR"])
+    files_dir = Path(service_env["KEVLAYA_BATCH__FILES_DIR"])
     body = {"adapter": "laya", "input": "old", "params": TEXT}
     old_jobs = [client.post("/v1/jobs", json=body, headers=AUTH).json()["id"] for _ in range(3)]
     for job_id in old_jobs:
@@ -308,7 +309,7 @@ def test_retention_deletes_old_finished_jobs_files_and_batches_and_frees_their_b
         lifecycle.cancel(session, uuid.UUID(fresh))
     key_id = key_id_of()
 
-    monkeypatch.setattr(get_settings(), "retention_s", 86400)
+    monkeypatch.setattr(get_settings().quotas, "retention_s", 86400)
     monkeypatch.setattr(api.batch_keeper, "HOUSEKEEPING_S", 0.2)
     client.app.state.batch_keeper.kick()
 
@@ -329,7 +330,7 @@ def test_retention_deletes_old_finished_jobs_files_and_batches_and_frees_their_b
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("env", [{"KEVLAYA_CASCADE_THRESHOLD": "1"}], indirect=True)  # every `auto` job escalates
+@pytest.mark.parametrize("env", [{"KEVLAYA_CASCADE__THRESHOLD": "1"}], indirect=True)  # every `auto` job escalates
 def test_answers_stored_by_the_worker_are_charged_and_deleting_gives_everything_back(env, api, start_process):
     """A real worker's answers (an escalated `auto` job's stages too) are charged to the key in the transactions
     that store them: the key's usage equals its rows' sum, and deleting the jobs brings it back to 0."""

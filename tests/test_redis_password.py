@@ -63,9 +63,9 @@ def test_kevlaya_run_starts_its_redis_once_with_a_kept_password(tmp_path: Path, 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_kevlaya_runs_redis_refuses_the_injected_xadd_and_its_processes_use_the_password(worker_env, tmp_path):
     redis_port, flower_port = free_port(), free_port()
-    env = {**worker_env, "KEVLAYA_DATABASE_URL": f"sqlite:///{tmp_path / 'run.db'}",
-           "KEVLAYA_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "KEVLAYA_API_PORT": str(free_port()),
-           "KEVLAYA_FLOWER_PORT": str(flower_port), "KEVLAYA_API_KEY": "", "KEVLAYA_FLOWER_BASIC_AUTH": ""}
+    env = {**worker_env, "KEVLAYA_DATABASE__URL": f"sqlite:///{tmp_path / 'run.db'}",
+           "KEVLAYA_REDIS__URL": f"redis://127.0.0.1:{redis_port}/0", "KEVLAYA_API__PORT": str(free_port()),
+           "KEVLAYA_FLOWER__PORT": str(flower_port), "KEVLAYA_API__KEY": "", "KEVLAYA_FLOWER__BASIC_AUTH": ""}
     run = Run(env, tmp_path)
     try:
         run.banner()
@@ -76,7 +76,7 @@ def test_kevlaya_runs_redis_refuses_the_injected_xadd_and_its_processes_use_the_
         assert kept.stat().st_mode & 0o077 == 0
 
         key = (tmp_path / ".kevlaya" / "api_key").read_text().strip()
-        api = httpx.Client(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}",
+        api = httpx.Client(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}",
                            headers={"Authorization": f"Bearer {key}"}, timeout=30)
         # /readyz needs the worker's heartbeat in Redis: the worker and the API both authenticated
         wait_until(lambda: _status(api, "/readyz") == 200, 120, what="the API and a worker with its model loaded")
@@ -118,13 +118,13 @@ def test_a_redis_beyond_this_host_needs_a_password(url: str, refused: bool):
     problem = redis_url_problem(url)
     assert bool(problem) == refused
     if refused:
-        assert "KEVLAYA_REDIS_URL" in problem and "KEVLAYA_REDIS_ALLOW_NO_PASSWORD" in problem
+        assert "KEVLAYA_REDIS__URL" in problem and "KEVLAYA_REDIS__ALLOW_NO_PASSWORD" in problem
         assert redis_url_problem(url, allow_no_password=True) is None
 
 
 @pytest.mark.parametrize("command", ["api", "worker"])
 def test_the_api_and_the_worker_refuse_to_start_on_a_remote_redis_without_a_password(service_env, command):
     done = subprocess.run([sys.executable, "-m", "cli", command], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **service_env, "KEVLAYA_REDIS_URL": "redis://redis.example:6379/0"})
+                          env={**os.environ, **service_env, "KEVLAYA_REDIS__URL": "redis://redis.example:6379/0"})
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "KEVLAYA_REDIS_URL (redis://redis.example:6379/0) has no password" in done.stderr
+    assert "KEVLAYA_REDIS__URL (redis://redis.example:6379/0) has no password" in done.stderr

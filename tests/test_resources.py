@@ -53,7 +53,7 @@ def fill(disk: Path) -> Path:
 def app_client(monkeypatch: pytest.MonkeyPatch, **env: str) -> TestClient:
     from api.main import create_app
 
-    for name, value in {"KEVLAYA_API_WRITER": "thread", **env}.items():
+    for name, value in {"KEVLAYA_API__WRITER": "thread", **env}.items():
         monkeypatch.setenv(name, value)
     reset_process_state()
     return TestClient(create_app(), raise_server_exceptions=False)
@@ -69,7 +69,7 @@ def test_a_full_disk_under_sqlite_refuses_submits_and_keeps_every_accepted_job(s
                                                                                monkeypatch):
     url = f"sqlite:///{small_disk / 'kevlaya.db'}"
     upgrade(url)
-    with app_client(monkeypatch, KEVLAYA_DATABASE_URL=url) as client:
+    with app_client(monkeypatch, KEVLAYA_DATABASE__URL=url) as client:
         first = client.post("/v1/jobs", headers=AUTH, json=JOB)
         assert first.status_code == 202, first.text
         filler = fill(small_disk)
@@ -93,7 +93,7 @@ def test_a_full_disk_under_sqlite_refuses_submits_and_keeps_every_accepted_job(s
 def test_a_full_disk_under_the_files_directory_refuses_uploads_and_retries_the_batch_output(
         service_env, small_disk, monkeypatch):
     files_dir = small_disk / "files"
-    with app_client(monkeypatch, KEVLAYA_FILES_DIR=str(files_dir)) as client:
+    with app_client(monkeypatch, KEVLAYA_BATCH__FILES_DIR=str(files_dir)) as client:
         lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                                     "body": {"model": "laya", "max_tokens": 4,
                                              "messages": [{"role": "user", "content": f"line {i} " + "x" * 200}]}})
@@ -137,7 +137,7 @@ def test_redis_at_maxmemory_refuses_submits_and_stores_nothing_until_it_has_room
     server.start()
     try:
         broker = redis.Redis.from_url(server.url)
-        with app_client(monkeypatch, KEVLAYA_REDIS_URL=server.url) as client:
+        with app_client(monkeypatch, KEVLAYA_REDIS__URL=server.url) as client:
             assert client.post("/v1/jobs", headers=AUTH, json=JOB).status_code == 202
             broker.config_set("maxmemory-policy", "noeviction")
             # below what it holds: every write is refused from now on (just at the limit, a write may slip in)

@@ -32,7 +32,7 @@ FINISHED = ("completed", "incomplete", "failed", "cancelled")
 WEATHER_FORMAT = {"format": {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}}
 # The tiny model's tokenizer takes a token per byte: the tools in the system prompt and a few turns need more than
 # the default window.
-ROOMY = {"KEVLAYA_ENGINE_WINDOW_TOKENS": "2048"}
+ROOMY = {"KEVLAYA_ENGINE__WINDOW_TOKENS": "2048"}
 
 
 def sdk(http: httpx.Client | None = None, port: str | None = None) -> OpenAI:
@@ -68,7 +68,7 @@ def job_of(api: httpx.Client, response) -> dict:  # noqa: ANN001
 
 @pytest.fixture
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KEVLAYA_CHAT_TIMEOUT_S", "0.2")  # read when `client` builds the app
+    monkeypatch.setenv("KEVLAYA_LIMITS__CHAT_TIMEOUT_S", "0.2")  # read when `client` builds the app
 
 
 BUILT_IN = [{"type": "web_search"}, {"type": "web_search_preview"}, {"type": "file_search", "vector_store_ids": ["v"]},
@@ -261,7 +261,7 @@ def finished(openai_client: OpenAI, response_id: str, timeout: float = 180):  # 
 @pytest.mark.parametrize("env", [ROOMY], indirect=True)
 def test_text_json_schema_and_each_tool_choice_answer_as_openai_does(env, api, start_process):
     start_worker(start_process, env, api)
-    openai_client = sdk(port=env["KEVLAYA_API_PORT"])
+    openai_client = sdk(port=env["KEVLAYA_API__PORT"])
 
     plain = openai_client.responses.create(model="laya", input=QUESTION, instructions="Be brief.")
     assert plain.object == "response" and plain.id.startswith("resp_") and plain.status in ("completed", "incomplete")
@@ -344,7 +344,7 @@ def test_a_conversation_continues_after_the_api_and_the_worker_restart(env, star
     restart of every process; instructions are not carried over; store: false is answered once, then gone."""
     api = start_api(start_process, env)
     worker = start_worker(start_process, env, api)
-    openai_client = sdk(port=env["KEVLAYA_API_PORT"])
+    openai_client = sdk(port=env["KEVLAYA_API__PORT"])
     first = openai_client.responses.create(model="laya", input="Pick a city: Paris or Rome?",
                                            instructions="You pick cities.", max_output_tokens=24)
     second = openai_client.responses.create(model="kev", input="And why?", previous_response_id=first.id,
@@ -356,7 +356,7 @@ def test_a_conversation_continues_after_the_api_and_the_worker_restart(env, star
     api.close()
     api = start_api(start_process, env)
     start_worker(start_process, env, api)
-    openai_client = sdk(port=env["KEVLAYA_API_PORT"])
+    openai_client = sdk(port=env["KEVLAYA_API__PORT"])
     assert openai_client.responses.retrieve(second.id).output_text == second.output_text  # the store survived
     third = openai_client.responses.create(model="laya", input="Say it in one word.", previous_response_id=second.id,
                                            instructions="Be brief.", max_output_tokens=24)
@@ -391,7 +391,7 @@ def event_types(events: list) -> list[str]:  # noqa: ANN001
 @pytest.mark.parametrize("env", [ROOMY], indirect=True)
 def test_streams_are_parsed_by_the_official_client_and_resume_after_a_sequence_number(env, api, start_process):
     start_worker(start_process, env, api)
-    openai_client = sdk(port=env["KEVLAYA_API_PORT"])
+    openai_client = sdk(port=env["KEVLAYA_API__PORT"])
 
     # text (a JSON schema's, so that the answer ends): the SDK's helper builds the final response from the events
     with openai_client.responses.stream(model="kev", input=QUESTION, max_output_tokens=200, text=WEATHER_FORMAT,
@@ -450,7 +450,7 @@ def test_streams_are_parsed_by_the_official_client_and_resume_after_a_sequence_n
 @pytest.mark.parametrize("env", [ROOMY], indirect=True)
 def test_background_responses_are_polled_and_a_running_one_is_not_cancelled(env, api, start_process):
     start_worker(start_process, env, api)
-    openai_client = sdk(port=env["KEVLAYA_API_PORT"])
+    openai_client = sdk(port=env["KEVLAYA_API__PORT"])
     queued = openai_client.responses.create(model="laya", input=QUESTION, background=True, max_output_tokens=16)
     assert queued.status in ("queued", "in_progress") and queued.output == []
     done = finished(openai_client, queued.id)
@@ -467,7 +467,7 @@ def test_background_responses_are_polled_and_a_running_one_is_not_cancelled(env,
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the batch path is the other lines'
 def test_a_batch_of_responses_lines_answers_with_response_objects(env, api, start_process, tmp_path):
     start_worker(start_process, env, api)
-    openai_client = sdk(port=env["KEVLAYA_API_PORT"])
+    openai_client = sdk(port=env["KEVLAYA_API__PORT"])
     lines = [{"custom_id": "text", "method": "POST", "url": "/v1/responses",
               "body": {"model": "laya", "input": QUESTION, "max_output_tokens": 16, "metadata": {"k": "v"}}},
              {"custom_id": "tools", "method": "POST", "url": "/v1/responses",

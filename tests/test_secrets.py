@@ -39,13 +39,13 @@ def kevlaya(*args: str, env: dict[str, str], cwd: Path | None = None) -> subproc
 
 @POSTGRESQL
 def test_db_upgrade_shows_the_url_without_its_password(service_env, password_url):
-    done = kevlaya("db", "upgrade", env={"KEVLAYA_DATABASE_URL": password_url})
+    done = kevlaya("db", "upgrade", env={"KEVLAYA_DATABASE__URL": password_url})
     assert done.returncode == 0, done.stderr
     assert PASSWORD not in done.stdout + done.stderr
     assert ":***@" in done.stdout
     unreachable = make_url(password_url).set(host="127.0.0.1", port=free_port())
     refused = kevlaya("db", "upgrade", "--wait", "0.5",
-                      env={"KEVLAYA_DATABASE_URL": unreachable.render_as_string(hide_password=False)})
+                      env={"KEVLAYA_DATABASE__URL": unreachable.render_as_string(hide_password=False)})
     assert refused.returncode == 2 and "does not answer" in refused.stderr
     assert PASSWORD not in refused.stdout + refused.stderr
 
@@ -82,8 +82,8 @@ class Run:
 @POSTGRESQL
 def test_kevlaya_run_shows_the_key_once_no_password_and_a_flower_behind_a_login(worker_env, password_url, tmp_path):
     flower_port = free_port()
-    env = {**worker_env, "KEVLAYA_DATABASE_URL": password_url, "KEVLAYA_API_PORT": str(free_port()),
-           "KEVLAYA_FLOWER_PORT": str(flower_port), "KEVLAYA_API_KEY": "", "KEVLAYA_FLOWER_BASIC_AUTH": ""}
+    env = {**worker_env, "KEVLAYA_DATABASE__URL": password_url, "KEVLAYA_API__PORT": str(free_port()),
+           "KEVLAYA_FLOWER__PORT": str(flower_port), "KEVLAYA_API__KEY": "", "KEVLAYA_FLOWER__BASIC_AUTH": ""}
     first = Run(env, tmp_path)
     try:
         banner = first.banner()
@@ -124,14 +124,14 @@ def test_kevlaya_run_shows_the_key_once_no_password_and_a_flower_behind_a_login(
 def test_kevlaya_run_creates_its_database_keys_and_files_private_to_its_user(worker_env, tmp_path):
     """A local user other than the one who runs it reads nothing `kevlaya run` made: every file and directory it
     creates has no group or world bits, from the moment it is created."""
-    env = {**worker_env, "KEVLAYA_DATABASE_URL": f"sqlite:///{tmp_path / 'run.db'}",
-           "KEVLAYA_API_PORT": str(free_port()), "KEVLAYA_FLOWER_PORT": str(free_port()),
-           "KEVLAYA_FILES_DIR": ".kevlaya/files", "KEVLAYA_API_KEY": "", "KEVLAYA_FLOWER_BASIC_AUTH": ""}
+    env = {**worker_env, "KEVLAYA_DATABASE__URL": f"sqlite:///{tmp_path / 'run.db'}",
+           "KEVLAYA_API__PORT": str(free_port()), "KEVLAYA_FLOWER__PORT": str(free_port()),
+           "KEVLAYA_BATCH__FILES_DIR": ".kevlaya/files", "KEVLAYA_API__KEY": "", "KEVLAYA_FLOWER__BASIC_AUTH": ""}
     run = Run(env, tmp_path)
     try:
         run.banner()
         key = (tmp_path / ".kevlaya" / "api_key").read_text().strip()
-        api = f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}"
+        api = f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}"
         wait_until(lambda: _answers(f"{api}/healthz"), 60, what="the API")
         uploaded = httpx.post(f"{api}/v1/files", headers={"Authorization": f"Bearer {key}"},
                               data={"purpose": "batch"}, files={"file": ("in.jsonl", b'{"x": 1}\n')}, timeout=30)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BROKEN = {"KEVLAYA_MAX_BATCH": "not-a-number"}
+BROKEN = {"KEVLAYA_ENGINE__MAX_BATCH": "not-a-number"}
 # Importing it builds the worker's Celery app (`celery -A worker.tasks`), so it reads the settings.
 BUILDS_AN_APP = {"worker.tasks"}
 

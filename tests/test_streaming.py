@@ -18,7 +18,7 @@ from tests.conftest import AUTH, start_worker, submit, wait_finished, wait_until
 # The shipped demo model writes text (random weights write bytes that are not UTF-8, whose rows stream nothing until
 # their stored text comes whole), and with end-of-sequence ignored every job writes all its max_new_tokens: long
 # enough to watch.
-SLOW = {"KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_BASE_MODEL": str(DEMO_MODEL_DIR / "base"),
+SLOW = {"KEVLAYA_ENGINE__IGNORE_EOS": "true", "KEVLAYA_MODEL__BASE": str(DEMO_MODEL_DIR / "base"),
         "KEVLAYA_KEV__PATH": str(DEMO_MODEL_DIR / "kev"), "KEVLAYA_LAYA__PATH": str(DEMO_MODEL_DIR / "laya")}
 
 
@@ -122,7 +122,7 @@ def test_last_event_id_resumes_with_no_gap_and_no_repeat(env, api, start_process
 @pytest.mark.integration
 def test_the_official_openai_client_streams_each_model(env, api, start_process):
     start_worker(start_process, env, api)
-    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}/v1", api_key=env["KEVLAYA_API_KEY"],
+    client = OpenAI(base_url=f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}/v1", api_key=env["KEVLAYA_API__KEY"],
                     max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Options: A cost 10; B cost 20. Objective: lowest cost."}]
     for model in ("kev", "laya", "auto"):
@@ -257,8 +257,8 @@ def test_redis_restarted_mid_stream_clients_resynchronise_and_lose_nothing(env, 
     own = RedisServer(tmp_path / "own-redis")  # without its data: the streams are gone when it is back
     own.start()
     try:
-        env = {**env, "KEVLAYA_REDIS_URL": own.url}
-        monkeypatch.setenv("KEVLAYA_REDIS_URL", own.url)
+        env = {**env, "KEVLAYA_REDIS__URL": own.url}
+        monkeypatch.setenv("KEVLAYA_REDIS__URL", own.url)
         reset_process_state()
         api = start_api(start_process, env)
         start_worker(start_process, env, api)
@@ -301,7 +301,7 @@ def test_the_status_page_shows_a_running_jobs_text_growing_as_characters(env, ap
         browser = playwright.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
         page = browser.new_page()
         page.goto(f"{api.base_url}/status")
-        page.fill("#key", env["KEVLAYA_API_KEY"])
+        page.fill("#key", env["KEVLAYA_API__KEY"])
         page.click("#login button[type=submit]")
         page.wait_for_selector("body[data-loaded=true]", timeout=30000)  # logged in and polling
         # Submitted once the page watches (a browser takes longer to start than the job to run), beside four other
@@ -353,7 +353,7 @@ def test_a_piece_that_is_not_utf8_stops_the_live_text_until_the_stored_text():
 @pytest.mark.integration
 def test_steps_in_quick_succession_are_published_together_and_a_finished_job_at_once(redis_server, monkeypatch):
     """The publisher's work holds the interpreter's lock the decode loop launches steps with: new tokens go out at
-    most every `stream_interval_ms`, one entry for all the steps since; the text is whole all the same, and a
+    most every `streams.interval_ms`, one entry for all the steps since; the text is whole all the same, and a
     finished job's text does not wait for the interval (its result is committed only once the stream holds it)."""
     import time
     import uuid
@@ -367,11 +367,11 @@ def test_steps_in_quick_succession_are_published_together_and_a_finished_job_at_
     from tests.conftest import reset_process_state
     from worker.engine.token_stream import TokenPublisher
 
-    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("KEVLAYA_REDIS__URL", redis_server.url)
     reset_process_state()
     job = Job(id=uuid.uuid4(), adapter="kev", requested_adapter="kev", input="x", params={}, attempts=1)
     row = SimpleNamespace(request=SimpleNamespace(job_id=job.id), tokens=[], first_token_at=None)
-    publisher = TokenPublisher(Settings(_env_file=None, stream_interval_ms=300), lambda: [row],
+    publisher = TokenPublisher(Settings(_env_file=None, streams={"interval_ms": 300}), lambda: [row],
                                lambda token: bytes([token]))
     publisher.started([job])
     text = "twenty steps of text"
@@ -405,7 +405,7 @@ def test_a_job_that_ends_before_its_tokens_were_published_still_marks_its_first_
     from tests.conftest import reset_process_state
     from worker.engine.token_stream import TokenPublisher
 
-    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("KEVLAYA_REDIS__URL", redis_server.url)
     reset_process_state()
     job = Job(id=uuid.uuid4(), adapter="laya", requested_adapter="laya", input="x", params={}, attempts=1)
     publisher = TokenPublisher(Settings(_env_file=None), lambda: [], lambda token: bytes([token]))
@@ -431,7 +431,7 @@ def test_hundreds_of_followers_catching_up_at_once_all_read_the_stream(redis_ser
     from shared.job_stream import entry, stream_key
     from tests.conftest import reset_process_state
 
-    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("KEVLAYA_REDIS__URL", redis_server.url)
     reset_process_state()
     job_id = uuid.uuid4()
     writer = sync_redis.Redis.from_url(redis_server.url)
@@ -477,7 +477,7 @@ def test_a_job_followed_while_the_reader_waits_gets_its_first_entry_at_once(redi
     from shared.job_stream import entry, stream_key
     from tests.conftest import reset_process_state
 
-    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("KEVLAYA_REDIS__URL", redis_server.url)
     monkeypatch.setattr(job_events, "BLOCK_MS", 8_000)
     reset_process_state()
     writer = sync_redis.Redis.from_url(redis_server.url)
@@ -518,7 +518,7 @@ def test_a_follower_woken_while_its_job_runs_and_the_stream_is_unreadable_does_n
     from shared.models import JobStatus
     from tests.conftest import reset_process_state
 
-    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("KEVLAYA_REDIS__URL", redis_server.url)
     reset_process_state()
     reads = []
 
@@ -572,7 +572,7 @@ def test_a_follower_whose_queue_fills_while_it_reads_loses_nothing(redis_server,
     from shared.job_stream import entry, stream_key
     from tests.conftest import reset_process_state
 
-    monkeypatch.setenv("KEVLAYA_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("KEVLAYA_REDIS__URL", redis_server.url)
     reset_process_state()
     job_id = uuid.uuid4()
     writer = sync_redis.Redis.from_url(redis_server.url)
@@ -617,7 +617,7 @@ def test_a_follower_whose_queue_fills_while_it_reads_loses_nothing(redis_server,
 
 @pytest.fixture
 def quick_chat(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KEVLAYA_CHAT_TIMEOUT_S", "0.3")  # read when `client` builds the app
+    monkeypatch.setenv("KEVLAYA_LIMITS__CHAT_TIMEOUT_S", "0.3")  # read when `client` builds the app
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -670,7 +670,7 @@ def test_a_stream_that_ends_short_of_the_stored_text_tells_the_client_before_don
     monkeypatch.setattr(event_stream, "follow_job", follow)
     running = Job(id=job_id, status=JobStatus.RUNNING, result=None, attempts=1)
     response = event_stream.job_event_stream(None, running, "1-0" if case == "resumed" else None,
-                                             SimpleNamespace(stream_heartbeat_s=1.0))
+                                             SimpleNamespace(streams=SimpleNamespace(heartbeat_s=1.0)))
 
     async def body() -> str:
         return "".join([chunk async for chunk in response.body_iterator])

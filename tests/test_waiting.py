@@ -30,8 +30,8 @@ CHATS = 5
 @pytest.fixture
 def env(worker_env: dict[str, str]) -> dict[str, str]:
     # Re-checks every 60 s: a prompt return can only come from the notice.
-    return {**worker_env, "KEVLAYA_API_PORT": str(free_port()), "KEVLAYA_WAIT_RECHECK_S": "60",
-            "KEVLAYA_MAX_WAIT_TIMEOUT_S": "150", "KEVLAYA_CHAT_TIMEOUT_S": "150"}
+    return {**worker_env, "KEVLAYA_API__PORT": str(free_port()), "KEVLAYA_LIMITS__WAIT_RECHECK_S": "60",
+            "KEVLAYA_LIMITS__WAIT_TIMEOUT_S": "150", "KEVLAYA_LIMITS__CHAT_TIMEOUT_S": "150"}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -59,7 +59,7 @@ def test_sixty_waiters_hold_no_connection_keep_the_api_fast_and_return_when_thei
     api_pid = start_process.started[0].process.pid
     with session_scope() as session:
         _, plain = create_key(session, "waiters")  # an ordinary key: its check reads the database
-    base = f"http://127.0.0.1:{env['KEVLAYA_API_PORT']}"
+    base = f"http://127.0.0.1:{env['KEVLAYA_API__PORT']}"
     client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {plain}"}, timeout=200,
                           limits=httpx.Limits(max_connections=WAITERS + CHATS + 10))
     response = client.post("/v1/jobs/batch", json={"jobs": [
@@ -92,7 +92,7 @@ def test_sixty_waiters_hold_no_connection_keep_the_api_fast_and_return_when_thei
         started = time.perf_counter()
         assert api.get(f"/v1/jobs/{job_ids[0]}").json()["status"] == "queued"  # the pool has connections to spare
         read_s = time.perf_counter() - started
-        in_transaction = connections_in_transaction(env["KEVLAYA_DATABASE_URL"])
+        in_transaction = connections_in_transaction(env["KEVLAYA_DATABASE__URL"])
 
         start_worker(start_process, env, api)
         results = [f.result(timeout=180) for f in waits]
@@ -116,7 +116,7 @@ def test_sixty_waiters_hold_no_connection_keep_the_api_fast_and_return_when_thei
 
 def test_a_waiter_finds_its_job_by_re_checking_when_the_notice_is_lost(env, start_process):
     port = free_port()
-    process = start_process("api", {**env, "KEVLAYA_API_PORT": str(port), "KEVLAYA_WAIT_RECHECK_S": "1"})
+    process = start_process("api", {**env, "KEVLAYA_API__PORT": str(port), "KEVLAYA_LIMITS__WAIT_RECHECK_S": "1"})
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=30)
     wait_until(lambda: process.process.poll() is None and _answers(client), 60, what="the API to answer")
     job_id = client.post("/v1/jobs", json={"adapter": "laya", "input": "x", "params": TEXT}).json()["id"]

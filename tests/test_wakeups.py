@@ -20,7 +20,7 @@ def jobs(adapter: str, count: int) -> list[Job]:
 def test_jobs_noted_during_a_publish_share_the_next_wake_ups(service_env):
     from api.wakeups import WakeupPublisher
 
-    queue = redis.Redis.from_url(service_env["KEVLAYA_REDIS_URL"])
+    queue = redis.Redis.from_url(service_env["KEVLAYA_REDIS__URL"])
     published: list[tuple[uuid.UUID | None, str]] = []
     first_in_flight, release = threading.Event(), threading.Event()
 
@@ -51,7 +51,7 @@ def test_a_wake_up_still_waiting_in_the_broker_covers_new_jobs(service_env):
     it, so new jobs need only the wake-ups that are not already waiting."""
     from api.wakeups import WakeupPublisher
 
-    queue = redis.Redis.from_url(service_env["KEVLAYA_REDIS_URL"])
+    queue = redis.Redis.from_url(service_env["KEVLAYA_REDIS__URL"])
     publisher = WakeupPublisher(max_batch=16)
 
     def after(noted: list[Job]) -> int:
@@ -84,7 +84,7 @@ def test_a_failed_publish_leaves_the_publisher_serving(service_env):
         publisher.note(jobs(adapter, 1))
         assert publisher.flush(10)
     assert attempts == ["kev", "laya", "kev"]
-    assert redis.Redis.from_url(service_env["KEVLAYA_REDIS_URL"]).llen("kevlaya.jobs") == 1
+    assert redis.Redis.from_url(service_env["KEVLAYA_REDIS__URL"]).llen("kevlaya.jobs") == 1
 
 
 def test_concurrent_submits_on_sqlite_take_turns_at_writing_instead_of_retrying(service_env, monkeypatch):

@@ -85,7 +85,7 @@ def after_step_out_of_memory(rows: int) -> tuple[int, int]:
 def alone_out_of_memory(max_new_tokens: int) -> str:
     """Why a job that ran out of memory with no other row beside it fails (it would never fit)."""
     return (f"out of memory even when run alone (max_new_tokens {max_new_tokens}, within the "
-            "KEVLAYA_VRAM_BUDGET_GB budget); shorten the input or lower max_new_tokens")
+            "KEVLAYA_ENGINE__VRAM_BUDGET_GB budget); shorten the input or lower max_new_tokens")
 
 
 def after_prefill_out_of_memory(rows: int) -> int:
@@ -102,7 +102,7 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: i
 
 @dataclass(frozen=True)
 class SlotBudget:
-    budget_bytes: int  # what this process may use (KEVLAYA_VRAM_BUDGET_GB)
+    budget_bytes: int  # what this process may use (KEVLAYA_ENGINE__VRAM_BUDGET_GB)
     resident_bytes: int  # the weights and adapters, measured after loading
     workspace_bytes: int  # activations of one step (an fp8 cache's read, cast up), kept free beside the cache
     kv_per_token: int
@@ -166,7 +166,8 @@ def fit_slots(build: Callable[[int], SlotDecoder], budget: SlotBudget, wanted: i
         torch.cuda.empty_cache()
         slots = fewer
     raise RuntimeError(f"the VRAM budget holds no slot: {budget.explain(wanted)}; lower "
-                       "KEVLAYA_ENGINE_WINDOW_TOKENS or KEVLAYA_ENGINE_PREFILL_TOKENS, or raise KEVLAYA_VRAM_BUDGET_GB")
+                       "KEVLAYA_ENGINE__WINDOW_TOKENS or KEVLAYA_ENGINE__PREFILL_TOKENS, or raise "
+                       "KEVLAYA_ENGINE__VRAM_BUDGET_GB")
 
 
 def _measured(build: Callable[[int], SlotDecoder], slots: int,

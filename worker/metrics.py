@@ -1,6 +1,6 @@
 """The worker's own Prometheus registry and its structured log lines, one per claim group and one per job.
 
-The worker child serves the registry on `KEVLAYA_WORKER_METRICS_PORT` once its model is loaded
+The worker child serves the registry on `KEVLAYA_MONITORING__METRICS_PORT` once its model is loaded
 (docs/operations.md: Monitoring). Nothing here imports torch at module level: the Celery parent imports this
 module too."""
 
@@ -65,7 +65,7 @@ class WorkerMetrics:
             "GPU's tokens; near none when the host, not the GPU, bounds the steps), store (one transaction of "
             "results, on the writer thread)", ["phase"], buckets=_PHASE, registry=r)
         self.steps = Counter("kevlaya_engine_steps", "Decode steps launched, by kind: shared (every row in "
-                             "flight) or alone (the latency rows by themselves, KEVLAYA_ENGINE_LATENCY_STEPS)",
+                             "flight) or alone (the latency rows by themselves, KEVLAYA_ENGINE__LATENCY_STEPS)",
                              ["kind"], registry=r)
         self.rows_in_flight = Gauge("kevlaya_rows_in_flight", "Jobs holding a slot now", registry=r)
         self.up = Gauge("kevlaya_worker_up", "1 while this worker process serves", registry=r)
@@ -76,7 +76,8 @@ class WorkerMetrics:
             for kind, help_ in (("allocated", "GPU memory held by tensors (0 on a CPU)"),
                                 ("reserved", "GPU memory held by the allocator (0 on a CPU)"),
                                 ("peak", "Most GPU memory allocated so far (0 on a CPU)"),
-                                ("budget", "The VRAM budget this worker caps itself to (KEVLAYA_VRAM_BUDGET_GB)"))
+                                ("budget", "The VRAM budget this worker caps itself to "
+                                           "(KEVLAYA_ENGINE__VRAM_BUDGET_GB)"))
         }
         # Known label values start at zero, so a rate() or a dashboard panel has a series before the first event.
         for adapter in ADAPTERS:
@@ -179,12 +180,14 @@ METRICS = WorkerMetrics()
 
 def serve_metrics(settings: Settings) -> None:
     """Start the worker's /metrics server (in the worker child, after the model loads); port 0 disables it."""
-    if settings.worker_metrics_port == 0:
+    if settings.monitoring.metrics_port == 0:
         return
     try:
-        start_http_server(settings.worker_metrics_port, addr=settings.worker_metrics_host, registry=METRICS.registry)
+        start_http_server(settings.monitoring.metrics_port, addr=settings.monitoring.metrics_host,
+                          registry=METRICS.registry)
     except OSError as exc:  # jobs matter more than metrics: keep serving without them
-        log.error("worker metrics not served on %s:%d: %s", settings.worker_metrics_host,
-                  settings.worker_metrics_port, exc)
+        log.error("worker metrics not served on %s:%d: %s", settings.monitoring.metrics_host,
+                  settings.monitoring.metrics_port, exc)
         return
-    log.info("worker metrics on http://%s:%d/metrics", settings.worker_metrics_host, settings.worker_metrics_port)
+    log.info("worker metrics on http://%s:%d/metrics", settings.monitoring.metrics_host,
+             settings.monitoring.metrics_port)

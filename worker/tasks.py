@@ -31,15 +31,15 @@ _stop = threading.Event()
 
 @setup_logging.connect
 def _configure_logging(loglevel: int | str | None = None, **_kwargs: object) -> None:
-    """Our format (text or JSON, KEVLAYA_LOG_FORMAT) instead of Celery's; the child inherits it."""
-    configure_logging(get_settings().log_format, loglevel or logging.INFO)
+    """Our format (text or JSON, KEVLAYA_MONITORING__LOG_FORMAT) instead of Celery's; the child inherits it."""
+    configure_logging(get_settings().monitoring.log_format, loglevel or logging.INFO)
 
 
 @worker_process_init.connect
 def _load_model(sender: str | None = None, **_kwargs: object) -> None:
     """Runs in the forked child: CUDA and database connections must be created here, never in the parent.
 
-    Celery waits `worker_proc_alive_timeout` (KEVLAYA_MODEL_LOAD_TIMEOUT_S) for this to return."""
+    Celery waits `worker_proc_alive_timeout` (KEVLAYA_RELIABILITY__MODEL_LOAD_TIMEOUT_S) for this to return."""
     global _engine, _load_error
     reset_engine()
     settings = get_settings()
@@ -92,8 +92,8 @@ def sweep() -> None:
     lease) and re-publish wake-ups that were lost (e.g. Redis restarted)."""
     settings = get_settings()
     with write_scope() as session:
-        repaired = lifecycle.repair(session, settings.max_attempts)
-        stale = stale_queued_adapters(session, older_than_s=settings.sweep_interval_s)
+        repaired = lifecycle.repair(session, settings.reliability.max_attempts)
+        stale = stale_queued_adapters(session, older_than_s=settings.reliability.sweep_interval_s)
     if repaired.requeued:
         log.warning("re-queued %d job(s) whose lease expired or that held none", len(repaired.requeued))
     if _engine is not None and not _engine.draining.is_set():
@@ -104,7 +104,7 @@ def sweep() -> None:
 def _background_loop() -> None:
     """Heartbeat and sweep on a timer, beside the engine's loop (tasks run one at a time in this process)."""
     settings = get_settings()
-    interval = min(settings.sweep_interval_s, settings.heartbeat_ttl_s / 3)
+    interval = min(settings.reliability.sweep_interval_s, settings.reliability.heartbeat_ttl_s / 3)
     while True:
         _beat(settings)
         try:
@@ -117,13 +117,13 @@ def _background_loop() -> None:
 
 def _beat(settings: Settings) -> None:
     try:
-        beat(worker_name(), _status(), settings.heartbeat_ttl_s)
+        beat(worker_name(), _status(), settings.reliability.heartbeat_ttl_s)
     except Exception as exc:  # Redis may be down for a while; the next beat tries again
         log.warning("heartbeat failed: %s", exc)
 
 
 def _status() -> dict[str, object]:
-    memory = METRICS.memory_snapshot(get_settings().vram_budget_gb)
+    memory = METRICS.memory_snapshot(get_settings().engine.vram_budget_gb)
     if _engine is None:
         return {"model_loaded": False, "error": _load_error, "memory": memory}
     return {
@@ -145,4 +145,4 @@ def run_queued(job_id: str | None, adapter: str) -> int:
         # The pause keeps a message that comes straight back here from spinning before the cancel lands.
         time.sleep(1)
         raise Reject(f"model not loaded: {_load_error}", requeue=True)
-    return _engine.drain(get_settings().drain_seconds)
+    return _engine.drain(get_settings().reliability.drain_seconds)

@@ -54,7 +54,7 @@ _STREAM = {"content": {"text/event-stream": {}}, "description": "The response; w
 
 def timeout_s(settings: Settings) -> float:
     """How long a response is waited for, or streamed: chat's timeout."""
-    return settings.chat_timeout_s
+    return settings.limits.chat_timeout_s
 
 
 # -- reading a response --------------------------------------------------------------------------------------------
@@ -145,19 +145,19 @@ async def create_response(request: ResponsesRequest, key: SubmitterKey, intake: 
     stored = StoredResponse(job_request.response_request, previous, job_request.response_store)
     # The key's place is taken before the job is stored: a request over its cap stores nothing.
     if request.stream:
-        give_back = streams.take(key.id, settings.streams_per_key)
+        give_back = streams.take(key.id, settings.connections.streams_per_key)
         try:
             [accepted] = await intake.store(key, [job_request])
             job = await run_in_threadpool(read_visible, key, accepted.id)
         except BaseException:
             give_back()
             raise
-        return HeldStream(response_stream(key, job, stored, wait_s, settings.stream_heartbeat_s,
+        return HeldStream(response_stream(key, job, stored, wait_s, settings.streams.heartbeat_s,
                                           on_end=None if stored.store else forget_later), give_back)
     if request.background:
         [accepted] = await intake.store(key, [job_request])
         return response_object(await run_in_threadpool(read_visible, key, accepted.id), stored)
-    with long_polls.hold(key.id, settings.long_polls_per_key):
+    with long_polls.hold(key.id, settings.connections.long_polls_per_key):
         [accepted] = await intake.store(key, [job_request])
         finished = await wait_finished(key, accepted.id, wait_s)
     rid = response_id(finished.id)
@@ -200,8 +200,8 @@ async def retrieve_response(
     job, stored = await run_in_threadpool(read_response, key, response_id)
     if not stream:
         return response_object(job, stored)
-    give_back = streams.take(key.id, settings.streams_per_key)
-    return HeldStream(response_stream(key, job, stored, timeout_s(settings), settings.stream_heartbeat_s,
+    give_back = streams.take(key.id, settings.connections.streams_per_key)
+    return HeldStream(response_stream(key, job, stored, timeout_s(settings), settings.streams.heartbeat_s,
                                       starting_after), give_back)
 
 

@@ -30,7 +30,7 @@ async def chat_completions(request: ChatRequest, key: SubmitterKey, intake: Inta
     settings = intake.settings
     # The key's place is taken before the job is stored: a request over its cap stores nothing.
     if request.stream:
-        give_back = streams.take(key.id, settings.streams_per_key)
+        give_back = streams.take(key.id, settings.connections.streams_per_key)
         try:
             [accepted] = await intake.store(key, [job_request])
             job = await run_in_threadpool(read_visible, key, accepted.id)
@@ -40,10 +40,10 @@ async def chat_completions(request: ChatRequest, key: SubmitterKey, intake: Inta
         return HeldStream(chat_chunk_stream(
             key, job, request.model, bool(request.stream_options and request.stream_options.include_usage),
             settings, lambda done: completion(done, request.model).model_dump(mode="json")), give_back)
-    with long_polls.hold(key.id, settings.long_polls_per_key):
+    with long_polls.hold(key.id, settings.connections.long_polls_per_key):
         [accepted] = await intake.store(key, [job_request])
-        finished = await wait_finished(key, accepted.id, settings.chat_timeout_s)
-    timeout_s = settings.chat_timeout_s
+        finished = await wait_finished(key, accepted.id, settings.limits.chat_timeout_s)
+    timeout_s = settings.limits.chat_timeout_s
     if chat_answered(finished):
         return completion(finished, request.model)
     if finished.status == "failed":

@@ -93,15 +93,15 @@ class QuotaCountedUpload:
 
     def __init__(self, key: ApiKey, store: FileStore, settings: Settings, remaining: int):
         self.key, self.remaining = key, remaining
-        self.incoming = store.incoming(settings.files_max_bytes, settings.files_max_lines)
+        self.incoming = store.incoming(settings.batch.files_max_bytes, settings.batch.files_max_lines)
 
     def write(self, data: bytes) -> None:
         if self.incoming.bytes + len(data) > self.remaining:
             raise ApiError(413, "storage_quota_exceeded",
                            f"file: over this key's stored-bytes quota after {self.incoming.bytes + len(data)} bytes: "
                            f"it could store {max(self.remaining, 0)} more when the upload began "
-                           "(KEVLAYA_STORED_BYTES_PER_KEY, or the key's own, less its jobs, files and uploads in "
-                           "progress); nothing was stored")
+                           "(KEVLAYA_QUOTAS__STORED_BYTES_PER_KEY, or the key's own, less its jobs, files and uploads "
+                           "in progress); nothing was stored")
         try:
             self.incoming.write(data)
         except TooLarge as exc:

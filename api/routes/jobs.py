@@ -69,7 +69,7 @@ async def submit_job(request: JobCreate, key: SubmitterKey, intake: IntakeDep, r
 @router.post("/batch", status_code=status.HTTP_202_ACCEPTED, response_model=JobBatchAccepted,
              responses=error_responses(400, 413, 422, *AUTH_ERRORS))
 async def submit_jobs(request: JobBatchCreate, key: SubmitterKey, intake: IntakeDep) -> JobBatchAccepted:
-    limit = intake.settings.max_batch_submit
+    limit = intake.settings.limits.batch_submit
     if len(request.jobs) > limit:
         raise ApiError(422, "invalid_request", f"jobs: {len(request.jobs)} jobs, the limit is {limit}")
 
@@ -77,7 +77,7 @@ async def submit_jobs(request: JobBatchCreate, key: SubmitterKey, intake: Intake
         for index, item in enumerate(request.jobs):
             intake.check(item, field_prefix=f"jobs.{index}.")
 
-    await run_in_threadpool(check_each)  # up to max_batch_submit prompts to count: not on the event loop
+    await run_in_threadpool(check_each)  # up to limits.batch_submit prompts to count: not on the event loop
     stored = await intake.store(key, request.jobs)
     return JobBatchAccepted(jobs=[accepted.answer() for accepted in stored])
 
@@ -117,11 +117,11 @@ async def wait_for_job(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, 
                        timeout: Annotated[float | None, Query(gt=0, description="seconds; default 30 "
                                                               "(or the configured maximum, if lower)")] = None) -> JobOut:
     """Long-poll: answers as soon as the job is finished, or with its current state at the timeout."""
-    timeout = min(30.0, settings.max_wait_timeout_s) if timeout is None else timeout
-    if timeout > settings.max_wait_timeout_s:
-        raise ApiError(422, "invalid_request", f"timeout: at most {settings.max_wait_timeout_s} seconds")
+    timeout = min(30.0, settings.limits.wait_timeout_s) if timeout is None else timeout
+    if timeout > settings.limits.wait_timeout_s:
+        raise ApiError(422, "invalid_request", f"timeout: at most {settings.limits.wait_timeout_s} seconds")
     session.close()  # the key was checked; the wait must not hold a pooled connection
-    with long_polls.hold(key.id, settings.long_polls_per_key):
+    with long_polls.hold(key.id, settings.connections.long_polls_per_key):
         return await wait_finished(key, job_id, timeout)
 
 
@@ -136,7 +136,7 @@ async def job_events(job_id: uuid.UUID, key: CurrentKey, session: SessionDep, se
     job = jobs_out(session, [get_visible(session, key, job_id)])[0]
     session.close()  # the stream must not hold a pooled connection
     stream = job_event_stream(key, job, last_event_id, settings)  # a bad Last-Event-ID is refused first
-    return HeldStream(stream, streams.take(key.id, settings.streams_per_key))
+    return HeldStream(stream, streams.take(key.id, settings.connections.streams_per_key))
 
 
 def _stage_refused(job: Job, job_id: uuid.UUID) -> None:

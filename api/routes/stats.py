@@ -28,7 +28,7 @@ def get_stats(_key: AdminKey, session: SessionDep, settings: SettingsDep,
         length = parse_window(window)
     except ValueError as exc:
         raise ApiError(422, "invalid_request", f"window: {exc}") from exc
-    stats = compute_stats(session, Window.last(length), settings.max_batch)
+    stats = compute_stats(session, Window.last(length), settings.engine.max_batch)
     return {"window_name": window, **stats}
 
 

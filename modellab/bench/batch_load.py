@@ -97,9 +97,9 @@ def write_batch_file(path: Path, lines: int, models: tuple[str, ...], max_tokens
 # -- the service ----------------------------------------------------------------------------------------------
 
 def service_settings(workdir: Path) -> dict[str, str]:
-    return {"KEVLAYA_BASE_MODEL": str(DEMO_MODEL_DIR / "base"), "KEVLAYA_KEV__PATH": str(DEMO_MODEL_DIR / "kev"),
-            "KEVLAYA_LAYA__PATH": str(DEMO_MODEL_DIR / "laya"), "KEVLAYA_DEVICE": "cpu",
-            "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_FILES_DIR": str(workdir / "files"),
+    return {"KEVLAYA_MODEL__BASE": str(DEMO_MODEL_DIR / "base"), "KEVLAYA_KEV__PATH": str(DEMO_MODEL_DIR / "kev"),
+            "KEVLAYA_LAYA__PATH": str(DEMO_MODEL_DIR / "laya"), "KEVLAYA_MODEL__DEVICE": "cpu",
+            "KEVLAYA_ENGINE__IGNORE_EOS": "true", "KEVLAYA_BATCH__FILES_DIR": str(workdir / "files"),
             # the CPU worker's torch on one thread: this process and the API need a core of this machine too
             "OMP_NUM_THREADS": "1"}
 
@@ -522,7 +522,7 @@ def run_batch_load(workdir: Path, phase: str, lines: int, drain_lines: int, prob
                    timeout_s: float, profile: bool) -> dict[str, Any]:
     result: dict[str, Any] = {"phase": phase, "seed": seed, "workdir": str(workdir),
                               "service_settings": {k: v for k, v in service_settings(workdir).items()
-                                                   if k != "KEVLAYA_FILES_DIR"}}
+                                                   if k != "KEVLAYA_BATCH__FILES_DIR"}}
     # other work on this machine shares its cores with the service: the load averages before and after each phase
     result["load_average"] = {"start": os.getloadavg()}
     if phase in ("upload", "both"):

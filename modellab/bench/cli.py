@@ -34,25 +34,25 @@ def bench(
     fit: Annotated[Optional[str], typer.Option(
         help="growing loads for the fit phase, e.g. 4,8,16 (256-token prompts, 128 new tokens; default for "
              "llama-2-7b: 4,8,16, else none)")] = None,
-    max_batch: Annotated[int, typer.Option(help="KEVLAYA_MAX_BATCH for the service")] = 16,
+    max_batch: Annotated[int, typer.Option(help="KEVLAYA_ENGINE__MAX_BATCH for the service")] = 16,
     cuda_graphs: Annotated[bool, typer.Option(help="the worker captures its decode step (CUDA only)")]
         = True,
     kv_dtype: Annotated[str, typer.Option(
-        help="KEVLAYA_ENGINE_KV_DTYPE: how the key/value cache stores keys and values, auto (the compute dtype) "
+        help="KEVLAYA_ENGINE__KV_DTYPE: how the key/value cache stores keys and values, auto (the compute dtype) "
              "or fp8 (one byte an element), in the service's worker and the decoder phase")] = "auto",
     window_tokens: Annotated[Optional[int], typer.Option(
-        help="KEVLAYA_ENGINE_WINDOW_TOKENS: the tokens one slot holds (default: the "
+        help="KEVLAYA_ENGINE__WINDOW_TOKENS: the tokens one slot holds (default: the "
              "service's default)", min=16)] = None,
     prefill_tokens: Annotated[Optional[int], typer.Option(
-        help="KEVLAYA_ENGINE_PREFILL_TOKENS: padded prompt tokens prefilled between two "
+        help="KEVLAYA_ENGINE__PREFILL_TOKENS: padded prompt tokens prefilled between two "
              "steps, and the prefill measured at start (default: the service's default)", min=1)] = None,
     prefill_between_steps: Annotated[bool, typer.Option(
         "--prefill-between-steps/--whole-prefills",
-        help="KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS: while rows decode, Kev prompts are prefilled one pass between "
+        help="KEVLAYA_ENGINE__PREFILL_BETWEEN_STEPS: while rows decode, Kev prompts are prefilled one pass between "
              "two steps (--whole-prefills: at once, the A/B side)")] = True,
     latency_steps: Annotated[bool, typer.Option(
         "--latency-steps/--shared-steps-only",
-        help="KEVLAYA_ENGINE_LATENCY_STEPS: Laya rows decoding beside Kev rows also take steps of their own "
+        help="KEVLAYA_ENGINE__LATENCY_STEPS: Laya rows decoding beside Kev rows also take steps of their own "
              "(--shared-steps-only, the service's default: every row steps together)")] = False,
     lora_targets: Annotated[str, typer.Option(
         help="comma-separated layers the random adapters cover (default: every linear layer, as the demo model)")]
@@ -148,7 +148,7 @@ def load(
     url: Annotated[Optional[str], typer.Option(
         help="an API already running (loopback only); with --database-url and --redis-url its drain is checked")]
     = None,
-    api_key: Annotated[Optional[str], typer.Option(help="key for --url (default: KEVLAYA_API_KEY)")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="key for --url (default: KEVLAYA_API__KEY)")] = None,
     redis_url: Annotated[Optional[str], typer.Option(help="a Redis to use; default: a private server")] = None,
     workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (database, model, logs)")] = None,
     disk_probe: Annotated[Optional[Path], typer.Option(
@@ -184,7 +184,7 @@ def load(
                         batch_size=batch_size, concurrency=concurrency, batch_concurrency=batch_concurrency,
                         time_limit_s=time_limit, drain=drain, drain_timeout_s=drain_timeout,
                         database_url=database_url, url=url,
-                        api_key=api_key or os.environ.get("KEVLAYA_API_KEY") or LOAD_API_KEY,
+                        api_key=api_key or os.environ.get("KEVLAYA_API__KEY") or LOAD_API_KEY,
                         redis_url=redis_url, disk_probe=disk_probe)
     result = run_load(config)
     result["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
@@ -338,15 +338,16 @@ def scale_out(
     laya_tokens: Annotated[int, typer.Option(min=1, help="new tokens per Laya job (exact)")] = 32,
     prompt_min: Annotated[int, typer.Option(help="shortest prompt, tokens")] = 200,
     prompt_max: Annotated[int, typer.Option(help="longest prompt, tokens")] = 256,
-    max_batch: Annotated[int, typer.Option(min=1, help="KEVLAYA_MAX_BATCH for the service")] = 16,
+    max_batch: Annotated[int, typer.Option(min=1, help="KEVLAYA_ENGINE__MAX_BATCH for the service")] = 16,
     vram_budget_gb: Annotated[float, typer.Option(
-        help="KEVLAYA_VRAM_BUDGET_GB: each worker's allocator cap, GiB (5.5 = a 6 GB card after its context)")] = 5.5,
+        help="KEVLAYA_ENGINE__VRAM_BUDGET_GB: each worker's allocator cap, GiB (5.5 = a 6 GB card after its "
+             "context)")] = 5.5,
     lease_seconds: Annotated[Optional[float], typer.Option(
-        help="KEVLAYA_LEASE_SECONDS for the service: a killed worker's jobs come back this long after its last "
-             "lease renewal; default: the service's setting")] = None,
+        help="KEVLAYA_RELIABILITY__LEASE_SECONDS for the service: a killed worker's jobs come back this long after "
+             "its last lease renewal; default: the service's setting")] = None,
     sweep_interval: Annotated[Optional[float], typer.Option(
-        help="KEVLAYA_SWEEP_INTERVAL_S for the service: how often a worker re-queues expired leases; default: the "
-             "service's setting")] = None,
+        help="KEVLAYA_RELIABILITY__SWEEP_INTERVAL_S for the service: how often a worker re-queues expired leases; "
+             "default: the service's setting")] = None,
     kill: Annotated[bool, typer.Option(help="phase 3: the workload again with one worker SIGKILLed mid-run")] = True,
     timeout: Annotated[float, typer.Option(help="seconds each phase may take")] = 1800,
     seed: Annotated[int, typer.Option(help="the seed of the model weights and the workload")] = 0,

@@ -1,5 +1,5 @@
 """Kev and Laya rows decoding together in the worker's decoder, with steps of the Laya rows alone and without
-(KEVLAYA_ENGINE_LATENCY_STEPS), on a random-weight model of a shape: what each role's token costs and the steps
+(KEVLAYA_ENGINE__LATENCY_STEPS), on a random-weight model of a shape: what each role's token costs and the steps
 launched of each kind. The decoder by itself, no service: the bench's Laya figures under Kev load minus these are
 what the serving loop adds. CUDA only.
 
@@ -82,9 +82,9 @@ def mixed_decode(decoder: SlotDecoder, kev: list[GenerationRequest], laya: list[
 def main(
     shape: Annotated[str, typer.Option(help="model shape, random weights (modellab.bench.cli.SHAPES)")]
     = "qwen2.5-3b",
-    vram_budget_gb: Annotated[float, typer.Option(help="KEVLAYA_VRAM_BUDGET_GB (5.5: a 6 GB card)")] = 5.5,
-    max_batch: Annotated[int, typer.Option(help="KEVLAYA_MAX_BATCH: the Kev rows (Laya's reserved slots beside)")]
-    = 32,
+    vram_budget_gb: Annotated[float, typer.Option(help="KEVLAYA_ENGINE__VRAM_BUDGET_GB (5.5: a 6 GB card)")] = 5.5,
+    max_batch: Annotated[int, typer.Option(
+        help="KEVLAYA_ENGINE__MAX_BATCH: the Kev rows (Laya's reserved slots beside)")] = 32,
     laya_rows: Annotated[str, typer.Option(help="comma-separated Laya rows to try beside the Kev rows")] = "1,4",
     prompt_tokens: Annotated[int, typer.Option(help="prompt tokens of every row")] = 256,
     repeats: Annotated[int, typer.Option(help="runs of each case; the table keeps the least time", min=1)] = 3,
@@ -107,15 +107,15 @@ def main(
     if min(counts) < 1:
         raise typer.BadParameter("at least one Laya row", param_hint="--laya-rows")
     loaded, base = loaded_random_model(shape, vram_budget_gb, max_batch, 1024)
-    tokenizer = AutoTokenizer.from_pretrained(base["base_model"])
-    settings = Settings(**base, ignore_eos=True)
+    tokenizer = AutoTokenizer.from_pretrained(base["model"]["base"])
+    settings = Settings(**{**base, "engine": {**base["engine"], "ignore_eos": True}})
     workload = dict(settings=settings, seed=0, prompt_tokens=(prompt_tokens, prompt_tokens),
                     new_tokens={"kev": 128, "laya": 32})
     kev = _requests(make_jobs(tokenizer, count=max_batch, adapters=("kev",), **workload))
     laya = _requests(make_jobs(tokenizer, count=max(counts), adapters=("laya",), **workload))
     cases = []
     for latency_steps in (False, True):
-        decoder = build_decoder(loaded, settings.model_copy(update={"engine_latency_steps": latency_steps}))
+        decoder = build_decoder(loaded, settings.updated(engine={"latency_steps": latency_steps}))
         try:
             if decoder.free < max_batch + max(counts):
                 raise typer.BadParameter(f"the worker's decoder has {decoder.free} slots under the budget, fewer "

@@ -30,7 +30,7 @@ import httpx
 from modellab.bench.disk_probe import DiskProbe
 
 log = logging.getLogger("kevlaya.load")
-API_KEY = "kl_load_admin_key_for_local_runs_7c3e91"  # as strong as KEVLAYA_API_KEY must be
+API_KEY = "kl_load_admin_key_for_local_runs_7c3e91"  # as strong as KEVLAYA_API__KEY must be
 
 
 def require_loopback(url: str) -> None:
@@ -216,8 +216,8 @@ class LoadService:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.processes = Processes(
-            config.workdir, {"KEVLAYA_API_KEY": config.api_key, "KEVLAYA_API_PORT": str(self.port),
-                             "KEVLAYA_API_HOST": "127.0.0.1", **config.settings},
+            config.workdir, {"KEVLAYA_API__KEY": config.api_key, "KEVLAYA_API__PORT": str(self.port),
+                             "KEVLAYA_API__HOST": "127.0.0.1", **config.settings},
             config.database_url or f"sqlite:///{config.workdir / 'load.db'}",
             config.redis_url or f"redis://127.0.0.1:{free_port()}/0")
         self.database_url, self.redis_url = self.processes.database_url, self.processes.redis_url
@@ -241,10 +241,10 @@ class LoadService:
 
         model = build_random_model(self.processes.workdir / "model", "tiny", seed=0)
         self.processes.start("worker", {
-            "KEVLAYA_BASE_MODEL": str(model["base"]), "KEVLAYA_KEV__PATH": str(model["kev"]),
-            "KEVLAYA_LAYA__PATH": str(model["laya"]), "KEVLAYA_DEVICE": "cpu",
+            "KEVLAYA_MODEL__BASE": str(model["base"]), "KEVLAYA_KEV__PATH": str(model["kev"]),
+            "KEVLAYA_LAYA__PATH": str(model["laya"]), "KEVLAYA_MODEL__DEVICE": "cpu",
             # many slots of one new token: the drain checks bookkeeping, not the model
-            "KEVLAYA_MAX_BATCH": "256"})
+            "KEVLAYA_ENGINE__MAX_BATCH": "256"})
 
     def __exit__(self, *_exc: object) -> None:
         self.processes.stop()

@@ -91,11 +91,11 @@ def pools(segments: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(
     shape: Annotated[str, typer.Option(help="model shape, random weights (modellab.bench.cli.SHAPES)")]
     = "llama-2-7b",
-    vram_budget_gb: Annotated[float, typer.Option(help="KEVLAYA_VRAM_BUDGET_GB while building")] = 8.0,
-    max_batch: Annotated[int, typer.Option(help="KEVLAYA_MAX_BATCH: the slots built (no slot reserved)")] = 4,
-    window_tokens: Annotated[int, typer.Option(help="KEVLAYA_ENGINE_WINDOW_TOKENS")] = 1024,
-    kv_dtype: Annotated[str, typer.Option(help="KEVLAYA_ENGINE_KV_DTYPE: auto or fp8")] = "fp8",
-    prefill_chunk_tokens: Annotated[int, typer.Option(help="KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS")] = 512,
+    vram_budget_gb: Annotated[float, typer.Option(help="KEVLAYA_ENGINE__VRAM_BUDGET_GB while building")] = 8.0,
+    max_batch: Annotated[int, typer.Option(help="KEVLAYA_ENGINE__MAX_BATCH: the slots built (no slot reserved)")] = 4,
+    window_tokens: Annotated[int, typer.Option(help="KEVLAYA_ENGINE__WINDOW_TOKENS")] = 1024,
+    kv_dtype: Annotated[str, typer.Option(help="KEVLAYA_ENGINE__KV_DTYPE: auto or fp8")] = "fp8",
+    prefill_chunk_tokens: Annotated[int, typer.Option(help="KEVLAYA_ENGINE__PREFILL_CHUNK_TOKENS")] = 512,
     top: Annotated[int, typer.Option(help="rows of the table of allocations by source line")] = 20,
     out: Annotated[Optional[Path], typer.Option(help="write the results here as JSON")] = None,
 ) -> None:
@@ -109,8 +109,8 @@ def main(
     if kv_dtype not in ("auto", "fp8"):
         raise typer.BadParameter("auto or fp8", param_hint="--kv-dtype")
     loaded, base = loaded_random_model(shape, vram_budget_gb, max_batch, window_tokens)
-    settings = Settings(**{**base, "laya": {**base["laya"], "reserved_slots": 0}}, engine_kv_dtype=kv_dtype,
-                        engine_prefill_chunk_tokens=prefill_chunk_tokens)
+    settings = Settings(**{**base, "laya": {**base["laya"], "reserved_slots": 0}, "engine": {
+        **base["engine"], "kv_dtype": kv_dtype, "prefill_chunk_tokens": prefill_chunk_tokens}})
     resident = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     torch.cuda.reset_peak_memory_stats()

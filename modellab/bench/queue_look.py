@@ -35,7 +35,7 @@ def main(
     if queued > jobs:
         raise typer.BadParameter(f"at most --jobs ({jobs})", param_hint="--queued")
     url = database_url or f"sqlite:///{tempfile.mkdtemp(prefix='kevlaya-queue-look-')}/kevlaya.db"
-    os.environ["KEVLAYA_DATABASE_URL"] = url  # read by shared.db when it first connects
+    os.environ["KEVLAYA_DATABASE__URL"] = url  # read by shared.db when it first connects
 
     from shared.db import reset_engine, session_scope, write_scope
     from shared.migrate import upgrade

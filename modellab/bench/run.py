@@ -70,11 +70,11 @@ class BenchConfig:
     max_batch: int = 16
     redis_url: str | None = None
     cuda_graphs: bool = True  # capture the decode step on CUDA
-    kv_dtype: str = "auto"  # KEVLAYA_ENGINE_KV_DTYPE: the key/value cache's storage, the compute dtype or fp8
-    window_tokens: int | None = None  # KEVLAYA_ENGINE_WINDOW_TOKENS; None: the service's default
-    prefill_tokens: int | None = None  # KEVLAYA_ENGINE_PREFILL_TOKENS; None: the service's default
-    prefill_between_steps: bool = True  # KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS
-    latency_steps: bool = False  # KEVLAYA_ENGINE_LATENCY_STEPS
+    kv_dtype: str = "auto"  # KEVLAYA_ENGINE__KV_DTYPE: the key/value cache's storage, the compute dtype or fp8
+    window_tokens: int | None = None  # KEVLAYA_ENGINE__WINDOW_TOKENS; None: the service's default
+    prefill_tokens: int | None = None  # KEVLAYA_ENGINE__PREFILL_TOKENS; None: the service's default
+    prefill_between_steps: bool = True  # KEVLAYA_ENGINE__PREFILL_BETWEEN_STEPS
+    latency_steps: bool = False  # KEVLAYA_ENGINE__LATENCY_STEPS
     lora_targets: tuple[str, ...] = ALL_LINEAR  # the layers the random adapters cover (the demo model: every one)
     peer: bool = True  # time transformers' continuous batching on the same model and jobs
     census: bool = True  # the kernel census of the decode step and, on CUDA, the A/B pairs
@@ -128,7 +128,7 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     from worker.decoder.slot_decoder import SlotDecoder
     from worker.engine.loop import build_decoder
 
-    decoder = build_decoder(runtime.loaded, settings.model_copy(update={"engine_cuda_graphs": config.cuda_graphs}))
+    decoder = build_decoder(runtime.loaded, settings.updated(engine={"cuda_graphs": config.cuda_graphs}))
     try:
         profile = decode_busy_fraction(decoder.run, runtime.device, kev)
         window = decoder.window
@@ -163,10 +163,10 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     for name, (options, measure) in variants.items():
         # as many slots as rows: the fp32 products need more memory than the sizing left spare under the cap
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
-                              eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, texts=False,
-                              kv_dtype=STORAGE_DTYPES[settings.engine_kv_dtype],
-                              **{"prefill_tokens": settings.engine_prefill_tokens,
-                                 "prefill_chunk_tokens": settings.engine_prefill_chunk_tokens, **options})
+                              eos_ids=loaded.eos_ids, ignore_eos=settings.engine.ignore_eos, texts=False,
+                              kv_dtype=STORAGE_DTYPES[settings.engine.kv_dtype],
+                              **{"prefill_tokens": settings.engine.prefill_tokens,
+                                 "prefill_chunk_tokens": settings.engine.prefill_chunk_tokens, **options})
         try:
             figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))
         finally:
@@ -304,7 +304,7 @@ def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob]
                   stream_jobs: list[BenchJob] | None = None) -> None:
     """Fills `figures` phase by phase and calls `save` after each, so a run cut short keeps what it measured."""
     rng = random.Random(config.seed)
-    env = {**env, "KEVLAYA_ENGINE_CUDA_GRAPHS": str(config.cuda_graphs).lower()}
+    env = {**env, "KEVLAYA_ENGINE__CUDA_GRAPHS": str(config.cuda_graphs).lower()}
     with Service(config.workdir / "service", env, config.redis_url) as service:
         service.wait(service.submit([jobs[0].body(), jobs[1].body()]))  # warm-up, as the recipe had
         started = service.batches()[-1].started_at
@@ -363,23 +363,24 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
         torch.cuda.empty_cache()
     log.info("built a random-weight %s model in %.1fs", config.shape, time.perf_counter() - started)
 
-    env = {"KEVLAYA_BASE_MODEL": str(paths["base"]), "KEVLAYA_KEV__PATH": str(paths["kev"]),
-           "KEVLAYA_LAYA__PATH": str(paths["laya"]), "KEVLAYA_DEVICE": device,
-           "KEVLAYA_VRAM_BUDGET_GB": str(config.vram_budget_gb), "KEVLAYA_IGNORE_EOS": "true",
-           "KEVLAYA_MAX_BATCH": str(config.max_batch), "KEVLAYA_ENGINE_KV_DTYPE": config.kv_dtype,
+    env = {"KEVLAYA_MODEL__BASE": str(paths["base"]), "KEVLAYA_KEV__PATH": str(paths["kev"]),
+           "KEVLAYA_LAYA__PATH": str(paths["laya"]), "KEVLAYA_MODEL__DEVICE": device,
+           "KEVLAYA_ENGINE__VRAM_BUDGET_GB": str(config.vram_budget_gb), "KEVLAYA_ENGINE__IGNORE_EOS": "true",
+           "KEVLAYA_ENGINE__MAX_BATCH": str(config.max_batch), "KEVLAYA_ENGINE__KV_DTYPE": config.kv_dtype,
            # random weights from this run: hashing gigabytes again would only slow the start
-           "KEVLAYA_VERIFY_MANIFESTS": "false"}
-    window = {} if config.window_tokens is None else {"engine_window_tokens": config.window_tokens}
+           "KEVLAYA_MODEL__VERIFY_MANIFESTS": "false"}
+    window = {} if config.window_tokens is None else {"window_tokens": config.window_tokens}
     if window:
-        env["KEVLAYA_ENGINE_WINDOW_TOKENS"] = str(config.window_tokens)
+        env["KEVLAYA_ENGINE__WINDOW_TOKENS"] = str(config.window_tokens)
     if config.prefill_tokens is not None:
-        env["KEVLAYA_ENGINE_PREFILL_TOKENS"] = str(config.prefill_tokens)
-    env["KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS"] = str(config.prefill_between_steps).lower()
-    env["KEVLAYA_ENGINE_LATENCY_STEPS"] = str(config.latency_steps).lower()
-    settings = Settings(_env_file=None, base_model=env["KEVLAYA_BASE_MODEL"], kev={"path": env["KEVLAYA_KEV__PATH"]},
-                        laya={"path": env["KEVLAYA_LAYA__PATH"]}, device=device,
-                        vram_budget_gb=config.vram_budget_gb, ignore_eos=True, verify_manifests=False,
-                        max_batch=config.max_batch, engine_kv_dtype=config.kv_dtype, **window)
+        env["KEVLAYA_ENGINE__PREFILL_TOKENS"] = str(config.prefill_tokens)
+    env["KEVLAYA_ENGINE__PREFILL_BETWEEN_STEPS"] = str(config.prefill_between_steps).lower()
+    env["KEVLAYA_ENGINE__LATENCY_STEPS"] = str(config.latency_steps).lower()
+    settings = Settings(_env_file=None,
+                        model={"base": env["KEVLAYA_MODEL__BASE"], "device": device, "verify_manifests": False},
+                        kev={"path": env["KEVLAYA_KEV__PATH"]}, laya={"path": env["KEVLAYA_LAYA__PATH"]},
+                        engine={"vram_budget_gb": config.vram_budget_gb, "ignore_eos": True,
+                                "max_batch": config.max_batch, "kv_dtype": config.kv_dtype, **window})
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(paths["base"])
@@ -402,9 +403,9 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
         "workload": {"jobs": config.jobs, "prompt_tokens": list(config.prompt_tokens),
                      "new_tokens": config.new_tokens, "greedy": True, "exact_lengths": True, "seed": config.seed,
                      "latency_samples": config.latency_samples, "fit_loads": list(config.fit_loads),
-                     "max_batch": config.max_batch, "window_tokens": settings.engine_window_tokens,
+                     "max_batch": config.max_batch, "window_tokens": settings.engine.window_tokens,
                      "lora_targets": list(config.lora_targets),
-                     "prefill_tokens": config.prefill_tokens or settings.engine_prefill_tokens,
+                     "prefill_tokens": config.prefill_tokens or settings.engine.prefill_tokens,
                      "prefill_between_steps": config.prefill_between_steps,
                      "latency_steps": config.latency_steps,
                      "prompt_tokens_seen": [min(j.prompt_tokens for j in jobs), max(j.prompt_tokens for j in jobs)]},
@@ -417,7 +418,7 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
         # service settings from the environment, which the service's processes inherit, and the engine's settings
         # as the service reads them (defaults included)
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KEVLAYA_")},
-        "engine_settings": {k: v for k, v in settings.model_dump().items() if k.startswith("engine_")},
+        "engine_settings": settings.engine.model_dump(),
     }
     measured = runtime_phase(config, settings, jobs)
     result["seed_scheme"] = measured["recipe"]

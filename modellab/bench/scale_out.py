@@ -6,7 +6,7 @@ It starts Redis, a database (a SQLite file in `--workdir`, or the PostgreSQL at 
 
 1. one `kevlaya worker` alone: jobs/s;
 2. N workers (`--gpus` × `--workers-per-gpu`; on CUDA each pinned to its GPU with CUDA_VISIBLE_DEVICES and capped
-   to KEVLAYA_VRAM_BUDGET_GB; on the CPU each with torch on one thread): jobs/s, and the speedup over phase 1;
+   to KEVLAYA_ENGINE__VRAM_BUDGET_GB; on the CPU each with torch on one thread): jobs/s, and the speedup over phase 1;
 3. the same N workers, one of them SIGKILLed (its whole process group) as soon as it holds claimed jobs: every
    job must still end once, the killed worker's on the survivors once their lease expires (docs/architecture.md
    §3, Lease and Sweep).
@@ -61,8 +61,8 @@ class ScaleOutConfig:
     new_tokens: dict[str, int] = field(default_factory=lambda: {"kev": 128, "laya": 32})
     max_batch: int = 16
     vram_budget_gb: float = 5.5
-    lease_seconds: float | None = None  # KEVLAYA_LEASE_SECONDS for the service; None: its setting
-    sweep_interval_s: float | None = None  # KEVLAYA_SWEEP_INTERVAL_S; None: its setting
+    lease_seconds: float | None = None  # KEVLAYA_RELIABILITY__LEASE_SECONDS for the service; None: its setting
+    sweep_interval_s: float | None = None  # KEVLAYA_RELIABILITY__SWEEP_INTERVAL_S; None: its setting
     kill: bool = True
     timeout_s: float = 1800.0  # per phase
     seed: int = 0
@@ -92,24 +92,24 @@ def ledger_timing(config: ScaleOutConfig) -> dict[str, float]:
     from shared.settings import Settings
 
     given = {"lease_seconds": config.lease_seconds, "sweep_interval_s": config.sweep_interval_s}
-    settings = Settings(**{k: v for k, v in given.items() if v is not None})
-    return {"lease_s": settings.lease_seconds, "renew_every_s": round(settings.lease_seconds / 3, 3),
-            "sweep_every_s": min(settings.sweep_interval_s, settings.heartbeat_ttl_s / 3),
-            "max_attempts": settings.max_attempts}
+    reliability = Settings(reliability={k: v for k, v in given.items() if v is not None}).reliability
+    return {"lease_s": reliability.lease_seconds, "renew_every_s": round(reliability.lease_seconds / 3, 3),
+            "sweep_every_s": min(reliability.sweep_interval_s, reliability.heartbeat_ttl_s / 3),
+            "max_attempts": reliability.max_attempts}
 
 
 def service_settings(config: ScaleOutConfig, paths: dict[str, Path]) -> dict[str, str]:
     """KEVLAYA_* for every process, as the benchmark serves its random model."""
-    env = {"KEVLAYA_BASE_MODEL": str(paths["base"]), "KEVLAYA_KEV__PATH": str(paths["kev"]),
-           "KEVLAYA_LAYA__PATH": str(paths["laya"]), "KEVLAYA_DEVICE": config.device,
-           "KEVLAYA_VRAM_BUDGET_GB": str(config.vram_budget_gb), "KEVLAYA_IGNORE_EOS": "true",
-           "KEVLAYA_MAX_BATCH": str(config.max_batch),
+    env = {"KEVLAYA_MODEL__BASE": str(paths["base"]), "KEVLAYA_KEV__PATH": str(paths["kev"]),
+           "KEVLAYA_LAYA__PATH": str(paths["laya"]), "KEVLAYA_MODEL__DEVICE": config.device,
+           "KEVLAYA_ENGINE__VRAM_BUDGET_GB": str(config.vram_budget_gb), "KEVLAYA_ENGINE__IGNORE_EOS": "true",
+           "KEVLAYA_ENGINE__MAX_BATCH": str(config.max_batch),
            # random weights from this run: hashing them again would only slow each worker's start
-           "KEVLAYA_VERIFY_MANIFESTS": "false"}
+           "KEVLAYA_MODEL__VERIFY_MANIFESTS": "false"}
     if config.lease_seconds is not None:
-        env["KEVLAYA_LEASE_SECONDS"] = str(config.lease_seconds)
+        env["KEVLAYA_RELIABILITY__LEASE_SECONDS"] = str(config.lease_seconds)
     if config.sweep_interval_s is not None:
-        env["KEVLAYA_SWEEP_INTERVAL_S"] = str(config.sweep_interval_s)
+        env["KEVLAYA_RELIABILITY__SWEEP_INTERVAL_S"] = str(config.sweep_interval_s)
     if config.device == "cpu":
         env["OMP_NUM_THREADS"] = "1"  # each CPU worker's torch on one thread: N of them share this machine's cores
     return env
@@ -460,8 +460,8 @@ def prepare_model(config: ScaleOutConfig) -> tuple[dict[str, Path], list[Any]]:
     if config.device == "cuda":
         torch.cuda.empty_cache()
     log.info("built a random-weight %s model in %.1f s", config.shape, time.perf_counter() - started)
-    settings = Settings(_env_file=None, base_model=str(paths["base"]), kev={"path": str(paths["kev"])},
-                        laya={"path": str(paths["laya"])}, device=config.device, ignore_eos=True)
+    settings = Settings(_env_file=None, model={"base": str(paths["base"]), "device": config.device},
+                        engine={"ignore_eos": True}, kev={"path": str(paths["kev"])}, laya={"path": str(paths["laya"])})
     jobs = make_jobs(AutoTokenizer.from_pretrained(paths["base"]), settings, count=config.jobs, seed=config.seed,
                      prompt_tokens=config.prompt_tokens, new_tokens=config.new_tokens)
     return paths, jobs
@@ -503,7 +503,7 @@ def run_scale_out(config: ScaleOutConfig, save: Callable[[dict[str, Any]], None]
     phases = result["phases"]
 
     def worker_env(index: int) -> dict[str, str]:
-        env = {"KEVLAYA_WORKER_METRICS_PORT": str(free_port())}
+        env = {"KEVLAYA_MONITORING__METRICS_PORT": str(free_port())}
         if config.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpus[index // config.workers_per_gpu]
         return env

@@ -24,7 +24,7 @@ from shared.models import ClaimGroup, Job, JobStatus
 from shared.redis_server import answers, start_redis_server
 
 log = logging.getLogger("kevlaya.bench")
-API_KEY = "kl_bench_admin_key_for_local_runs_4b8d27"  # as strong as KEVLAYA_API_KEY must be
+API_KEY = "kl_bench_admin_key_for_local_runs_4b8d27"  # as strong as KEVLAYA_API__KEY must be
 
 
 _handed_out: set[int] = set()
@@ -74,7 +74,7 @@ class Processes:
 
     def __init__(self, workdir: Path, settings: dict[str, str], database_url: str, redis_url: str):
         self.workdir, self.database_url, self.redis_url = workdir, database_url, redis_url
-        self.env = {**os.environ, **settings, "KEVLAYA_DATABASE_URL": database_url, "KEVLAYA_REDIS_URL": redis_url}
+        self.env = {**os.environ, **settings, "KEVLAYA_DATABASE__URL": database_url, "KEVLAYA_REDIS__URL": redis_url}
         self.running: dict[str, subprocess.Popen] = {}
 
     def prepare(self) -> None:
@@ -118,8 +118,9 @@ class Service:
                  database_url: str | None = None):
         self.port, self.metrics_port = free_port(), free_port()
         database_url = database_url or f"sqlite:///{workdir / 'bench.db'}"
-        self.processes = Processes(workdir, {**settings, "KEVLAYA_API_KEY": API_KEY, "KEVLAYA_API_PORT": str(self.port),
-                                              "KEVLAYA_WORKER_METRICS_PORT": str(self.metrics_port)},
+        self.processes = Processes(workdir, {**settings, "KEVLAYA_API__KEY": API_KEY,
+                                              "KEVLAYA_API__PORT": str(self.port),
+                                              "KEVLAYA_MONITORING__METRICS_PORT": str(self.metrics_port)},
                                    database_url, redis_url or f"redis://127.0.0.1:{free_port()}/0")
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}",
                                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)

@@ -47,19 +47,19 @@ def loaded_random_model(shape: str, vram_budget_gb: float, max_batch: int,
                                device="cuda", target_modules=ALL_LINEAR)
     gc.collect()
     torch.cuda.empty_cache()
-    base = dict(_env_file=None, base_model=str(paths["base"]), kev={"path": str(paths["kev"])},
-                laya={"path": str(paths["laya"])}, device="cuda", vram_budget_gb=vram_budget_gb,
-                verify_manifests=False, max_batch=max_batch, engine_window_tokens=window_tokens)
+    base = dict(_env_file=None, model={"base": str(paths["base"]), "device": "cuda", "verify_manifests": False},
+                kev={"path": str(paths["kev"])}, laya={"path": str(paths["laya"])},
+                engine={"vram_budget_gb": vram_budget_gb, "max_batch": max_batch, "window_tokens": window_tokens})
     return load_model(Settings(**base)), base
 
 
 def main(
     shape: Annotated[str, typer.Option(help=f"model shape, random weights: {', '.join(SHAPES)}")] = "llama-2-7b",
-    vram_budget_gb: Annotated[float, typer.Option(help="KEVLAYA_VRAM_BUDGET_GB (5.5: a 6 GB card)")] = 5.5,
-    window_tokens: Annotated[int, typer.Option(help="KEVLAYA_ENGINE_WINDOW_TOKENS: tokens one slot holds")] = 1024,
-    max_batch: Annotated[int, typer.Option(help="KEVLAYA_MAX_BATCH: the slots asked for (plus Laya's reserved)")]
-    = 16,
-    chunks: Annotated[str, typer.Option(help="comma-separated KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS to try; 0: one "
+    vram_budget_gb: Annotated[float, typer.Option(help="KEVLAYA_ENGINE__VRAM_BUDGET_GB (5.5: a 6 GB card)")] = 5.5,
+    window_tokens: Annotated[int, typer.Option(help="KEVLAYA_ENGINE__WINDOW_TOKENS: tokens one slot holds")] = 1024,
+    max_batch: Annotated[int, typer.Option(
+        help="KEVLAYA_ENGINE__MAX_BATCH: the slots asked for (plus Laya's reserved)")] = 16,
+    chunks: Annotated[str, typer.Option(help="comma-separated KEVLAYA_ENGINE__PREFILL_CHUNK_TOKENS to try; 0: one "
                                              "forward pass per prefill")] = "0,512,256",
     out: Annotated[Optional[Path], typer.Option(help="write the results here as JSON")] = None,
 ) -> None:
@@ -78,7 +78,8 @@ def main(
     rows = []
     for kv_dtype in ("auto", "fp8"):
         for chunk in chunk_list:
-            settings = Settings(**base, engine_kv_dtype=kv_dtype, engine_prefill_chunk_tokens=chunk or WHOLE)
+            settings = Settings(**{**base, "engine": {**base["engine"], "kv_dtype": kv_dtype,
+                                                      "prefill_chunk_tokens": chunk or WHOLE}})
             torch.cuda.reset_peak_memory_stats()
             decoder = build_decoder(loaded, settings)
             rows.append({"kv_dtype": kv_dtype, "prefill_chunk_tokens": chunk or None, "slots": decoder.kv.slots,

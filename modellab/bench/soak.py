@@ -405,7 +405,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
                        "sample_every_s": config.sample_every_s, "warmup_s": round(config.warmup_s, 2),
                        "concurrency": config.concurrency, "drain_timeout_s": config.drain_timeout_s,
                        "seed": config.seed, "workdir": str(config.workdir)},
-            "service_settings": {k: v for k, v in settings.items() if k != "KEVLAYA_FILES_DIR"}}
+            "service_settings": {k: v for k, v in settings.items() if k != "KEVLAYA_BATCH__FILES_DIR"}}
 
 
 # -- the report -----------------------------------------------------------------------------------------------

@@ -146,9 +146,9 @@ async def run_clients(base_url: str, job_ids: list[str], clients: int, timeout_s
 
 
 def run_stream_load(workdir: Path, clients: int, jobs: int, new_tokens: int, timeout_s: float) -> dict[str, Any]:
-    settings = {"KEVLAYA_BASE_MODEL": str(DEMO_MODEL_DIR / "base"), "KEVLAYA_KEV__PATH": str(DEMO_MODEL_DIR / "kev"),
-                "KEVLAYA_LAYA__PATH": str(DEMO_MODEL_DIR / "laya"), "KEVLAYA_DEVICE": "cpu",
-                "KEVLAYA_IGNORE_EOS": "true", "KEVLAYA_MAX_BATCH": str(max(jobs, 1)),
+    settings = {"KEVLAYA_MODEL__BASE": str(DEMO_MODEL_DIR / "base"), "KEVLAYA_KEV__PATH": str(DEMO_MODEL_DIR / "kev"),
+                "KEVLAYA_LAYA__PATH": str(DEMO_MODEL_DIR / "laya"), "KEVLAYA_MODEL__DEVICE": "cpu",
+                "KEVLAYA_ENGINE__IGNORE_EOS": "true", "KEVLAYA_ENGINE__MAX_BATCH": str(max(jobs, 1)),
                 # the CPU worker's torch on one thread: the clients' own process needs a core of this machine too
                 "OMP_NUM_THREADS": "1"}
     with Service(workdir, settings) as service:

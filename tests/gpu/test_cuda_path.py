@@ -30,13 +30,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def nf4_whatever_the_size():
     """Every model here is served NF4, the small ones too (`auto` keeps a base under 1 B parameters in fp16): this
     suite is about the NF4 path. Workers it starts inherit the setting."""
-    before = os.environ.get("KEVLAYA_QUANTIZATION")
-    os.environ["KEVLAYA_QUANTIZATION"] = "nf4"
+    before = os.environ.get("KEVLAYA_MODEL__QUANTIZATION")
+    os.environ["KEVLAYA_MODEL__QUANTIZATION"] = "nf4"
     yield
     if before is None:
-        del os.environ["KEVLAYA_QUANTIZATION"]
+        del os.environ["KEVLAYA_MODEL__QUANTIZATION"]
     else:
-        os.environ["KEVLAYA_QUANTIZATION"] = before
+        os.environ["KEVLAYA_MODEL__QUANTIZATION"] = before
 
 CAP_GB = 5.5  # what a 6 GB card leaves PyTorch after the CUDA context
 DEMO = Path("models/demo")
@@ -56,7 +56,8 @@ def prewarmed() -> None:
 
 @pytest.fixture(scope="module")
 def demo() -> ReferenceRuntime:
-    runtime = ReferenceRuntime.load(Settings(_env_file=None, device="cuda", vram_budget_gb=CAP_GB))
+    runtime = ReferenceRuntime.load(Settings(_env_file=None, model={"device": "cuda"},
+                                             engine={"vram_budget_gb": CAP_GB}))
     yield runtime
     del runtime
     _free()
@@ -130,9 +131,9 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRuntime:
 
     paths = build_random_model(tmp_path_factory.mktemp("qwen"), "qwen2.5-1.5b", dtype=torch.float16, device="cuda")
     _free()
-    settings = Settings(_env_file=None, device="cuda", vram_budget_gb=CAP_GB, base_model=str(paths["base"]),
-                        kev={"path": str(paths["kev"])}, laya={"path": str(paths["laya"])}, ignore_eos=True,
-                        verify_manifests=False)
+    settings = Settings(_env_file=None, model={"device": "cuda", "base": str(paths["base"]), "verify_manifests": False},
+                        engine={"vram_budget_gb": CAP_GB, "ignore_eos": True}, kev={"path": str(paths["kev"])},
+                        laya={"path": str(paths["laya"])})
     runtime = ReferenceRuntime.load(settings)
     yield runtime
     del runtime
@@ -150,8 +151,8 @@ def long_requests(count: int, prompt_chars: int, new_tokens: int) -> list[Genera
 def test_a_real_shape_stays_under_the_cap(qwen: ReferenceRuntime) -> None:
     from worker.engine.loop import build_decoder
 
-    decoder = build_decoder(qwen.loaded, Settings(_env_file=None, device="cuda", vram_budget_gb=CAP_GB, max_batch=16,
-                                                 ignore_eos=True))
+    decoder = build_decoder(qwen.loaded, Settings(_env_file=None, model={"device": "cuda"}, engine={
+        "vram_budget_gb": CAP_GB, "max_batch": 16, "ignore_eos": True}))
     try:
         got = decoder.run(long_requests(16, 250, 64))
         assert [r.completion_tokens for r in got] == [64] * 16
@@ -202,8 +203,8 @@ def database_url(tmp_path: Path) -> str:  # SQLite only: the GPU machine has no 
 
 @pytest.fixture
 def env(worker_env: dict[str, str]) -> dict[str, str]:
-    return {**worker_env, "KEVLAYA_API_PORT": str(free_port()), "KEVLAYA_DEVICE": "cuda",
-            "KEVLAYA_VRAM_BUDGET_GB": str(CAP_GB), "KEVLAYA_IGNORE_EOS": "true"}
+    return {**worker_env, "KEVLAYA_API__PORT": str(free_port()), "KEVLAYA_MODEL__DEVICE": "cuda",
+            "KEVLAYA_ENGINE__VRAM_BUDGET_GB": str(CAP_GB), "KEVLAYA_ENGINE__IGNORE_EOS": "true"}
 
 
 def _children(pid: int) -> list[int]:
@@ -334,7 +335,7 @@ def assert_agree(expected: list, got: list, what: str) -> None:
 
 
 def test_an_fp8_cache_on_nf4_with_captured_steps_agrees_with_the_fp16_cache(demo: ReferenceRuntime) -> None:
-    """`KEVLAYA_ENGINE_KV_DTYPE=fp8` on CUDA: the block holds float8 at half the bytes, captured steps write and
+    """`KEVLAYA_ENGINE__KV_DTYPE=fp8` on CUDA: the block holds float8 at half the bytes, captured steps write and
     read it, prefills in chunks of 64 tokens write it, and greedy answers agree with those of the fp16 cache and
     whole prefills on at least 99 % of their tokens."""
     from worker.decoder.slot_decoder import SlotDecoder
@@ -403,7 +404,7 @@ def test_prefills_between_captured_steps_agree_with_whole_prefills(demo: Referen
 
 
 def test_captured_steps_of_the_latency_rows_alone_agree_with_shared_steps_only(demo: ReferenceRuntime) -> None:
-    """KEVLAYA_ENGINE_LATENCY_STEPS on captured steps: Laya rows step alone between shared steps (graphs of their
+    """KEVLAYA_ENGINE__LATENCY_STEPS on captured steps: Laya rows step alone between shared steps (graphs of their
     own, up to three rows padded to four into Kev rows' holes), the Kev rows masking those columns; greedy answers
     agree with captured shared steps only on at least 99 % of their tokens, and such steps did run: each replay of
     a step alone was timed on the GPU under its own shape (CapturedStep.timed, what the bench reads)."""
@@ -472,8 +473,9 @@ def test_the_slot_decoder_is_sized_by_its_measured_peak(demo: ReferenceRuntime) 
     from worker.memory import kv_bytes_per_token
 
     def settings(budget_gb: float) -> Settings:
-        return Settings(_env_file=None, device="cuda", vram_budget_gb=budget_gb, max_batch=64, laya={
-            "reserved_slots": 0}, engine_workspace_gb=0, engine_window_tokens=1024, engine_cuda_graphs=True)
+        return Settings(_env_file=None, model={"device": "cuda"}, laya={"reserved_slots": 0},
+                        engine={"vram_budget_gb": budget_gb, "max_batch": 64, "workspace_gb": 0,
+                                "window_tokens": 1024, "cuda_graphs": True})
 
     _free()
     per_slot = kv_bytes_per_token(*kv_shape(demo.model.config), dtype_bytes=2) * 1024

@@ -8,7 +8,7 @@ placed on the timeline when its last pass has run. When `t` reaches the window's
 by the oldest row's start (docs/architecture.md §14). Nothing is allocated after construction, so memory use is
 known before the first job.
 
-The block may store keys and values in fp8 (`KEVLAYA_ENGINE_KV_DTYPE=fp8`, one byte an element) while the model
+The block may store keys and values in fp8 (`KEVLAYA_ENGINE__KV_DTYPE=fp8`, one byte an element) while the model
 computes in its own dtype: a write casts down, a read casts the rows' read range back up, one layer at a time.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-# KEVLAYA_ENGINE_KV_DTYPE: the block's storage dtype (None: the compute dtype).
+# KEVLAYA_ENGINE__KV_DTYPE: the block's storage dtype (None: the compute dtype).
 STORAGE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 

@@ -122,16 +122,16 @@ class SlotDecoder:
                  launch_ahead: bool = True, column_buckets: int | None = None, nf4_kernel: bool | None = None,
                  latency_adapters: Collection[str] = (), latency_rows: int | None = None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
-        # KEVLAYA_ENGINE_LATENCY_STEPS: the rows of these adapters (not file-batch lines) also step alone, after each
+        # KEVLAYA_ENGINE__LATENCY_STEPS: the rows of these adapters (not file-batch lines) also step alone, after each
         # step of every row, while other rows decode beside them and they are at most `latency_rows` (None: any)
         self._latency = {self.adapters.index(a) for a in latency_adapters}
         self.latency_rows = (slots if latency_rows is None else min(latency_rows, slots)) if self._latency else 0
         self._alone_next = False  # whether the next launch is the latency rows' own step
         self.launched = {"shared": 0, "alone": 0}  # decode steps launched: of every row, of the latency rows alone
         self.waited_s = 0.0  # host seconds spent waiting for steps' tokens: near none when the host is the bound
-        # KEVLAYA_ENGINE_PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
+        # KEVLAYA_ENGINE__PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
-        # KEVLAYA_ENGINE_PREFILL_CHUNK_TOKENS: the padded tokens one forward pass of a prefill takes at most
+        # KEVLAYA_ENGINE__PREFILL_CHUNK_TOKENS: the padded tokens one forward pass of a prefill takes at most
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # texts=False: results carry token ids and log-probabilities only, and the caller makes their text on its
         # own thread (decode_with_spans costs milliseconds a row, which every row in flight would wait for).
@@ -144,7 +144,7 @@ class SlotDecoder:
         dtype = model.config.dtype if isinstance(model.config.dtype, torch.dtype) else torch.float16
         if self.device.type == "cpu":
             dtype = torch.float32
-        # KEVLAYA_ENGINE_KV_DTYPE: the cache may store in another dtype (fp8); attention still reads it in `dtype`.
+        # KEVLAYA_ENGINE__KV_DTYPE: the cache may store in another dtype (fp8); attention still reads it in `dtype`.
         # benchmarks: end-of-sequence tokens never chosen, so every row writes its max_new_tokens
         self._banned = torch.tensor(self.eos_ids, device=self.device) if ignore_eos and self.eos_ids else None
         self.kv = KVBlock(model.config, slots, window, kv_dtype or dtype, self.device)

@@ -77,21 +77,21 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     from worker.decoder.kv_block import STORAGE_DTYPES, kv_shape
     from worker.decoder.slot_decoder import SlotDecoder
 
-    window = min(settings.engine_window_tokens, loaded.context or settings.engine_window_tokens)
+    window = min(settings.engine.window_tokens, loaded.context or settings.engine.window_tokens)
     # Reserved slots come on top of max_batch, so a role's backlog keeps max_batch rows when memory allows.
-    reserved = reserved_slots(settings, loaded.adapters, settings.max_batch)
-    wanted = settings.max_batch + sum(reserved.values())
-    graphs = settings.engine_cuda_graphs and loaded.device == "cuda"
-    kv_dtype = STORAGE_DTYPES[settings.engine_kv_dtype]
-    # KEVLAYA_ENGINE_LATENCY_STEPS: the roles with reserved slots (Laya) also step alone, as many rows as they
+    reserved = reserved_slots(settings, loaded.adapters, settings.engine.max_batch)
+    wanted = settings.engine.max_batch + sum(reserved.values())
+    graphs = settings.engine.cuda_graphs and loaded.device == "cuda"
+    kv_dtype = STORAGE_DTYPES[settings.engine.kv_dtype]
+    # KEVLAYA_ENGINE__LATENCY_STEPS: the roles with reserved slots (Laya) also step alone, as many rows as they
     # reserve (a captured step has graphs up to that; more such rows are much of the batch anyway)
-    latency = sorted(reserved) if settings.engine_latency_steps else []
+    latency = sorted(reserved) if settings.engine.latency_steps else []
 
     def build(slots: int) -> SlotDecoder:
         return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
-                           eos_ids=loaded.eos_ids, ignore_eos=settings.ignore_eos, graphs=graphs, texts=False,
-                           prefill_tokens=settings.engine_prefill_tokens,
-                           prefill_chunk_tokens=settings.engine_prefill_chunk_tokens, kv_dtype=kv_dtype,
+                           eos_ids=loaded.eos_ids, ignore_eos=settings.engine.ignore_eos, graphs=graphs, texts=False,
+                           prefill_tokens=settings.engine.prefill_tokens,
+                           prefill_chunk_tokens=settings.engine.prefill_chunk_tokens, kv_dtype=kv_dtype,
                            latency_adapters=latency, latency_rows=sum(reserved.values()))
 
     if loaded.device != "cuda":
@@ -100,8 +100,8 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     element_bytes = kv_dtype.itemsize if kv_dtype else 2  # fp8, else the compute dtype (fp16)
 
     budget = SlotBudget(
-        budget_bytes=int(settings.vram_budget_gb * GIB), resident_bytes=torch.cuda.memory_allocated(),
-        workspace_bytes=int(settings.engine_workspace_gb * GIB),
+        budget_bytes=int(settings.engine.vram_budget_gb * GIB), resident_bytes=torch.cuda.memory_allocated(),
+        workspace_bytes=int(settings.engine.workspace_gb * GIB),
         kv_per_token=kv_bytes_per_token(*kv_shape(loaded.model.config), dtype_bytes=element_bytes), window=window)
     # q/k/v and gate/up weights joined once, before the memory the model holds is measured; their NF4 scales are
     # kept decoded (faster steps) unless that memory would cost a slot (a 7B model on a 6 GB card)
@@ -111,7 +111,7 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     log.info("q/k/v and gate/up joined; NF4 scales %s (%.0f MiB decoded)", "kept decoded" if decoded else
              "decoded at each step, since keeping them would cost a slot", extra / 2**20)
     budget = dataclasses.replace(budget, resident_bytes=torch.cuda.memory_allocated())
-    return fit_slots(build, budget, wanted, settings.engine_prefill_tokens)
+    return fit_slots(build, budget, wanted, settings.engine.prefill_tokens)
 
 
 def _caught(work: Callable[[], None], raised: list[BaseException]) -> None:
@@ -136,21 +136,21 @@ class Engine:
         self.draining = threading.Event()
         self.to_prefill: list[Claimed] = []  # claimed, not yet prefilled
         self.prefilling: list[Claimed] = []  # the jobs of the decoder's prefill under way (passes between steps)
-        self.pacer = PrefillPacer(settings.engine_prefill_share)
+        self.pacer = PrefillPacer(settings.engine.prefill_share)
         self.interactive_at = -INTERACTIVE_QUIET_S  # time.monotonic() of the last interactive job claimed
         self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes)
         self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
         # what the decoder counted (launches by kind, seconds waiting for the GPU) up to the last step's metrics
         self.counted = {**dict.fromkeys(self.decoder.launched, 0), "waited_s": 0.0}
-        # The writer's work must not hold the decode loop at each lock hand-back (settings: engine_switch_interval_ms).
-        sys.setswitchinterval(settings.engine_switch_interval_ms / 1000)
+        # The writer's work must not hold the decode loop at each lock hand-back (settings: engine.switch_interval_ms).
+        sys.setswitchinterval(settings.engine.switch_interval_ms / 1000)
 
     def drain(self, budget_s: float) -> int:
         """Claim and decode until nothing is queued or in flight; stop claiming after `budget_s`. Returns the jobs
         claimed."""
         self.draining.set()
         try:
-            with leases_kept(self.writer.live_groups, self.settings.lease_seconds):
+            with leases_kept(self.writer.live_groups, self.settings.reliability.lease_seconds):
                 claimed = self._loop(time.monotonic() + budget_s)
                 self.writer.wait()  # every result stored before the task ends
         finally:
@@ -198,16 +198,16 @@ class Engine:
         """Claim jobs for the free slots; returns how many were claimed."""
         free = self.decoder.free - len(self.to_prefill)
         with session_scope() as session:
-            plan = plan_slots(queue_snapshot(session), free, self.settings.max_wait_ms, self.expected_tokens,
+            plan = plan_slots(queue_snapshot(session), free, self.settings.engine.max_wait_ms, self.expected_tokens,
                               self._reserved(), self._in_flight(), self._batch_room())
             # Slots the plan leaves free (a reservation's) are spare already; a claim keeps only the rest.
             unplanned = free - sum(count for _, count in plan)
-            spare = max(0, min(self.settings.key_spare_slots, self.decoder.limit - 1) - unplanned)
+            spare = max(0, min(self.settings.engine.key_spare_slots, self.decoder.limit - 1) - unplanned)
             plan = [(a, count) for a, count in plan if claimable(session, a, count, self.turns, spare)]
         claimed = 0
         for adapter, count in plan:
             with write_scope() as session:
-                group, jobs = claim_group(session, adapter, count, self.worker, self.settings.lease_seconds,
+                group, jobs = claim_group(session, adapter, count, self.worker, self.settings.reliability.lease_seconds,
                                           self.turns, spare)
             if jobs:
                 claimed += len(jobs)
@@ -216,7 +216,8 @@ class Engine:
 
     def _reserved(self) -> dict[str, int]:
         # From the current limit: after an out-of-memory shrank it, a reservation must not take the last slots.
-        return reserved_slots(self.settings, self.loaded.adapters, min(self.settings.max_batch, self.decoder.limit))
+        return reserved_slots(self.settings, self.loaded.adapters,
+                              min(self.settings.engine.max_batch, self.decoder.limit))
 
     def _reservation_unused(self) -> bool:
         """Whether a role with reserved slots holds fewer rows than it reserves: its next job takes one at once."""
@@ -229,12 +230,12 @@ class Engine:
 
     def _batch_room(self) -> int | None:
         """How many more batch lines may take slots: while interactive jobs come, lines hold at most half of
-        KEVLAYA_MAX_BATCH, so an interactive row decodes beside fewer of them; else no bound."""
+        KEVLAYA_ENGINE__MAX_BATCH, so an interactive row decodes beside fewer of them; else no bound."""
         if not self._interactive():
             return None
         held = sum(row.request.background for row in self.decoder.rows)
         held += sum(c.request.background for c in self.to_prefill + self.prefilling)
-        return max(0, self.settings.max_batch // 2 - held)
+        return max(0, self.settings.engine.max_batch // 2 - held)
 
     def _in_flight(self) -> Counter[str]:
         """Slots each adapter's interactive jobs hold or are about to hold (claimed, waiting for or in their
@@ -271,36 +272,36 @@ class Engine:
         if not self.decoder.fits(tokens, request.max_new_tokens):
             return tokens, ("invalid_input", f"the prompt is {tokens} tokens; with max_new_tokens "
                             f"{request.max_new_tokens} that is over this worker's window of {self.decoder.window} "
-                            "tokens (KEVLAYA_ENGINE_WINDOW_TOKENS)")
+                            "tokens (KEVLAYA_ENGINE__WINDOW_TOKENS)")
         return tokens, None
 
     # -- prefill and decode ------------------------------------------------------------------------------------
 
     def _prefill_some(self) -> None:
-        """Prefill claimed jobs up to KEVLAYA_ENGINE_PREFILL_TOKENS padded tokens (at least one job), so rows
+        """Prefill claimed jobs up to KEVLAYA_ENGINE__PREFILL_TOKENS padded tokens (at least one job), so rows
         already decoding wait one bounded prefill per step, not a whole burst's, and its memory is the one
         measured at start. While rows decode, a prefill of other roles' jobs runs one pass per step
-        (KEVLAYA_ENGINE_PREFILL_BETWEEN_STEPS), and a latency role's job claimed meanwhile goes first. While a
-        latency role's row decodes, other roles' prefills are paced (PrefillPacer, KEVLAYA_ENGINE_PREFILL_SHARE)."""
+        (KEVLAYA_ENGINE__PREFILL_BETWEEN_STEPS), and a latency role's job claimed meanwhile goes first. While a
+        latency role's row decodes, other roles' prefills are paced (PrefillPacer, KEVLAYA_ENGINE__PREFILL_SHARE)."""
         now = time.monotonic()
         waited = [(now - c.claimed_at) * 1000 for c in self.to_prefill]
-        order = prefill_order([c.request.max_new_tokens for c in self.to_prefill], waited, self.settings.max_wait_ms,
-                              [c.request.background for c in self.to_prefill])
+        order = prefill_order([c.request.max_new_tokens for c in self.to_prefill], waited,
+                              self.settings.engine.max_wait_ms, [c.request.background for c in self.to_prefill])
         self.to_prefill, waited = [self.to_prefill[i] for i in order], [waited[i] for i in order]
         tokens = [c.prompt_tokens for c in self.to_prefill]
         # Batch lines go a few at a time only while interactive jobs come: alone, a batch drains at full speed.
         count = apart_from_batch_lines(self.decoder.prefill_count(tokens), [c.request.background for c in
                                        self.to_prefill], tokens,
-                                       self.settings.engine_batch_prefill_tokens if self._interactive() else None)
+                                       self.settings.engine.batch_prefill_tokens if self._interactive() else None)
         roles = set(self._reserved())
         latency = [c.request.adapter in roles and not c.request.background for c in self.to_prefill]
         paced = not self.pacer.allows(now, any(self.decoder.adapters[r.adapter] in roles and not r.request.background
                                                for r in self.decoder.rows))
         if paced:
-            count = min(count, unpaced_prefix(latency, waited, self.settings.max_wait_ms))
+            count = min(count, unpaced_prefix(latency, waited, self.settings.engine.max_wait_ms))
         count = latency_jobs_apart(count, latency)
         between_steps = (count > 0 and not latency[0] and bool(self.decoder.rows)
-                         and self.settings.engine_prefill_between_steps)
+                         and self.settings.engine.prefill_between_steps)
         if between_steps and self.prefilling:
             count = 0  # one prefill under way at a time
         chosen = self.to_prefill[:count]
@@ -314,7 +315,7 @@ class Engine:
             self._prefill_pass()
 
     def _held_past_bound(self, claimed: list[Claimed], now: float) -> bool:
-        return any((now - c.claimed_at) * 1000 > self.settings.max_wait_ms for c in claimed)
+        return any((now - c.claimed_at) * 1000 > self.settings.engine.max_wait_ms for c in claimed)
 
     def _prefill_whole(self, chosen: list[GenerationRequest], latency: bool) -> None:
         handed_at, started = time.perf_counter(), time.monotonic()
@@ -395,7 +396,7 @@ class Engine:
     def _out_of_memory_alone(self, request: GenerationRequest) -> None:
         """A job that runs out of memory with nothing beside it fails, rather than going back to the queue again;
         unless another process filled the card, which says nothing of whether the job fits the budget."""
-        if memory_taken_elsewhere(int(self.settings.vram_budget_gb * GIB)):
+        if memory_taken_elsewhere(int(self.settings.engine.vram_budget_gb * GIB)):
             log.warning("job %s: out of memory on a card another process filled; it goes back to the queue",
                         request.job_id)
             self.writer.release([request.job_id])

@@ -3,7 +3,7 @@ clients watch a job think while the decode loop never waits on Redis (docs/archi
 
 The decode loop only says that a step is done (`tick`); the thread reads the new tokens of every row in flight,
 turns them into text (whole characters only, and never the start of a stop string), and writes one entry per job
-for all the steps it has not published yet, at most every `stream_interval_ms` (its work is Python that holds the
+for all the steps it has not published yet, at most every `streams.interval_ms` (its work is Python that holds the
 interpreter's lock, which the decode loop needs to launch each step). The result writer hands over each finished
 job's stored text before it commits it (`finish`), so a stream holds every character of the answer before the job
 is announced finished.
@@ -160,7 +160,7 @@ class TokenPublisher:
         self._changed.notify_all()
 
     def _run(self) -> None:
-        interval, published = self.settings.stream_interval_ms / 1000, -math.inf
+        interval, published = self.settings.streams.interval_ms / 1000, -math.inf
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._ticked or self._entries or self._finals)
@@ -197,10 +197,10 @@ class TokenPublisher:
 
     def _publish(self, statuses: list[tuple[str, dict[str, str]]], deltas: list[tuple[LiveJob, str]],
                  finals: list[tuple[uuid.UUID, str | None, int]]) -> None:
-        client, limit = redis_client(), self.settings.stream_max_events
+        client, limit = redis_client(), self.settings.streams.max_events
         pipe = client.pipeline(transaction=False)
         appended: list[tuple[LiveJob, int]] = []  # deltas written with NOMKSTREAM: the job, the command's place
-        running_ttl = self.settings.job_time_limit_s + self.settings.stream_keep_s
+        running_ttl = self.settings.reliability.job_time_limit_s + self.settings.streams.keep_s
 
         def restart(live: LiveJob) -> None:
             for key in live.keys:
@@ -248,7 +248,7 @@ class TokenPublisher:
                     restart(live)
             self._expire += live.keys
         for key in self._expire:
-            pipe.expire(key, self.settings.stream_keep_s)
+            pipe.expire(key, self.settings.streams.keep_s)
         replies = pipe.execute()
         self._expire = []
         for live, place in appended:

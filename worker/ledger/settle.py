@@ -69,7 +69,7 @@ def settle_job(session: Session, job: Job, group_id: uuid.UUID, result: Generati
                               job_choices(job.params, to_messages(job.input)))
     # Tool calls are Laya's to make (the executor): an `auto` job with tools takes her answer.
     if isinstance(result, GenerationResult) and is_cascade_head(job) and job.params.get("output") != "tool_calls" \
-            and needs_escalation(outcome, settings.cascade_threshold):
+            and needs_escalation(outcome, settings.cascade.threshold):
         child = escalate(session, job, group_id, outcome)
         return Settled(outcome, child is not None, child)
     return Settled(outcome, lifecycle.finish(session, job, group_id, outcome), None)  # also settles an `auto` parent

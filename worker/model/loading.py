@@ -134,32 +134,32 @@ def adapters_to(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def prepare_base(settings: Settings) -> str:
     """The directory the base is served from; a GGUF base is read into its cache first, if it is not there yet."""
-    source = locate(settings.base_model)
+    source = locate(settings.model.base)
     if source.is_file() and is_gguf(source):
-        return str(build_gguf_cache(source, settings.model_cache_dir))
-    return str(base_directory(settings.base_model, settings.model_cache_dir))
+        return str(build_gguf_cache(source, settings.model.cache_dir))
+    return str(base_directory(settings.model.base, settings.model.cache_dir))
 
 
 def load_model(settings: Settings) -> LoadedModel:
     """The base and every adapter of `settings`; an adapter that fails verification or loading is refused (and
     said why), never replaced by the bare base model."""
     started = time.perf_counter()
-    device = resolve_device(settings.device)
+    device = resolve_device(settings.model.device)
     base = prepare_base(settings)
-    if settings.verify_manifests and (problems := verify_manifest(Path(base))):
+    if settings.model.verify_manifests and (problems := verify_manifest(Path(base))):
         raise RuntimeError(f"base model {base} failed verification: {'; '.join(problems)}")
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.padding_side = "left"  # decoder-only generation: prompts end where the new tokens start
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     require_library_features(tokenizer)
-    model: torch.nn.Module = load_base(base, device, settings.vram_budget_gb, settings.quantization)
+    model: torch.nn.Module = load_base(base, device, settings.engine.vram_budget_gb, settings.model.quantization)
     log.info("loaded base model %s on %s in %.1fs", base, device, time.perf_counter() - started)
 
     unavailable: dict[str, str] = {}
     for name in ADAPTERS:
         path = settings.adapter_profile(name).path
-        if settings.verify_manifests and (problems := verify_manifest(Path(path))):
+        if settings.model.verify_manifests and (problems := verify_manifest(Path(path))):
             unavailable[name] = f"adapter {name} ({path}) failed verification: {'; '.join(problems)}"
             log.error("%s; it will not be served", unavailable[name])
             continue
@@ -192,7 +192,7 @@ def load_model(settings: Settings) -> LoadedModel:
                 gc.collect()
                 if device == "cuda":
                     torch.cuda.empty_cache()
-                model = load_base(base, device, settings.vram_budget_gb, settings.quantization)
+                model = load_base(base, device, settings.engine.vram_budget_gb, settings.model.quantization)
             continue
         log.info("loaded adapter %s from %s in %.2fs (confidence exponent %g)", name, path,
                  time.perf_counter() - adapter_started, calibration.exponent)
