@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -24,6 +23,7 @@ from sqlalchemy.orm import Session
 from api import file_batches, retention
 from api.deletion import delete_files
 from api.file_store import FileStore
+from shared.clock import db_now
 from shared.db import new_session, one_writer
 from shared.models import BatchStatus, FileBatch, StoredFile
 from shared.queue import QueueUnavailable, publish_wakeup
@@ -96,7 +96,7 @@ class BatchKeeper:
             for batch_id in file_batches.ready_to_finish(session):
                 if self._stop.is_set():
                     return
-                now = datetime.now(timezone.utc)
+                now = db_now(session)
                 if file_batches.take(session, batch_id, [BatchStatus.IN_PROGRESS], self.owner, lease_s,
                                      status=BatchStatus.FINALIZING, finalizing_at=now) or \
                         file_batches.take(session, batch_id, [BatchStatus.FINALIZING, BatchStatus.CANCELLING],
@@ -122,7 +122,7 @@ class BatchKeeper:
             raise
 
     def _housekeep(self, session: Session) -> None:
-        now = datetime.now(timezone.utc)
+        now = db_now(session)
         expired = session.scalars(select(StoredFile.id).where(StoredFile.expires_at < now)).all()
         if expired:
             with one_writer(session):

@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, exists, func, insert, or_, select, update
@@ -28,6 +28,7 @@ from api.file_store import FileStore
 from api.presenters import jobs_out
 from api.responses.schemas import StoredResponse, response_object
 from shared import lifecycle, usage
+from shared.clock import db_now
 from shared.db import one_writer
 from shared.models import BatchStatus, FileBatch, Job, JobStatus, Priority, RejectedLine, StoredFile
 from shared.schemas import JobCreate
@@ -38,10 +39,6 @@ CHUNK_LINES = 1000  # lines stored per transaction: short write locks, so intera
 UNFINISHED = (JobStatus.QUEUED, JobStatus.RUNNING)
 EXPIRED_ERROR = ("batch_expired", "This request could not be executed before the completion window expired.")
 CANCELLED_ERROR = ("batch_cancelled", "This request was not run: the batch was cancelled.")
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 def _lines_of(batch_id: uuid.UUID) -> Any:
@@ -65,7 +62,7 @@ def request_counts(session: Session, batch: FileBatch) -> RequestCounts:
 def take(session: Session, batch_id: uuid.UUID, statuses: Iterable[str], owner: str, lease_s: float,
          **values: Any) -> bool:
     """Lease the batch to `owner` while it is in one of `statuses` and nobody else holds it; commits."""
-    now = _now()
+    now = db_now(session)
     with one_writer(session):
         taken = session.execute(
             update(FileBatch).where(FileBatch.id == batch_id, FileBatch.status.in_(list(statuses)),
@@ -89,7 +86,7 @@ def _held(session: Session, batch_id: uuid.UUID, owner: str, lease_s: float, **v
     """Renew the lease (and set `values`) in the current transaction; False when `owner` lost it."""
     return bool(session.execute(
         update(FileBatch).where(FileBatch.id == batch_id, FileBatch.lease_owner == owner)
-        .values(**{"lease_expires_at": _now() + timedelta(seconds=lease_s), **values})).rowcount)
+        .values(**{"lease_expires_at": db_now(session) + timedelta(seconds=lease_s), **values})).rowcount)
 
 
 # -- validating: the lines become jobs ------------------------------------------------------------------------
@@ -101,14 +98,14 @@ class Stored:
     wakeups: dict[str, uuid.UUID]
 
 
-def _job_row(batch: FileBatch, request: Request) -> dict[str, Any]:
+def _job_row(batch: FileBatch, request: Request, now: datetime) -> dict[str, Any]:
     job: JobCreate = request.job
     adapter = "laya" if job.adapter == "auto" else job.adapter
     row = {
         "id": uuid.uuid4(), "adapter": adapter, "requested_adapter": job.adapter, "status": JobStatus.QUEUED,
         "input": job.input.model_dump() if not isinstance(job.input, str) else job.input,
         "params": job.params.model_dump(exclude_none=True), "meta": job.metadata, "api_key_id": batch.api_key_id,
-        "created_at": _now(), "attempts": 0, "priority": Priority.BATCH, "file_batch_id": batch.id,
+        "created_at": now, "attempts": 0, "priority": Priority.BATCH, "file_batch_id": batch.id,
         "batch_line": request.line, "custom_id": request.custom_id, **job.row_columns(),
     }
     # Charged, never refused: the input file was admitted under the key's quota (docs/architecture.md §16).
@@ -143,7 +140,7 @@ def validate(session: Session, store: FileStore, batch_id: uuid.UUID, owner: str
         total = check_file(path, batch.endpoint, max_line_bytes)
     except MalformedFile as exc:
         with one_writer(session):
-            failed = _held(session, batch_id, owner, lease_s, status=BatchStatus.FAILED, failed_at=_now(),
+            failed = _held(session, batch_id, owner, lease_s, status=BatchStatus.FAILED, failed_at=db_now(session),
                            errors=exc.errors, lease_owner=None, lease_expires_at=None)
             session.commit()
         log.info("batch %s failed validation: %s", batch_id, exc)
@@ -164,15 +161,15 @@ def validate(session: Session, store: FileStore, batch_id: uuid.UUID, owner: str
 
 def _store_chunk(session: Session, batch: FileBatch, chunk: list[Request | Rejected], owner: str, lease_s: float,
                  wake: Callable[[dict[str, uuid.UUID]], None], total: int | None = None) -> bool:
-    jobs = [_job_row(batch, item) for item in chunk if isinstance(item, Request)]
+    jobs = [_job_row(batch, item, db_now(session)) for item in chunk if isinstance(item, Request)]
     rejects = [_reject_row(batch, item) for item in chunk if isinstance(item, Rejected)]
-    last = {} if total is None else {"status": BatchStatus.IN_PROGRESS, "in_progress_at": _now(), "total": total,
+    last = {} if total is None else {"status": BatchStatus.IN_PROGRESS, "in_progress_at": db_now(session), "total": total,
                                      "lease_owner": None, "lease_expires_at": None}
     with one_writer(session):
         held = session.execute(
             update(FileBatch).where(FileBatch.id == batch.id, FileBatch.lease_owner == owner,
                                     FileBatch.status == BatchStatus.VALIDATING)
-            .values(**{"lease_expires_at": _now() + timedelta(seconds=lease_s), **last})).rowcount
+            .values(**{"lease_expires_at": db_now(session) + timedelta(seconds=lease_s), **last})).rowcount
         if not held:
             session.rollback()
             return False
@@ -208,7 +205,7 @@ def cancel(session: Session, batch: FileBatch) -> bool:
         moved = session.execute(
             update(FileBatch).where(FileBatch.id == batch.id,
                                     FileBatch.status.in_([BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS]))
-            .values(status=BatchStatus.CANCELLING, cancelling_at=_now())).rowcount
+            .values(status=BatchStatus.CANCELLING, cancelling_at=db_now(session))).rowcount
         stopped = _stop_queued(session, batch.id, CANCELLED_ERROR) if moved else 0
         session.commit()
     if moved:
@@ -219,11 +216,11 @@ def cancel(session: Session, batch: FileBatch) -> bool:
 def expire_due(session: Session) -> list[uuid.UUID]:
     """in_progress batches past their completion window → finalizing, their queued lines expired."""
     due = session.scalars(select(FileBatch.id).where(FileBatch.status == BatchStatus.IN_PROGRESS,
-                                                     FileBatch.expires_at < _now())).all()
+                                                     FileBatch.expires_at < db_now(session))).all()
     expired = []
     for batch_id in due:
         with one_writer(session):
-            now = _now()
+            now = db_now(session)
             moved = session.execute(
                 update(FileBatch).where(FileBatch.id == batch_id, FileBatch.status == BatchStatus.IN_PROGRESS)
                 .values(status=BatchStatus.FINALIZING, finalizing_at=now, expired_at=now)).rowcount
@@ -261,7 +258,7 @@ def ready_to_finish(session: Session) -> list[uuid.UUID]:
     unfinished = exists().where(Job.file_batch_id == FileBatch.id, Job.status.in_(UNFINISHED))
     return list(session.scalars(select(FileBatch.id).where(
         FileBatch.status.in_([BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING]),
-        or_(FileBatch.lease_owner.is_(None), FileBatch.lease_expires_at < _now()), ~unfinished)).all())
+        or_(FileBatch.lease_owner.is_(None), FileBatch.lease_expires_at < db_now(session)), ~unfinished)).all())
 
 
 # Characters that str.splitlines() and some JSONL readers take for a line's end, which JSON leaves raw in a string
@@ -321,8 +318,7 @@ def _result_lines(session: Session, batch_id: uuid.UUID) -> Iterator[tuple[bool,
         session.expunge_all()
 
 
-def _file_row(batch: FileBatch, kind: str, size: int, lines: int) -> StoredFile:
-    now = _now()
+def _file_row(batch: FileBatch, kind: str, size: int, lines: int, now: datetime) -> StoredFile:
     expires = None if batch.output_expires_after_s is None else now + timedelta(seconds=batch.output_expires_after_s)
     return StoredFile(id=uuid.uuid4(), api_key_id=batch.api_key_id, purpose="batch_output",
                       filename=f"{public_id(BATCH_PREFIX, batch.id)}_{kind}.jsonl", bytes=size, lines=lines,
@@ -353,11 +349,11 @@ def finish(session: Session, store: FileStore, batch_id: uuid.UUID, owner: str, 
     for kind, path in (("output", output_path), ("error", error_path)):
         size, lines = counts[kind]
         if lines:
-            files[kind] = _file_row(batch, kind, size, lines)
+            files[kind] = _file_row(batch, kind, size, lines, db_now(session))
             store.keep(path, files[kind].id)
         else:
             path.unlink(missing_ok=True)
-    now = _now()
+    now = db_now(session)
     with one_writer(session):
         session.add_all(files.values())
         session.flush()

@@ -9,7 +9,7 @@ import logging
 import threading
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 from sqlalchemy import exists, or_, select
 from sqlalchemy.orm import Session
@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from api import file_batches
 from api.deletion import delete_files, delete_jobs
 from api.file_store import FileStore
+from shared.clock import db_now
 from shared.db import one_writer
 from shared.models import BatchStatus, FileBatch, Job, JobStatus, StoredFile
 
@@ -44,7 +45,7 @@ def sweep(session: Session, store: FileStore, retention_s: float, stop: threadin
     swept = Swept()
     if retention_s <= 0:
         return swept
-    cutoff = datetime.now(timezone.utc) - timedelta(seconds=retention_s)
+    cutoff = db_now(session) - timedelta(seconds=retention_s)
 
     def stopped() -> bool:
         return stop is not None and stop.is_set()

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import ColumnElement, insert, select, true
@@ -20,6 +20,7 @@ from api.quotas import Admission
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
 from shared import usage
+from shared.clock import db_now
 from shared.db import new_session, one_writer
 from shared.models import ApiKey, Job, JobStatus, Priority
 from shared.queue import QueueUnavailable, ping_queue
@@ -29,7 +30,7 @@ from shared.settings import get_settings
 log = logging.getLogger("kevlaya.api")
 
 
-def new_job(request: JobCreate, key: ApiKey) -> Job:
+def new_job(request: JobCreate, key: ApiKey, now: datetime) -> Job:
     # `auto` is a cascade that starts with Laya (docs/architecture.md §8).
     adapter = "laya" if request.adapter == "auto" else request.adapter
     job = Job(
@@ -42,7 +43,7 @@ def new_job(request: JobCreate, key: ApiKey) -> Job:
         meta=request.metadata,
         idempotency_key=request.idempotency_key,
         api_key_id=key.id,
-        created_at=datetime.now(timezone.utc),
+        created_at=now,
         priority=Priority.INTERACTIVE,
         **request.row_columns(),
     )
@@ -138,7 +139,7 @@ def resolve(session: Session, key: ApiKey, requests: list[JobCreate],
         if job is None:
             job = existing_job(session, key, item.idempotency_key)
         if job is None:
-            job, created = new_job(item, key), True
+            job, created = new_job(item, key, db_now(session)), True
             new.append(job)
         if known:
             seen[known] = job

@@ -20,13 +20,14 @@ import logging
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, and_, event, exists, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from shared import usage
+from shared.clock import db_now
 from shared.models import Job, JobStatus
 from shared.notify import publish_finished
 
@@ -66,10 +67,6 @@ class JobOutcome:
     completion_tokens: int | None = None
 
 
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
 def _move(session: Session, source: str, target: str, *where: ColumnElement[bool], **values: Any) -> list[Job]:
     """One conditional UPDATE `source → target`; returns the rows that moved (none when another writer won)."""
     if target not in TRANSITIONS[source]:
@@ -95,7 +92,7 @@ def _move(session: Session, source: str, target: str, *where: ColumnElement[bool
 
 def claim(session: Session, ids: Iterable[uuid.UUID], batch_id: uuid.UUID, worker: str, lease_s: float) -> list[Job]:
     """queued → running for `ids` still queued, leased to `worker` for `lease_s`."""
-    now = _now()
+    now = db_now(session)
     return _move(session, QUEUED, RUNNING, Job.id.in_(list(ids)),
                  batch_id=batch_id, lease_owner=worker, lease_expires_at=now + timedelta(seconds=lease_s),
                  started_at=now, attempts=Job.attempts + 1)
@@ -106,7 +103,7 @@ def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome)
     expired can never end up with two results. False when the lease was lost."""
     if outcome.status not in (SUCCEEDED, FAILED):
         raise IllegalTransition(f"a job cannot finish as {outcome.status}")
-    now = _now()
+    now = db_now(session)
     queue_ms = (job.started_at - job.created_at).total_seconds() * 1000
     return bool(_move(
         session, RUNNING, outcome.status, Job.id == job.id, Job.batch_id == batch_id, Job.lease_owner.is_not(None),
@@ -139,19 +136,19 @@ def escalate(session: Session, parent: Job, batch_id: uuid.UUID) -> bool:
 
 def cancel(session: Session, job_id: uuid.UUID) -> bool:
     """queued → cancelled. False when the job is no longer queued."""
-    return bool(_move(session, QUEUED, CANCELLED, Job.id == job_id, finished_at=_now()))
+    return bool(_move(session, QUEUED, CANCELLED, Job.id == job_id, finished_at=db_now(session)))
 
 
 def cancel_many(session: Session, ids: Iterable[uuid.UUID], error_code: str, error_message: str) -> list[uuid.UUID]:
     """queued → cancelled for those of `ids` still queued, with the reason (a file batch cancelled or expired)."""
-    return [job.id for job in _move(session, QUEUED, CANCELLED, Job.id.in_(list(ids)), finished_at=_now(),
+    return [job.id for job in _move(session, QUEUED, CANCELLED, Job.id.in_(list(ids)), finished_at=db_now(session),
                                     error_code=error_code, error_message=error_message)]
 
 
 def expire_leases(session: Session, max_attempts: int) -> list[uuid.UUID]:
     """Jobs whose worker stopped renewing their lease (killed mid-batch) go back to the queue, unless they
     were tried `max_attempts` times already: a job that kills its worker must not loop. Returns the re-queued."""
-    expired = (Job.lease_expires_at < _now(),)
+    expired = (Job.lease_expires_at < db_now(session),)
     failed = _fail_orphans(session, max_attempts, *expired)
     if failed:
         log.warning("failed %d job(s) whose worker stopped %d times: %s", len(failed), max_attempts,
@@ -161,7 +158,7 @@ def expire_leases(session: Session, max_attempts: int) -> list[uuid.UUID]:
 
 def _fail_orphans(session: Session, max_attempts: int, *where: ColumnElement[bool]) -> list[Job]:
     return _move(session, RUNNING, FAILED, *where, Job.attempts >= max_attempts,
-                 error_code="internal", finished_at=_now(), lease_owner=None, lease_expires_at=None,
+                 error_code="internal", finished_at=db_now(session), lease_owner=None, lease_expires_at=None,
                  answered_by=Job.adapter,
                  error_message=f"the worker stopped {max_attempts} times while running this job")
 
@@ -186,7 +183,7 @@ def settle_parent(session: Session, parent_id: uuid.UUID) -> bool:
         return sum(values) if values else None
 
     parent = session.scalar(select(Job).where(Job.id == parent_id))
-    now = _now()
+    now = db_now(session)
     # The caller's first token of the answer it gets is the Kev stage's: count from the parent's creation.
     ttft_ms = (None if stage.ttft_ms is None
                else (stage.created_at - parent.created_at).total_seconds() * 1000 + stage.ttft_ms)

@@ -22,6 +22,7 @@ from api.metrics import ApiMetrics
 from api.submission import Accepted, new_job
 from api.writer_process import WriterProcess
 from shared import db
+from shared.clock import db_now
 from shared.keys import create_key
 from shared.models import ApiKey, Job
 from shared.schemas import JobCreate
@@ -165,7 +166,7 @@ def test_an_idempotency_race_with_another_process_fails_no_other_submit_of_the_u
         answer = real_resolve(session, key, requests, seen)
         if requests[0].idempotency_key and not raced:
             with db.session_scope() as other:
-                raced.append(new_job(requests[0], key))
+                raced.append(new_job(requests[0], key, db_now(other)))
                 other.add(raced[0])
         return answer
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -116,10 +116,10 @@ class WorkerMetrics:
 
     # -- jobs and claim groups ----------------------------------------------------------------------------------
 
-    def job_finished(self, job: Job, outcome: JobOutcome, result: GenerationResult | None) -> None:
-        """A job stored with its outcome; `result` is the generation behind it, None when it failed before it
-        reached the model. An `auto` job sent on to Kev counts as its Laya stage, as /v1/stats counts it."""
-        now = datetime.now(timezone.utc)
+    def job_finished(self, job: Job, outcome: JobOutcome, result: GenerationResult | None, now: datetime) -> None:
+        """A job stored with its outcome at `now` (the database's clock, as its timestamps); `result` is the
+        generation behind it, None when it failed before it reached the model. An `auto` job sent on to Kev counts
+        as its Laya stage, as /v1/stats counts it."""
         if result is None:
             self._job(job, outcome.status, outcome.error_code, None, None, None, None, now)
             return

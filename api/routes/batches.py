@@ -7,7 +7,6 @@ only its own batches."""
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
@@ -28,6 +27,7 @@ from api.batch_schemas import (
 )
 from api.deps import BatchKeeperDep, CurrentKey, FileStoreDep, SessionDep, reject_unknown_query_parameters
 from api.errors import AUTH_ERRORS, ApiError, error_responses
+from shared.clock import db_now
 from shared.db import one_writer
 from shared.models import ApiKey, BatchStatus, FileBatch, StoredFile
 
@@ -60,7 +60,7 @@ def create_batch(request: BatchCreate, key: CurrentKey, session: SessionDep, kee
     if source.purpose != "batch":
         raise ApiError(422, "invalid_request", f"input_file_id: file {request.input_file_id} has purpose "
                        f"{source.purpose}, not batch")
-    now = datetime.now(timezone.utc)
+    now = db_now(session)
     row = FileBatch(id=uuid.uuid4(), api_key_id=key.id, status=BatchStatus.VALIDATING, endpoint=request.endpoint,
                     completion_window=request.completion_window, input_file_id=source.id, meta=request.metadata,
                     output_expires_after_s=request.output_expires_after.seconds if request.output_expires_after

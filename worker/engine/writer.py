@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared import lifecycle
+from shared.clock import db_now
 from shared.db import write_scope
 from shared.lifecycle import JobOutcome
 from shared.models import ClaimGroup, Job
@@ -140,6 +141,7 @@ class ResultWriter:
                                 if isinstance(result, GenerationResult) else (job_id, None, 0, None)
                                 for _progress, job_id, result in items])
             with write_scope() as session:
+                stored_at = db_now(session)
                 settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings)
                            for progress, job_id, result in items]
                 # A group whose last jobs these are closes in the same commit: whoever sees all of a group's jobs
@@ -156,7 +158,7 @@ class ResultWriter:
             return
         for (progress, job_id, result), done in zip(items, settled):
             job = progress.jobs[job_id]
-            METRICS.job_finished(job, done.outcome, result if isinstance(result, GenerationResult) else None)
+            METRICS.job_finished(job, done.outcome, result if isinstance(result, GenerationResult) else None, stored_at)
             if not done.stored:
                 log.warning("job %s had lost its lease; its result was discarded", job.id)
             if done.escalated is not None:

@@ -7,11 +7,11 @@ stage reaches settles it (`shared.lifecycle.settle_parent`), and its `answered_b
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
 
 from sqlalchemy.orm import Session
 
 from shared import lifecycle, usage
+from shared.clock import db_now
 from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus
 
@@ -32,7 +32,7 @@ def escalate(session: Session, parent: Job, group_id: uuid.UUID, laya: JobOutcom
     held = lifecycle.escalate(session, parent, group_id)
     if not held:
         return None
-    now = datetime.now(timezone.utc)
+    now = db_now(session)
     stage = Job(
         adapter="laya", requested_adapter="laya", answered_by="laya", status=laya.status, input=parent.input,
         params=parent.params, parent_job_id=parent.id, api_key_id=parent.api_key_id, batch_id=group_id,

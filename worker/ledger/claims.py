@@ -14,6 +14,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from shared import lifecycle
+from shared.clock import db_now
 from shared.models import ApiKey, ClaimGroup, Job, JobStatus, Priority
 from worker.ledger.fair_share import KeyQueue, KeyTurns, share_slots
 
@@ -23,10 +24,6 @@ MIN_WEIGHT = 0.01  # a weight set to 0 by hand in the database still gets a turn
 def worker_name() -> str:
     """This process as a lease owner and in heartbeats: host:pid."""
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,7 @@ class GroupFigures:
 
 
 def queue_snapshot(session: Session, now: datetime | None = None) -> QueueSnapshot:
-    now = now or _now()
+    now = now or db_now(session)
     rows = session.execute(
         select(Job.adapter, Job.priority, func.count(), func.min(Job.created_at))
         .where(Job.status == JobStatus.QUEUED).group_by(Job.adapter, Job.priority)
@@ -82,7 +79,7 @@ def claim_group(session: Session, adapter: str, limit: int, worker: str, lease_s
     reads; on PostgreSQL `FOR UPDATE SKIP LOCKED` lets concurrent workers take disjoint rows (a key's jobs another
     worker holds are skipped, and the claim is that much smaller). A single UPDATE ... IN (SELECT ... LIMIT) is
     not enough there: the planner may run the subquery more than once."""
-    group = ClaimGroup(id=uuid.uuid4(), adapters=adapter, worker=worker, started_at=_now())
+    group = ClaimGroup(id=uuid.uuid4(), adapters=adapter, worker=worker, started_at=db_now(session))
     session.add(group)
     session.flush()
     ids: list[uuid.UUID] = []
@@ -150,7 +147,7 @@ def close_group(session: Session, group_id: uuid.UUID, figures: GroupFigures) ->
     session.query(ClaimGroup).filter(ClaimGroup.id == group_id).update({
         ClaimGroup.prefill_ms: figures.prefill_ms, ClaimGroup.decode_ms: figures.decode_ms,
         ClaimGroup.tokens: figures.tokens, ClaimGroup.peak_vram_bytes: figures.peak_vram_bytes,
-        ClaimGroup.finished_at: _now(),
+        ClaimGroup.finished_at: db_now(session),
     })
 
 
@@ -162,13 +159,13 @@ def renew_leases(session: Session, group_id: uuid.UUID, lease_s: float) -> int:
                                  Job.lease_owner.is_not(None)).with_for_update(skip_locked=True))
     return session.execute(
         update(Job).where(Job.id.in_(held.scalar_subquery()), Job.status == JobStatus.RUNNING)
-        .values(lease_expires_at=_now() + timedelta(seconds=lease_s))
+        .values(lease_expires_at=db_now(session) + timedelta(seconds=lease_s))
     ).rowcount
 
 
 def stale_queued_adapters(session: Session, older_than_s: float) -> list[str]:
     """Adapters with queued jobs waiting longer than `older_than_s` (their wake-up may be lost)."""
-    cutoff = _now() - timedelta(seconds=older_than_s)
+    cutoff = db_now(session) - timedelta(seconds=older_than_s)
     return list(session.scalars(
         select(Job.adapter).where(Job.status == JobStatus.QUEUED, Job.created_at < cutoff).distinct()
     ).all())
