@@ -18,10 +18,17 @@ from shared.clock import db_now
 from shared.db import session_scope
 from shared.heartbeat import live_workers
 from shared.models import ClaimGroup, Job, JobStatus
-from tests.conftest import ServiceProcess, start_worker, submit, wait_finished, wait_until
-from tests.test_faults import assert_every_job_ended_once, notices, pool_child, worker_of  # noqa: F401 - a fixture
+from tests.conftest import Notices, ServiceProcess, start_worker, submit, wait_finished, wait_until
+from tests.test_faults import assert_every_job_ended_once, pool_child, worker_of
 
 SKEW = timedelta(minutes=10)
+
+
+@pytest.fixture
+def notices(env):  # noqa: ANN001, ANN201
+    collector = Notices(env["KEVLAYA_REDIS__URL"])
+    yield collector
+    collector.close()
 
 
 def test_the_database_clock_ignores_this_process_clock(service_env):
