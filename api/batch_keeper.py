@@ -16,7 +16,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Annotated
 
+from fastapi import Depends, Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -135,3 +137,10 @@ class BatchKeeper:
         known = set(session.scalars(select(StoredFile.id)).all())
         if removed := self.store.remove_orphans(known, ORPHAN_AGE_S):
             log.info("removed %d file(s) no row names (left by a process that stopped mid-write)", removed)
+
+
+async def get_batch_keeper(request: Request) -> BatchKeeper:
+    return request.app.state.batch_keeper
+
+
+BatchKeeperDep = Annotated[BatchKeeper, Depends(get_batch_keeper)]

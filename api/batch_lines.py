@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 from pydantic import ValidationError
 
 from api.chat_schemas import CHAT_FIELDS, ChatRequest
-from api.errors import ApiError, validation_error_body
+from api.http.errors import ApiError, validation_error_body
 from api.prompt_budget import FieldNames
 from api.responses.schemas import ENDPOINT as RESPONSES
 from api.responses.schemas import RESPONSES_FIELDS, ResponseJob, ResponsesRequest

@@ -16,7 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api.chat_schemas import answer_calls, call_out, chat_answered
-from api.errors import ApiError
+from api.http.errors import ApiError
 from api.job_events import Gap, StreamEvent, follow_job
 from api.submission import read_visible
 from shared.job_stream import ESCALATED, RUNNING, is_entry_id

@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Annotated, BinaryIO
+
+from fastapi import Depends, Request
 
 
 class TooLarge(ValueError):
@@ -128,3 +130,10 @@ class FileStore:
             path.unlink(missing_ok=True)
             removed += 1
         return removed
+
+
+async def get_file_store(request: Request) -> FileStore:
+    return request.app.state.file_store
+
+
+FileStoreDep = Annotated[FileStore, Depends(get_file_store)]

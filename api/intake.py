@@ -4,10 +4,13 @@ the process's job writer that stores it (one dependency, not three: FastAPI reso
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from api.errors import ApiError
-from api.job_rate import charge_jobs
+from fastapi import Depends, Request
+
+from api.http.errors import ApiError
 from api.job_writer import JobWriter
+from api.keys.rate import charge_jobs
 from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
 from api.submission import Accepted
 from api.writer_process import WriterProcess
@@ -40,3 +43,10 @@ class Intake:
     async def store(self, key: ApiKey, requests: list[JobCreate]) -> list[Accepted]:
         await charge_jobs(key, len(requests))  # the key's rate limit counts jobs, not requests
         return await self.writer.store(key, requests)
+
+
+async def get_intake(request: Request) -> Intake:
+    return request.app.state.intake
+
+
+IntakeDep = Annotated[Intake, Depends(get_intake)]

@@ -28,8 +28,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.errors import RETRY_AFTER_S, ApiError, unauthorized
-from api.quotas import Admission
+from api.http.errors import RETRY_AFTER_S, ApiError, unauthorized
+from api.keys.quotas import Admission
 from api.submission import Accepted, Stored, check_queue, insert_rows, resolve, store_jobs
 from api.wakeups import WakeupPublisher
 from shared.db import new_session, one_writer
@@ -160,7 +160,7 @@ class JobWriter:
         checked = {submission.key.id for submission, made in zip(unit, created) if made}
         if not checked:  # nothing new (repeats of stored jobs, revoked keys): nothing to write
             return answers, new
-        # The quotas are checked against the keys' usage rows, locked in this transaction (api/quotas.py).
+        # The quotas are checked against the keys' usage rows, locked in this transaction (api/keys/quotas.py).
         with one_writer(session):
             admission = Admission(session, checked, get_settings())
             refused: dict[uuid.UUID, ApiError] = {}  # new jobs of a refused submit, by id: never stored

@@ -11,17 +11,17 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.telemetry import TelemetryConfig
 
-from api.auth_throttle import AuthThrottle
 from api.batch_keeper import BatchKeeper
 from api.batch_lines import fields_of
-from api.body_limit import BodySizeLimit
-from api.deps import KeyCache
-from api.docs import install_docs
-from api.errors import install_error_handlers
 from api.file_store import FileStore
+from api.http.body_limit import BodySizeLimit
+from api.http.docs import install_docs
+from api.http.errors import install_error_handlers
 from api.intake import Intake
 from api.job_events import reader
 from api.job_writer import JobWriter
+from api.keys.auth import KeyCache
+from api.keys.throttle import AuthThrottle
 from api.metrics import ApiMetrics, RequestMetrics
 from api.prompt_budget import PromptBudget
 from api.responses import routes as responses

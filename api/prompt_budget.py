@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from api.errors import ApiError
+from api.http.errors import ApiError
 from shared.base_source import base_directory, locate
 from shared.schemas import JobCreate, model_messages
 from shared.settings import Adapter, Settings

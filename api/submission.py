@@ -14,9 +14,9 @@ from sqlalchemy import ColumnElement, insert, select, true
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.errors import RETRY_AFTER_S, ApiError
+from api.http.errors import RETRY_AFTER_S, ApiError
+from api.keys.quotas import Admission
 from api.presenters import jobs_out
-from api.quotas import Admission
 from api.waiting import notices
 from api.wakeups import WakeupPublisher
 from shared import usage
@@ -47,7 +47,7 @@ def new_job(request: JobCreate, key: ApiKey, now: datetime) -> Job:
         priority=Priority.INTERACTIVE,
         **request.row_columns(),
     )
-    job.stored_bytes = usage.request_bytes(vars(job))  # what it charges its key (api/quotas.py)
+    job.stored_bytes = usage.request_bytes(vars(job))  # what it charges its key (api/keys/quotas.py)
     return job
 
 
@@ -78,7 +78,7 @@ def insert_rows(session: Session, jobs: list[Job]) -> None:
 
 
 def insert_jobs(session: Session, jobs: list[Job]) -> None:
-    """Admit (each key's quotas, api/quotas.py), insert and commit the rows of new jobs; the ApiError of a quota
+    """Admit (each key's quotas, api/keys/quotas.py), insert and commit the rows of new jobs; the ApiError of a quota
     they would pass stores none of them."""
     with one_writer(session):
         by_key: dict[uuid.UUID | None, list[Job]] = {}

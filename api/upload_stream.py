@@ -14,7 +14,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from api.errors import ApiError
+from api.http.errors import ApiError
 
 MAX_FIELD_BYTES = 1024  # a text field (purpose, expiry) is a word or a number
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from api.errors import RETRY_AFTER_S, ApiError, as_api_error
+from api.http.errors import RETRY_AFTER_S, ApiError, as_api_error
 from api.job_writer import JobWriter
 from api.submission import Accepted, Stored
 from api.wakeups import WakeupPublisher

@@ -18,7 +18,7 @@ def quotas_show() -> None:
     require_database()
     from sqlalchemy import select
 
-    from api.quotas import queued_limit, stored_limit
+    from api.keys.quotas import queued_limit, stored_limit
     from shared import usage
     from shared.db import session_scope
     from shared.models import ApiKey, KeyUsage

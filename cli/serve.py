@@ -52,9 +52,9 @@ def api(reload: Annotated[bool, typer.Option(help="restart on code changes (deve
     """Serve the REST API on KEVLAYA_API__HOST:KEVLAYA_API__PORT."""
     import uvicorn
 
-    from api.bootstrap_key import retire_replaced_keys, start_problem
-    from api.connection_limits import connection_caps
-    from api.head_limit import BoundedHeadProtocol
+    from api.http.connection_limits import connection_caps
+    from api.http.head_limit import BoundedHeadProtocol
+    from api.keys.bootstrap import retire_replaced_keys, start_problem
 
     require_own_schema()
     require_guarded_redis()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from api.body_timeout import BodyClock
+from api.http.body_timeout import BodyClock
 from tests.conftest import API_KEY, free_port, start_api
 
 SQLITE = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the database plays no part here

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from api.connection_limits import OpenConnections, connection_caps
+from api.http.connection_limits import OpenConnections, connection_caps
 from shared.settings import Settings
 from tests.conftest import AUTH, free_port, start_api
 

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import event, select
 
 from api import job_writer
-from api.errors import ApiError
+from api.http.errors import ApiError
 from api.job_writer import JobWriter
 from api.metrics import ApiMetrics
 from api.submission import Accepted, new_job
@@ -207,7 +207,7 @@ def test_the_api_moves_what_it_loaded_at_start_out_of_the_collectors_sight(servi
 
 
 def test_closing_stores_what_was_handed_over_and_refuses_what_comes_after(keys):
-    from api.errors import ApiError
+    from api.http.errors import ApiError
 
     writer = JobWriter(NotingPublisher())  # type: ignore[arg-type]
     futures = [writer.hand_over(keys[0], [job(n)]) for n in range(5)]

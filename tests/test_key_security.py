@@ -69,7 +69,7 @@ def test_a_new_api_key_value_revokes_the_old_one_at_the_api_start(env, start_pro
 def test_the_first_use_of_a_new_value_revokes_the_old_one_and_an_older_value_never_wins(client, monkeypatch):
     """Several API processes: one still on the old value neither revives it nor revokes the new one, whichever
     starts or is used last; a value rotated back to stays revoked."""
-    from api.bootstrap_key import retire_replaced_keys
+    from api.keys.bootstrap import retire_replaced_keys
 
     assert client.get("/v1/jobs", headers=AUTH).status_code == 200
     with session_scope() as session:
@@ -93,7 +93,7 @@ def test_the_first_use_of_a_new_value_revokes_the_old_one_and_an_older_value_nev
 
 
 def test_unsetting_the_api_key_revokes_the_bootstrap_key_at_the_start(client, monkeypatch):
-    from api.bootstrap_key import retire_replaced_keys
+    from api.keys.bootstrap import retire_replaced_keys
     from shared.settings import get_settings
 
     assert client.get("/v1/jobs", headers=AUTH).status_code == 200
@@ -198,9 +198,9 @@ def test_a_rate_limit_counts_jobs_not_requests(client):
 def test_the_window_moves(client, monkeypatch):
     """A fixed window let a key spend its rate just before an edge and again just after it; here the jobs of the
     last window are counted, wherever the clock stands."""
-    import api.job_rate
+    import api.keys.rate
 
-    monkeypatch.setattr(api.job_rate, "WINDOW_S", 2)
+    monkeypatch.setattr(api.keys.rate, "WINDOW_S", 2)
     with session_scope() as session:
         _, limited = create_key(session, "edgy", rate_limit_per_minute=4)
     headers = bearer(limited)

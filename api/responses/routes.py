@@ -18,10 +18,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.deletion import delete_jobs
-from api.deps import CurrentKey, IntakeDep, SessionDep, SettingsDep, SubmitterKey, reject_unknown_query_parameters
-from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
-from api.intake import Intake
-from api.key_caps import HeldStream, long_polls, streams
+from api.http.deps import SessionDep, SettingsDep, reject_unknown_query_parameters
+from api.http.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
+from api.intake import Intake, IntakeDep
+from api.keys.auth import CurrentKey, SubmitterKey
+from api.keys.caps import HeldStream, long_polls, streams
 from api.presenters import jobs_out
 from api.responses.schemas import (
     RESPONSES_FIELDS,

@@ -27,7 +27,7 @@ from pydantic import (
 
 from api.batch_schemas import parse_id
 from api.chat_schemas import KevlayaExtra, answer_calls, chat_answered
-from api.errors import ApiError
+from api.http.errors import ApiError
 from api.prompt_budget import FieldNames
 from shared.models import Job
 from shared.schemas import (
@@ -97,7 +97,7 @@ def _text_or_list(value: Any) -> str:
 
 def text_or(items: Any) -> Any:
     """A string or a list of `items`: only the branch the value's JSON type picks reports errors (so a list's error
-    is not joined by "should be a valid string"). Capitalized tags stay out of the field path (api/errors.py)."""
+    is not joined by "should be a valid string"). Capitalized tags stay out of the field path (api/http/errors.py)."""
     return Annotated[Annotated[NonBlankText, Tag("Text")] | Annotated[items, Tag("List")], Discriminator(_text_or_list)]
 ItemId = Annotated[Text, Field(min_length=1, max_length=200)]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -184,7 +184,7 @@ def _item_tag(value: Any) -> str | None:
     return _ITEM_TAGS.get(kind) if isinstance(kind, str) else None
 
 
-# The tags are capitalized so that an error's field path leaves them out (api/errors.py).
+# The tags are capitalized so that an error's field path leaves them out (api/http/errors.py).
 InputItem = Annotated[
     Annotated[MessageItem, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")]
     | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],

@@ -14,6 +14,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from api import file_batches
+from api.batch_keeper import BatchKeeperDep
 from api.batch_schemas import (
     BATCH_PREFIX,
     FILE_PREFIX,
@@ -25,8 +26,10 @@ from api.batch_schemas import (
     completion_window,
     parse_id,
 )
-from api.deps import BatchKeeperDep, CurrentKey, FileStoreDep, SessionDep, reject_unknown_query_parameters
-from api.errors import AUTH_ERRORS, ApiError, error_responses
+from api.file_store import FileStoreDep
+from api.http.deps import SessionDep, reject_unknown_query_parameters
+from api.http.errors import AUTH_ERRORS, ApiError, error_responses
+from api.keys.auth import CurrentKey
 from shared.clock import db_now
 from shared.db import one_writer
 from shared.models import ApiKey, BatchStatus, FileBatch, StoredFile

@@ -7,10 +7,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api.chat_schemas import CHAT_FIELDS, ChatCompletion, ChatRequest, chat_answered, completion
-from api.deps import IntakeDep, SubmitterKey, reject_unknown_query_parameters
-from api.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.event_stream import chat_chunk_stream
-from api.key_caps import HeldStream, long_polls, streams
+from api.http.deps import reject_unknown_query_parameters
+from api.http.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
+from api.intake import IntakeDep
+from api.keys.auth import SubmitterKey
+from api.keys.caps import HeldStream, long_polls, streams
 from api.submission import read_visible, wait_finished
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])

@@ -21,11 +21,12 @@ from sqlalchemy.orm import Session
 
 from api.batch_schemas import FILE_PREFIX, FileDeleted, FileList, FileObject, parse_id
 from api.deletion import delete_files
-from api.deps import CurrentKey, FileStoreDep, SessionDep, SettingsDep, reject_unknown_query_parameters
-from api.errors import AUTH_ERRORS, RETRY_AFTER_S, ApiError, error_responses
 from api.file_names import content_disposition, shown_name
-from api.file_store import FileStore, Received, TooLarge
-from api.quotas import Admission, stored_limit, uploads_in_flight
+from api.file_store import FileStore, FileStoreDep, Received, TooLarge
+from api.http.deps import SessionDep, SettingsDep, reject_unknown_query_parameters
+from api.http.errors import AUTH_ERRORS, RETRY_AFTER_S, ApiError, error_responses
+from api.keys.auth import CurrentKey
+from api.keys.quotas import Admission, stored_limit, uploads_in_flight
 from api.upload_stream import read_form
 from shared.db import new_session, one_writer
 from shared.models import ApiKey, BatchStatus, FileBatch, KeyUsage, StoredFile

@@ -12,17 +12,12 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from api.deletion import delete_jobs
-from api.deps import (
-    CurrentKey,
-    IntakeDep,
-    SessionDep,
-    SettingsDep,
-    SubmitterKey,
-    reject_unknown_query_parameters,
-)
-from api.errors import AUTH_ERRORS, ApiError, error_responses
 from api.event_stream import job_event_stream
-from api.key_caps import HeldStream, long_polls, streams
+from api.http.deps import SessionDep, SettingsDep, reject_unknown_query_parameters
+from api.http.errors import AUTH_ERRORS, ApiError, error_responses
+from api.intake import IntakeDep
+from api.keys.auth import CurrentKey, SubmitterKey
+from api.keys.caps import HeldStream, long_polls, streams
 from api.presenters import decode_cursor, encode_cursor, jobs_out
 from api.submission import get_visible, visible_to, wait_finished
 from shared import lifecycle

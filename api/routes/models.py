@@ -7,8 +7,9 @@ from typing import Literal, get_args
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
-from api.deps import CurrentKey, reject_unknown_query_parameters
-from api.errors import AUTH_ERRORS, error_responses
+from api.http.deps import reject_unknown_query_parameters
+from api.http.errors import AUTH_ERRORS, error_responses
+from api.keys.auth import CurrentKey
 from shared.schemas import RequestedAdapter
 
 router = APIRouter(prefix="/v1/models", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])

@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
-from api.deps import AdminKey, SessionDep, SettingsDep, reject_unknown_query_parameters
-from api.errors import AUTH_ERRORS, ApiError, error_responses
+from api.http.deps import SessionDep, SettingsDep, reject_unknown_query_parameters
+from api.http.errors import AUTH_ERRORS, ApiError, error_responses
+from api.keys.auth import AdminKey
 from shared.clock import db_now
 from shared.heartbeat import live_workers
 from shared.stats import Window, compute_stats, parse_window, queue_depth, recent_batches

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from api.errors import ApiError
+from api.http.errors import ApiError
 
 RETRY_AFTER_S = "1"
 

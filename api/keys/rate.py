@@ -9,8 +9,8 @@ import logging
 import redis
 from fastapi.concurrency import run_in_threadpool
 
-from api.errors import ApiError
-from api.limiter import Window
+from api.http.errors import ApiError
+from api.keys.limiter import Window
 from shared.models import ApiKey
 
 log = logging.getLogger("kevlaya.api")

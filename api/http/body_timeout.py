@@ -1,6 +1,6 @@
 """How long a request body may take (RELIABILITY.md, Security).
 
-A head is timed (api/head_limit.py); without a bound on the body, a client that sends its head, then a byte of body
+A head is timed (api/http/head_limit.py); without a bound on the body, a client that sends its head, then a byte of body
 every few seconds, held its connection for good. A body must come at `KEVLAYA_CONNECTIONS__BODY_MIN_BYTES_PER_S` on
 average or better, counted from the end of its head, once `KEVLAYA_CONNECTIONS__BODY_TIMEOUT_S` have passed: a small
 body has that long whole, a large upload all the time its size needs at that rate, and a trickle is cut off. Time in

@@ -1,10 +1,10 @@
-"""Dependencies as typed aliases, so routes read like sentences."""
+"""Who is asking: the API key of a request (`Authorization: Bearer`), checked against the database (or, for the submit
+routes, a cache of keys seen lately), with failures throttled per client address; and the admin key."""
 
 from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -13,59 +13,13 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.auth_throttle import AuthThrottle
-from api.batch_keeper import BatchKeeper
-from api.errors import ApiError, unauthorized
-from api.file_store import FileStore
-from api.intake import Intake
+from api.http.deps import SessionDep, SettingsDep
+from api.http.errors import ApiError, unauthorized
+from api.keys.throttle import AuthThrottle
 from shared.db import new_session
 from shared.keys import ensure_bootstrap_key, find_key, hash_key, is_revoked, weak_key_problem
 from shared.models import ApiKey
 from shared.settings import Settings, get_settings
-
-
-def get_session() -> Iterator[Session]:
-    with new_session() as session:
-        yield session
-
-
-async def current_settings() -> Settings:
-    return get_settings()
-
-
-SessionDep = Annotated[Session, Depends(get_session)]
-SettingsDep = Annotated[Settings, Depends(current_settings)]
-
-# Dependencies that do no I/O are `async def`: FastAPI runs a plain `def` dependency in its thread pool, and
-# each such hop costs more than the dependency itself (a submit made eight of them).
-
-
-async def reject_unknown_query_parameters(request: Request) -> None:
-    """Query parameters a route does not take are refused, like unknown body fields (a typo such as
-    `?stauts=failed` would otherwise silently list everything)."""
-    if not request.query_params:
-        return
-    route = request.scope.get("route")
-    dependant = getattr(route, "dependant", None)
-    if dependant is None:
-        return
-    known: set[str] = set()
-    pending = [dependant]
-    while pending:  # the route's own parameters and those of its dependencies
-        current = pending.pop()
-        known |= {param.alias for param in current.query_params}
-        pending.extend(current.dependencies)
-    unknown = sorted(set(request.query_params) - known)
-    if unknown:
-        takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
-        raise ApiError(422, "invalid_request", f"{unknown[0] or '(empty name)'}: unknown query parameter; {takes}")
-
-
-async def get_intake(request: Request) -> Intake:
-    return request.app.state.intake
-
-
-IntakeDep = Annotated[Intake, Depends(get_intake)]
 
 _bearer = HTTPBearer(auto_error=False)
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -104,7 +58,7 @@ def _client_address(request: Request) -> str:
 
 
 def _checked_key(request: Request, session: Session, settings: Settings, plain: str) -> ApiKey:
-    """`_stored_key`, with a wrong or revoked key counted against the client's address (api/auth_throttle.py)."""
+    """`_stored_key`, with a wrong or revoked key counted against the client's address (api/keys/throttle.py)."""
     try:
         return _stored_key(session, settings, plain)
     except ApiError as refused:
@@ -118,7 +72,7 @@ def _auth_throttle(request: Request) -> AuthThrottle:
 
 
 def current_key(request: Request, session: SessionDep, settings: SettingsDep, credentials: BearerDep) -> ApiKey:
-    # Reads are not rate limited: a key's rate counts the jobs it submits (api/job_rate.py).
+    # Reads are not rate limited: a key's rate counts the jobs it submits (api/keys/rate.py).
     _auth_throttle(request).check(_client_address(request), settings)
     return _checked_key(request, session, settings, _bearer_key(credentials))
 
@@ -145,7 +99,7 @@ class KeyCache:
 
 async def submitter_key(request: Request, credentials: BearerDep) -> ApiKey:
     """The key, as `current_key` checks it; its rate limit is charged per job when the jobs are stored
-    (api/intake.py, api/job_rate.py)."""
+    (api/intake.py, api/keys/rate.py)."""
     settings = get_settings()
     _auth_throttle(request).check(_client_address(request), settings)
     plain = _bearer_key(credentials)
@@ -175,15 +129,3 @@ def admin_key(key: CurrentKey) -> ApiKey:
 
 
 AdminKey = Annotated[ApiKey, Depends(admin_key)]
-
-
-async def get_file_store(request: Request) -> FileStore:
-    return request.app.state.file_store
-
-
-async def get_batch_keeper(request: Request) -> BatchKeeper:
-    return request.app.state.batch_keeper
-
-
-FileStoreDep = Annotated[FileStore, Depends(get_file_store)]
-BatchKeeperDep = Annotated[BatchKeeper, Depends(get_batch_keeper)]

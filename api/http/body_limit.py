@@ -12,7 +12,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import ApiError, error_body
+from api.http.errors import ApiError, error_body
 
 # How much of an oversized body is read (and thrown away) so the client can receive its 413.
 DRAIN_BYTES = 16 * 1024 * 1024

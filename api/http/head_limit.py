@@ -1,5 +1,5 @@
 """The HTTP server protocol: uvicorn's httptools parser, with bounds on a request head's size and on the time it
-takes to come, and every connection counted against the process's caps (api/connection_limits.py).
+takes to come, and every connection counted against the process's caps (api/http/connection_limits.py).
 
 httptools parses several times faster than h11 (RELIABILITY.md, Load), but it takes a head of any size: it
 keeps a header that arrives in pieces until the header ends. This protocol counts the bytes of a head still
@@ -10,7 +10,7 @@ however the head was cut into reads. A refused request never reaches the app.
 uvicorn starts no timer before a connection's first request, nor while a head arrives: an idle socket, or one
 trickling a header line every few seconds, stayed open for good. Here a connection waiting for a head (from its
 opening, or from the end of its previous response) is closed after `KEVLAYA_CONNECTIONS__HEAD_TIMEOUT_S`, and one whose
-body comes too slowly gets 408 and is closed (api/body_timeout.py).
+body comes too slowly gets 408 and is closed (api/http/body_timeout.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from api.body_timeout import CHECK_EVERY_S, BodyClock
-from api.connection_limits import OpenConnections, connection_caps
-from api.errors import error_body
+from api.http.body_timeout import CHECK_EVERY_S, BodyClock
+from api.http.connection_limits import OpenConnections, connection_caps
+from api.http.errors import error_body
 from shared.settings import get_settings
 
 log = logging.getLogger("kevlaya.api")
@@ -78,7 +78,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def close_idle(self) -> None:
-        """Closed to make room for a new connection (api/connection_limits.py), while it waits for a head."""
+        """Closed to make room for a new connection (api/http/connection_limits.py), while it waits for a head."""
         self._stop_head_timer()
         self._refused = True
         self.transport.close()

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from sqlalchemy.orm import Session
 
-from api.errors import RETRY_AFTER_S, ApiError
+from api.http.errors import RETRY_AFTER_S, ApiError
 from shared import usage
 from shared.models import Job, KeyUsage, Priority
 from shared.settings import Settings

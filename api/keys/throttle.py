@@ -1,6 +1,6 @@
 """Failed authentications throttled per client address (RELIABILITY.md, Security).
 
-A wrong or revoked key counts one failure for the address it came from, in Redis (a moving window, api/limiter.py),
+A wrong or revoked key counts one failure for the address it came from, in Redis (a moving window, api/keys/limiter.py),
 so every API process counts together. Past `KEVLAYA_KEYS__AUTH_FAILURES_PER_ADDRESS` failures within
 `KEVLAYA_KEYS__AUTH_FAILURE_WINDOW_S`, the address gets 429 with `Retry-After` until its oldest failure leaves the
 window, whatever key it sends: its keys are no longer looked at, so guessing stops there. The refusal is remembered in
@@ -18,8 +18,8 @@ import time
 
 import redis
 
-from api.errors import ApiError
-from api.limiter import Window
+from api.http.errors import ApiError
+from api.keys.limiter import Window
 from shared.settings import Settings
 
 log = logging.getLogger("kevlaya.api")
