@@ -23,8 +23,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api import file_batches, retention
-from api.deletion import delete_files
 from api.file_store import FileStore
+from api.jobs.deletion import delete_files
 from shared.clock import db_now
 from shared.db import new_session, one_writer
 from shared.models import BatchStatus, FileBatch, StoredFile

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from api.chat_schemas import CHAT_FIELDS, ChatRequest
 from api.http.errors import ApiError, validation_error_body
-from api.prompt_budget import FieldNames
+from api.jobs.prompt_budget import FieldNames
 from api.responses.schemas import ENDPOINT as RESPONSES
 from api.responses.schemas import RESPONSES_FIELDS, ResponseJob, ResponsesRequest
 from shared.schemas import JobCreate

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo, field_validator
 
-from api.prompt_budget import FieldNames
+from api.jobs.prompt_budget import FieldNames
 from shared.schemas import (
     MAX_TOP_LOGPROBS,
     JobCreate,

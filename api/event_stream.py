@@ -1,94 +1,29 @@
-"""Server-Sent Events out of a job's followed events (api/job_events.py): the job's own event stream
-(`GET /v1/jobs/{id}/events`), and the updates of a job's answer (`answer_updates`) that OpenAI's chunk stream
-(`POST /v1/chat/completions` with `stream: true`, here) and the Responses API's events (api/responses/stream.py)
-are made of. docs/architecture.md §8 and §17 describe them."""
+"""The updates of a job's answer (`answer_updates`), out of its followed events (api/streams/follow.py), that OpenAI's
+chunk stream (`POST /v1/chat/completions` with `stream: true`, here) and the Responses API's events
+(api/responses/stream.py) are made of. docs/architecture.md §8 and §17 describe them."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from api.chat_schemas import answer_calls, call_out, chat_answered
-from api.http.errors import ApiError
-from api.job_events import Gap, StreamEvent, follow_job
-from api.submission import read_visible
-from shared.job_stream import ESCALATED, RUNNING, is_entry_id
-from shared.models import ApiKey, JobStatus
+from api.jobs.lookup import visible_reader
+from api.streams.follow import Gap, StreamEvent, follow_job
+from api.streams.sse import HEADERS, HEARTBEAT, sse
+from shared.job_stream import ESCALATED, RUNNING
+from shared.models import ApiKey
 from shared.schemas import JobOut
 from shared.settings import Settings
 from shared.tools import leading_calls, may_open_call
 
-HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # and no proxy buffering it
-HEARTBEAT = ": keep-alive\n\n"
-
-
-def sse(event: str | None, data: Any, event_id: str | None = None) -> str:
-    """One event. The data is one line of JSON (JSON escapes every newline), so no field can end the event."""
-    lines = [f"id: {event_id}"] if event_id else []
-    if event:
-        lines.append(f"event: {event}")
-    lines.append("data: " + (data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))))
-    return "\n".join(lines) + "\n\n"
-
-
-def _stored(job: JobOut) -> dict[str, Any]:
-    return job.model_dump(mode="json")
-
 
 def _text(job: JobOut) -> str:
     return (job.result.text if job.result else None) or ""
-
-
-def _reader(key: ApiKey, job: JobOut) -> Callable[[], Any]:
-    return partial(run_in_threadpool, read_visible, key, job.id)
-
-
-def job_event_stream(key: ApiKey, job: JobOut, last_event_id: str | None, settings: Settings) -> StreamingResponse:
-    if last_event_id is not None and not is_entry_id(last_event_id.strip()):
-        raise ApiError(422, "invalid_request", "last-event-id: not an event id this stream sent")
-    position = last_event_id.strip() if last_event_id else "0"
-
-    async def events() -> AsyncIterator[str]:
-        yield "retry: 1000\n\n"
-        if last_event_id is None:
-            if job.status in JobStatus.FINISHED:  # a new client of an ended job: the job is its whole story
-                yield sse("done", _stored(job))
-                return
-            yield sse("status", {"status": job.status, "attempt": job.attempts})
-        # The text the client has built from this connection, as it builds it (docs/api.md: deltas appended, `running`
-        # restarting it, `resync` setting it); None where it resumed and its text so far is not known here (its
-        # client checks it against `done`).
-        built: str | None = "" if last_event_id is None else None
-        async for item in follow_job(job, _reader(key, job), position, settings.streams.heartbeat_s):
-            if item is None:
-                yield HEARTBEAT
-            elif isinstance(item, Gap):
-                stored = await _reader(key, job)()
-                built = _text(stored)
-                yield sse("resync", {"reason": str(item), "job": _stored(stored)})
-            elif isinstance(item, list):  # the entries one wake-up found: one write for all of them
-                for event in item:
-                    if event.event == "status" and event.data.get("status") == RUNNING:
-                        built = ""
-                    elif event.event == "delta" and built is not None:
-                        built += event.data["text"]
-                yield "".join(event.sse for event in item)
-            else:
-                # The stream holds an answer's last text before the job is announced, unless its worker gave up
-                # waiting on Redis: then the stored text is the text, and the client is told so before `done`.
-                if item.status == JobStatus.SUCCEEDED and built is not None and built != _text(item):
-                    yield sse("resync", {"reason": f"the stream of job {item.id} ended short of its stored text",
-                                         "job": _stored(item)})
-                yield sse("done", _stored(item))
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=HEADERS)
 
 
 @dataclass(frozen=True)
@@ -200,7 +135,7 @@ async def answer_updates(key: ApiKey, job: JobOut, timeout_s: float,
     `TimedOut` once `timeout_s` has passed."""
     deadline, tracker = time.monotonic() + timeout_s, AnswerTracker(job)
     # Something comes at least every `beat` seconds, so the deadline is checked in time.
-    async for item in follow_job(job, _reader(key, job), "0", min(heartbeat_s, timeout_s)):
+    async for item in follow_job(job, visible_reader(key, job.id), "0", min(heartbeat_s, timeout_s)):
         if time.monotonic() > deadline and not isinstance(item, JobOut):
             yield [TimedOut()]
             return

@@ -23,9 +23,9 @@ from sqlalchemy.orm import Session
 from api.batch_lines import MalformedFile, Rejected, Request, check_file, read_requests
 from api.batch_schemas import BATCH_PREFIX, RequestCounts, public_id
 from api.chat_schemas import chat_answered, completion
-from api.deletion import delete_files, delete_jobs
 from api.file_store import FileStore
-from api.presenters import jobs_out
+from api.jobs.deletion import delete_files, delete_jobs
+from api.jobs.presenters import jobs_out
 from api.responses.schemas import StoredResponse, response_object
 from shared import lifecycle, usage
 from shared.clock import db_now

@@ -17,18 +17,19 @@ from api.file_store import FileStore
 from api.http.body_limit import BodySizeLimit
 from api.http.docs import install_docs
 from api.http.errors import install_error_handlers
-from api.intake import Intake
-from api.job_events import reader
-from api.job_writer import JobWriter
+from api.jobs import routes as jobs
+from api.jobs.intake import Intake
+from api.jobs.prompt_budget import PromptBudget
+from api.jobs.wakeups import WakeupPublisher
+from api.jobs.writer import JobWriter
+from api.jobs.writer_process import WriterProcess
 from api.keys.auth import KeyCache
 from api.keys.throttle import AuthThrottle
 from api.metrics import ApiMetrics, RequestMetrics
-from api.prompt_budget import PromptBudget
 from api.responses import routes as responses
-from api.routes import batches, chat, files, health, jobs, metrics, models, stats, status_page
-from api.waiting import notices
-from api.wakeups import WakeupPublisher
-from api.writer_process import WriterProcess
+from api.routes import batches, chat, files, health, metrics, models, stats, status_page
+from api.streams.follow import reader
+from api.streams.notices import notices
 from shared.collector import settled_collector
 from shared.settings import Settings, get_settings
 

@@ -60,7 +60,7 @@ class ApiMetrics:
         self.latency = Histogram("kevlaya_http_request_duration_seconds", "Time to answer an HTTP request",
                                  ["method", "route"], registry=self.registry,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        # The job writer's units (api/job_writer.py): every submit of a unit waits for its one commit, so a
+        # The job writer's units (api/jobs/writer.py): every submit of a unit waits for its one commit, so a
         # database that is slow to make a commit durable (a storage flush stall) shows here as well as in the
         # submit latency above.
         self.unit_submits = Histogram("kevlaya_submit_unit_submits", "Submits stored by one commit of the job writer",

@@ -185,7 +185,7 @@ def test_a_worker_that_cannot_load_its_model_leaves_wake_ups_to_healthy_workers(
     time.sleep(3)
     queue = redis.Redis.from_url(env["KEVLAYA_REDIS__URL"])
     # the wake-ups wait in Redis for a worker that can serve them (submits that met a publish in progress
-    # share its wake-up: api/wakeups.py)
+    # share its wake-up: api/jobs/wakeups.py)
     assert 1 <= queue.llen("kevlaya.jobs") <= 3
     assert all(api.get(f"/v1/jobs/{j}").json()["status"] == "queued" for j in job_ids)
     assert broken.process.poll() is None and "Task kevlaya.run_queued[" not in broken.output()

@@ -1,4 +1,4 @@
-"""The API's job writer (api/job_writer.py), on a real database and Redis: submits handed over together are
+"""The API's job writer (api/jobs/writer.py), on a real database and Redis: submits handed over together are
 stored in one commit, each gets its own answer, and what must not be stored is not."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import event, select
 
-from api import job_writer
 from api.http.errors import ApiError
-from api.job_writer import JobWriter
+from api.jobs import writer as job_writer
+from api.jobs.submission import Accepted, new_job
+from api.jobs.writer import JobWriter
+from api.jobs.writer_process import WriterProcess
 from api.metrics import ApiMetrics
-from api.submission import Accepted, new_job
-from api.writer_process import WriterProcess
 from shared import db
 from shared.clock import db_now
 from shared.keys import create_key

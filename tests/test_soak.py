@@ -17,7 +17,7 @@ from modellab.bench.soak import growth_figures
 
 pytestmark = pytest.mark.integration
 
-PROCESSES = {"api", "api/api.writer_process", "worker", "worker/child"}
+PROCESSES = {"api", "api/api.jobs.writer_process", "worker", "worker/child"}
 
 
 def test_a_short_soak_runs_every_job_once_and_samples_the_api_and_the_worker(tmp_path: Path) -> None:

@@ -427,7 +427,7 @@ def test_hundreds_of_followers_catching_up_at_once_all_read_the_stream(redis_ser
 
     import redis as sync_redis
 
-    import api.job_events as job_events
+    import api.streams.follow as job_events
     from shared.job_stream import entry, stream_key
     from tests.conftest import reset_process_state
 
@@ -473,7 +473,7 @@ def test_a_job_followed_while_the_reader_waits_gets_its_first_entry_at_once(redi
 
     import redis as sync_redis
 
-    import api.job_events as job_events
+    import api.streams.follow as job_events
     from shared.job_stream import entry, stream_key
     from tests.conftest import reset_process_state
 
@@ -514,7 +514,7 @@ def test_a_follower_woken_while_its_job_runs_and_the_stream_is_unreadable_does_n
     import uuid
     from types import SimpleNamespace
 
-    import api.job_events as job_events
+    import api.streams.follow as job_events
     from shared.models import JobStatus
     from tests.conftest import reset_process_state
 
@@ -568,7 +568,7 @@ def test_a_follower_whose_queue_fills_while_it_reads_loses_nothing(redis_server,
 
     import redis as sync_redis
 
-    import api.job_events as job_events
+    import api.streams.follow as job_events
     from shared.job_stream import entry, stream_key
     from tests.conftest import reset_process_state
 
@@ -645,8 +645,8 @@ def test_a_stream_that_ends_short_of_the_stored_text_tells_the_client_before_don
     import uuid
     from types import SimpleNamespace
 
-    import api.event_stream as event_stream
-    from api.job_events import StreamEvent
+    from api.jobs import events as job_events
+    from api.streams.follow import StreamEvent
     from modellab.bench.sse import SseParser
     from shared.models import JobStatus
 
@@ -667,9 +667,9 @@ def test_a_stream_that_ends_short_of_the_stored_text_tells_the_client_before_don
             yield [event(1, "status", status="running", attempt=1), event(2, "delta", text=streamed, tokens=5)]
         yield Job(id=job_id, status=JobStatus.SUCCEEDED, result=SimpleNamespace(text=stored))
 
-    monkeypatch.setattr(event_stream, "follow_job", follow)
+    monkeypatch.setattr(job_events, "follow_job", follow)
     running = Job(id=job_id, status=JobStatus.RUNNING, result=None, attempts=1)
-    response = event_stream.job_event_stream(None, running, "1-0" if case == "resumed" else None,
+    response = job_events.job_event_stream(None, running, "1-0" if case == "resumed" else None,
                                              SimpleNamespace(streams=SimpleNamespace(heartbeat_s=1.0)))
 
     async def body() -> str:

@@ -146,7 +146,7 @@ def test_stopping_a_background_task_that_swallowed_its_cancellation_still_ends_i
     job stream reader's blocking XREAD): the API's background readers are cancelled until they end."""
     import asyncio
 
-    from api.waiting import stop
+    from api.streams.notices import stop
 
     async def stubborn() -> None:
         try:

@@ -1,4 +1,4 @@
-"""Wake-ups published off the request path (api/wakeups.py), against a real Redis: submits that arrive while
+"""Wake-ups published off the request path (api/jobs/wakeups.py), against a real Redis: submits that arrive while
 one is being published ride on the next one, each adapter's jobs are covered, and a failure does not stop it."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def jobs(adapter: str, count: int) -> list[Job]:
 
 
 def test_jobs_noted_during_a_publish_share_the_next_wake_ups(service_env):
-    from api.wakeups import WakeupPublisher
+    from api.jobs.wakeups import WakeupPublisher
 
     queue = redis.Redis.from_url(service_env["KEVLAYA_REDIS__URL"])
     published: list[tuple[uuid.UUID | None, str]] = []
@@ -49,7 +49,7 @@ def test_jobs_noted_during_a_publish_share_the_next_wake_ups(service_env):
 def test_a_wake_up_still_waiting_in_the_broker_covers_new_jobs(service_env):
     """While the workers are busy, wake-ups wait in the broker; each drains the whole queue when a worker takes
     it, so new jobs need only the wake-ups that are not already waiting."""
-    from api.wakeups import WakeupPublisher
+    from api.jobs.wakeups import WakeupPublisher
 
     queue = redis.Redis.from_url(service_env["KEVLAYA_REDIS__URL"])
     publisher = WakeupPublisher(max_batch=16)
@@ -67,7 +67,7 @@ def test_a_wake_up_still_waiting_in_the_broker_covers_new_jobs(service_env):
 
 
 def test_a_failed_publish_leaves_the_publisher_serving(service_env):
-    from api.wakeups import WakeupPublisher
+    from api.jobs.wakeups import WakeupPublisher
 
     attempts: list[str] = []
 
@@ -94,8 +94,8 @@ def test_concurrent_submits_on_sqlite_take_turns_at_writing_instead_of_retrying(
     writer lock instead (shared/db.py: one_writer)."""
     from sqlalchemy import func, select
 
-    from api.submission import enqueue
-    from api.wakeups import WakeupPublisher
+    from api.jobs.submission import enqueue
+    from api.jobs.wakeups import WakeupPublisher
     from shared import db
 
     if not sqlite_writers_fail_when_locked():

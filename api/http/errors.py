@@ -25,7 +25,7 @@ class ApiError(Exception):
         self.status_code, self.code, self.message, self.headers = status_code, code, message, headers
 
     def __reduce__(self) -> tuple[type[ApiError], tuple[int, str, str, dict[str, str] | None]]:
-        # pickled whole: the job writer's process sends its errors to the API (api/writer_process.py)
+        # pickled whole: the job writer's process sends its errors to the API (api/jobs/writer_process.py)
         return ApiError, (self.status_code, self.code, self.message, self.headers)
 
 

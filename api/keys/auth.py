@@ -79,7 +79,7 @@ def current_key(request: Request, session: SessionDep, settings: SettingsDep, cr
 
 class KeyCache:
     """Keys seen in the last `ttl_s` seconds, by hash, for the submit routes only: their job writer checks
-    each key again in the transaction that stores its jobs (api/job_writer.py), so a key revoked meanwhile
+    each key again in the transaction that stores its jobs (api/jobs/writer.py), so a key revoked meanwhile
     still stores nothing. A submit then reads no key from the database on its way in."""
 
     def __init__(self, ttl_s: float = 10.0):
@@ -99,7 +99,7 @@ class KeyCache:
 
 async def submitter_key(request: Request, credentials: BearerDep) -> ApiKey:
     """The key, as `current_key` checks it; its rate limit is charged per job when the jobs are stored
-    (api/intake.py, api/keys/rate.py)."""
+    (api/jobs/intake.py, api/keys/rate.py)."""
     settings = get_settings()
     _auth_throttle(request).check(_client_address(request), settings)
     plain = _bearer_key(credentials)

@@ -17,13 +17,15 @@ from pydantic import BaseModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.deletion import delete_jobs
 from api.http.deps import SessionDep, SettingsDep, reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
-from api.intake import Intake, IntakeDep
+from api.jobs.deletion import delete_jobs
+from api.jobs.intake import Intake, IntakeDep
+from api.jobs.lookup import read_visible
+from api.jobs.presenters import jobs_out
+from api.jobs.waiting import wait_finished
 from api.keys.auth import CurrentKey, SubmitterKey
 from api.keys.caps import HeldStream, long_polls, streams
-from api.presenters import jobs_out
 from api.responses.schemas import (
     RESPONSES_FIELDS,
     ResponseDeleted,
@@ -39,7 +41,6 @@ from api.responses.schemas import (
     status_of,
 )
 from api.responses.stream import response_stream
-from api.submission import read_visible, wait_finished
 from shared import lifecycle
 from shared.db import new_session, one_writer
 from shared.models import ApiKey, Job, JobStatus

@@ -28,7 +28,7 @@ from pydantic import (
 from api.batch_schemas import parse_id
 from api.chat_schemas import KevlayaExtra, answer_calls, chat_answered
 from api.http.errors import ApiError
-from api.prompt_budget import FieldNames
+from api.jobs.prompt_budget import FieldNames
 from shared.models import Job
 from shared.schemas import (
     MAX_TOOLS,

@@ -16,19 +16,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from api.event_stream import (
-    HEADERS,
-    HEARTBEAT,
-    Diverged,
-    Ended,
-    Failed,
-    NewCalls,
-    TextDelta,
-    TimedOut,
-    Update,
-    answer_updates,
-    sse,
-)
+from api.event_stream import Diverged, Ended, Failed, NewCalls, TextDelta, TimedOut, Update, answer_updates
 from api.responses.schemas import (
     StoredResponse,
     function_call_item,
@@ -39,6 +27,7 @@ from api.responses.schemas import (
     response_object,
     status_of,
 )
+from api.streams.sse import HEADERS, HEARTBEAT, sse
 from shared.models import ApiKey
 from shared.schemas import JobOut
 

@@ -10,10 +10,11 @@ from api.chat_schemas import CHAT_FIELDS, ChatCompletion, ChatRequest, chat_answ
 from api.event_stream import chat_chunk_stream
 from api.http.deps import reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
-from api.intake import IntakeDep
+from api.jobs.intake import IntakeDep
+from api.jobs.lookup import read_visible
+from api.jobs.waiting import wait_finished
 from api.keys.auth import SubmitterKey
 from api.keys.caps import HeldStream, long_polls, streams
-from api.submission import read_visible, wait_finished
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])
 

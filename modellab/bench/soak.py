@@ -161,7 +161,7 @@ def command_line(pid: int) -> list[str]:
 
 def process_labels(roots: dict[str, int]) -> dict[str, int]:
     """label -> pid for each root and its descendants: the root is its kind ("api", "worker"); a descendant is
-    named by its `-m` module ("api/api.writer_process"), or "child" when it runs what its root runs (a forked
+    named by its `-m` module ("api/api.jobs.writer_process"), or "child" when it runs what its root runs (a forked
     Celery pool child); a second process of one name gets "#2"."""
     tree = parents()
     labels: dict[str, int] = {}

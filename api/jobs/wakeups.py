@@ -1,7 +1,7 @@
 """Wake-ups published off the request path, coalesced.
 
 A wake-up makes a worker drain the queue, not run one job, so the submits that arrive while one is being
-published need no wake-up of their own: they ride on the next one. The job writer (api/job_writer.py) only
+published need no wake-up of their own: they ride on the next one. The job writer (api/jobs/writer.py) only
 notes the jobs it committed (after the broker answered a ping, so a broker that is down still means 503 and
 nothing stored); one thread per API process publishes, one wake-up per `KEVLAYA_ENGINE__MAX_BATCH` jobs of each
 adapter noted since its last publish, less the wake-ups still waiting in the broker for a worker to take them:

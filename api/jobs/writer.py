@@ -3,7 +3,7 @@
 A submit builds its rows on the event loop and hands them over; the writer takes everything handed over since
 its last commit and stores it as one unit: one broker ping (a broker that is down means 503 and nothing
 stored), one check that the submitting keys are still valid, the rows of every submit, one commit, then their
-wake-up (api/wakeups.py). Each submit waits on its own future for its own answer. Alone, a submit is stored as
+wake-up (api/jobs/wakeups.py). Each submit waits on its own future for its own answer. Alone, a submit is stored as
 soon as it arrives; under load one commit serves every submit that arrived during the previous one, which is
 what lets one process take hundreds of submits a second on SQLite (one writer at a time) and PostgreSQL alike.
 
@@ -29,9 +29,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.http.errors import RETRY_AFTER_S, ApiError, unauthorized
+from api.jobs.submission import Accepted, Stored, check_queue, insert_rows, resolve, store_jobs
+from api.jobs.wakeups import WakeupPublisher
 from api.keys.quotas import Admission
-from api.submission import Accepted, Stored, check_queue, insert_rows, resolve, store_jobs
-from api.wakeups import WakeupPublisher
 from shared.db import new_session, one_writer
 from shared.keys import is_revoked_at
 from shared.models import ApiKey, Job

@@ -9,11 +9,11 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.http.errors import ApiError
-from api.job_writer import JobWriter
+from api.jobs.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
+from api.jobs.submission import Accepted
+from api.jobs.writer import JobWriter
+from api.jobs.writer_process import WriterProcess
 from api.keys.rate import charge_jobs
-from api.prompt_budget import JOB_FIELDS, FieldNames, PromptBudget
-from api.submission import Accepted
-from api.writer_process import WriterProcess
 from shared.models import ApiKey
 from shared.schemas import JobCreate
 from shared.settings import Settings

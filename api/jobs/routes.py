@@ -11,15 +11,17 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from api.deletion import delete_jobs
-from api.event_stream import job_event_stream
 from api.http.deps import SessionDep, SettingsDep, reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, ApiError, error_responses
-from api.intake import IntakeDep
+from api.jobs.cursors import decode_cursor, encode_cursor
+from api.jobs.deletion import delete_jobs
+from api.jobs.events import job_event_stream
+from api.jobs.intake import IntakeDep
+from api.jobs.lookup import get_visible, visible_to
+from api.jobs.presenters import jobs_out
+from api.jobs.waiting import wait_finished
 from api.keys.auth import CurrentKey, SubmitterKey
 from api.keys.caps import HeldStream, long_polls, streams
-from api.presenters import decode_cursor, encode_cursor, jobs_out
-from api.submission import get_visible, visible_to, wait_finished
 from shared import lifecycle
 from shared.db import one_writer
 from shared.models import Job, JobStatus
@@ -49,7 +51,7 @@ _SUBMIT_RESPONSES = {
 
 
 # The submit routes are `async`: they run on the event loop and hand their rows to the process's job writer
-# (api/job_writer.py), which commits the submits that arrive together as one; no thread or database connection
+# (api/jobs/writer.py), which commits the submits that arrive together as one; no thread or database connection
 # is held per request.
 @router.post("", status_code=status.HTTP_202_ACCEPTED, response_model=JobAccepted, responses=_SUBMIT_RESPONSES)
 async def submit_job(request: JobCreate, key: SubmitterKey, intake: IntakeDep, response: Response) -> JobAccepted:

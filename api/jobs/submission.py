@@ -1,30 +1,27 @@
-"""Submitting and looking up jobs on behalf of an API key: shared by the jobs and chat routes."""
+"""Storing the jobs of a submit on behalf of an API key: each request resolved to its job (a new one, or the one
+its idempotency key names), the quotas admitted, the rows inserted and their wake-up published. Used by the job
+writer (api/jobs/writer.py) for every submit route."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
-from fastapi.concurrency import run_in_threadpool
-from sqlalchemy import ColumnElement, insert, select, true
+from sqlalchemy import insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.http.errors import RETRY_AFTER_S, ApiError
+from api.jobs.wakeups import WakeupPublisher
 from api.keys.quotas import Admission
-from api.presenters import jobs_out
-from api.waiting import notices
-from api.wakeups import WakeupPublisher
 from shared import usage
 from shared.clock import db_now
-from shared.db import new_session, one_writer
+from shared.db import one_writer
 from shared.models import ApiKey, Job, JobStatus, Priority
 from shared.queue import QueueUnavailable, ping_queue
-from shared.schemas import JobAccepted, JobCreate, JobOut
+from shared.schemas import JobAccepted, JobCreate
 from shared.settings import get_settings
 
 log = logging.getLogger("kevlaya.api")
@@ -94,7 +91,7 @@ def insert_jobs(session: Session, jobs: list[Job]) -> None:
 
 
 def enqueue(session: Session, jobs: list[Job], wakeups: WakeupPublisher) -> None:
-    """Check the broker, commit the rows, then have their wake-up published (api/wakeups.py).
+    """Check the broker, commit the rows, then have their wake-up published (api/jobs/wakeups.py).
 
     If the broker fails between the commit and the publish, the rows are durable and the worker's sweeper
     re-publishes them."""
@@ -128,7 +125,7 @@ class Accepted:
 def resolve(session: Session, key: ApiKey, requests: list[JobCreate],
             seen: dict[tuple[uuid.UUID, str], Job] | None = None) -> tuple[list[Stored], list[Job]]:
     """Each request's job (an existing one for a known idempotency key, else a new one), and the new ones.
-    `seen` carries the idempotency keys met so far across several calls (one unit of api/job_writer.py)."""
+    `seen` carries the idempotency keys met so far across several calls (one unit of api/jobs/writer.py)."""
     resolved: list[Stored] = []
     new: list[Job] = []
     seen = {} if seen is None else seen
@@ -167,47 +164,3 @@ def store_jobs(session: Session, key: ApiKey, requests: list[JobCreate], wakeups
                 raise
             log.info("idempotency key raced with another submit; answering with the stored job")
     raise AssertionError("unreachable")
-
-
-def visible_to(key: ApiKey) -> ColumnElement[bool]:
-    """Admin keys see every job; other keys see their own."""
-    return true() if key.is_admin else Job.api_key_id == key.id
-
-
-def get_visible(session: Session, key: ApiKey, job_id: uuid.UUID) -> Job:
-    job = session.scalar(select(Job).where(Job.id == job_id, visible_to(key)))
-    if job is None:
-        raise ApiError(404, "not_found", f"job {job_id} not found")
-    return job
-
-
-def read_visible(key: ApiKey, job_id: uuid.UUID) -> JobOut:
-    """The job as GET /v1/jobs/{id} shows it, in a session of its own (404 when the key may not see it)."""
-    with new_session() as session:
-        return jobs_out(session, [get_visible(session, key, job_id)])[0]
-
-
-async def wait_finished(key: ApiKey, job_id: uuid.UUID, timeout_s: float) -> JobOut:
-    """The job as soon as it is finished, or as it stands when `timeout_s` has passed. While it waits it holds
-    no database connection and no thread: it wakes on the job's "finished" notice, or re-checks every
-    `KEVLAYA_LIMITS__WAIT_RECHECK_S` in case a notice was lost."""
-
-    def read() -> JobOut:
-        return read_visible(key, job_id)
-
-    deadline = time.monotonic() + timeout_s
-    recheck_s = get_settings().limits.wait_recheck_s
-    with notices.watch(job_id) as finished:
-        await notices.subscribed(timeout_s=min(1.0, timeout_s))
-        job = await run_in_threadpool(read)
-        while job.status not in JobStatus.FINISHED:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                await asyncio.wait_for(finished.wait(), min(remaining, recheck_s))
-            except TimeoutError:
-                pass
-            finished.clear()
-            job = await run_in_threadpool(read)
-    return job

@@ -5,7 +5,7 @@ One reader per API process reads every followed job's stream (shared/job_stream.
 hands each follower the entries after its own position, in a bounded queue. A follower whose queue is full, one
 that starts or resumes, and every follower after Redis went away read what they missed from the stream
 themselves, so a slow client costs its own reads and never holds the others or the worker back. The end of a job
-comes from the "finished" notices (api/waiting.py), the same path the long-polls wait on; its answer is the stored
+comes from the "finished" notices (api/streams/notices.py), the same path the long-polls wait on; its answer is the stored
 row.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from api.waiting import notices, registered, stop
+from api.streams.notices import notices, registered, stop
 from shared.job_stream import entry_order, read_entry, stream_key
 from shared.models import JobStatus
 from shared.schemas import JobOut
@@ -67,7 +67,7 @@ class Follower:
     finished: bool = False  # a "finished" notice for the job arrived
 
     def set(self) -> None:
-        """The finished notice (api/waiting.py calls it)."""
+        """The finished notice (api/streams/notices.py calls it)."""
         self.finished = True
         self.wake.set()
 

@@ -1,12 +1,9 @@
-"""Turning `jobs` rows into API responses, and cursors into keyset positions."""
+"""Turning `jobs` rows into API responses."""
 
 from __future__ import annotations
 
-import base64
-import json
 import re
 import uuid
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -92,18 +89,3 @@ def children_of(session: Session, jobs: list[Job]) -> dict[uuid.UUID, list[Job]]
 def jobs_out(session: Session, jobs: list[Job]) -> list[JobOut]:
     children = children_of(session, jobs)
     return [job_out(job, children.get(job.id)) for job in jobs]
-
-
-def encode_cursor(job: Job) -> str:
-    raw = json.dumps([job.created_at.isoformat(), str(job.id)]).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str) -> tuple[datetime, uuid.UUID]:
-    """Raises ValueError on anything that is not a cursor this API issued."""
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        created_at, job_id = json.loads(raw)
-        return datetime.fromisoformat(created_at), uuid.UUID(job_id)
-    except Exception as exc:
-        raise ValueError("cursor is not one returned by this API") from exc

@@ -1,6 +1,6 @@
 """The job writer in a process of its own (`KEVLAYA_API__WRITER=process`, the default).
 
-In the API's process the writer (api/job_writer.py) is a thread, and every round trip it makes to the database or
+In the API's process the writer (api/jobs/writer.py) is a thread, and every round trip it makes to the database or
 the broker lets go of the interpreter lock; under load, taking it back from the busy event loop costs up to a
 switch interval each time. A unit then waited mostly for the lock, and its submits with it (RELIABILITY.md,
 Load). Here the same JobWriter runs in a child process with a lock of its own. The API hands each submit over a
@@ -35,9 +35,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from api.http.errors import RETRY_AFTER_S, ApiError, as_api_error
-from api.job_writer import JobWriter
-from api.submission import Accepted, Stored
-from api.wakeups import WakeupPublisher
+from api.jobs.submission import Accepted, Stored
+from api.jobs.wakeups import WakeupPublisher
+from api.jobs.writer import JobWriter
 from shared.collector import settled_collector
 from shared.logs import configure_logging
 from shared.models import ApiKey
@@ -78,8 +78,8 @@ class WriterProcess:
                 return
             ours, theirs = socket.socketpair()
             with theirs:
-                self._process = subprocess.Popen([sys.executable, "-m", "api.writer_process", str(theirs.fileno())],
-                                                 pass_fds=[theirs.fileno()])
+                self._process = subprocess.Popen(
+                    [sys.executable, "-m", "api.jobs.writer_process", str(theirs.fileno())], pass_fds=[theirs.fileno()])
             reader, self._writer = await asyncio.open_unix_connection(sock=ours)
             self._reading = asyncio.create_task(self._read_answers(reader), name="job-writer-answers")
             log.info("job writer started (process %d)", self._process.pid)
