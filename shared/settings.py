@@ -291,12 +291,6 @@ class EngineSettings(BaseModel):
         "file-batch lines) runs one forward pass (one chunk, see KEVLAYA_ENGINE__PREFILL_CHUNK_TOKENS) between two "
         "decode steps instead of all at once, and a Laya job claimed meanwhile is prefilled before its next pass: "
         "rows decoding and Laya jobs wait for one pass, not the whole prefill. `false`: every prefill runs whole")
-    latency_steps: bool = Field(
-        default=False, description="while rows of a role with reserved slots (Laya) decode beside others (Kev's, "
-        "file-batch lines), those rows also take a step of their own after each step of every row: a Laya token "
-        "comes at a small batch's cost, the others' tokens that much slower, and each of the others skips the "
-        "column of such a step (so only while its window has room for it). Such a step takes at most the role's "
-        "reserved slots' worth of rows; with more in flight they step with the others only")
     batch_prefill_tokens: int = Field(
         default=128, ge=1, description="while interactive jobs come (one claimed in the last 10 s), the padded prompt "
         "tokens one prefill of file-batch lines takes at most (one line always goes); such a prefill never holds "
@@ -541,7 +535,7 @@ FLAT_NAMES: dict[str, str] = {
     "max_batch": "engine.max_batch", "max_wait_ms": "engine.max_wait_ms", "key_spare_slots": "engine.key_spare_slots",
     "engine_window_tokens": "engine.window_tokens", "engine_prefill_tokens": "engine.prefill_tokens",
     "engine_prefill_chunk_tokens": "engine.prefill_chunk_tokens",
-    "engine_prefill_between_steps": "engine.prefill_between_steps", "engine_latency_steps": "engine.latency_steps",
+    "engine_prefill_between_steps": "engine.prefill_between_steps",
     "engine_batch_prefill_tokens": "engine.batch_prefill_tokens", "engine_cuda_graphs": "engine.cuda_graphs",
     "engine_kv_dtype": "engine.kv_dtype", "engine_workspace_gb": "engine.workspace_gb",
     "engine_prefill_share": "engine.prefill_share", "engine_switch_interval_ms": "engine.switch_interval_ms",

@@ -46,9 +46,8 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     # where the engine's time went while Laya ran under Kev load, from the worker's /metrics
     phases = service["engine_phases_under_kev_load"]
     assert phases["step"]["count"] > 0 and phases["step"]["mean_ms"] > 0 and phases["store"]["count"] > 0
-    # the decode steps launched, all shared: latency steps are off, as the service's default
-    assert result["workload"]["latency_steps"] is False
-    assert phases["steps_shared"]["count"] > 0 and phases["steps_alone"]["count"] == 0
+    # the decode steps launched
+    assert phases["steps"]["count"] > 0
     # of each step, the host's wait for the GPU's tokens (on a CPU the forward pass computes before the read)
     assert phases["wait"]["count"] == phases["step"]["count"]
     assert 0 < phases["wait"]["total_s"] < phases["step"]["total_s"]

@@ -89,7 +89,7 @@ def test_static_steps_that_read_part_of_the_window_answer_as_generate(runtime: R
     static = decoder(slots, window, static_steps=True, column_buckets=3)
     assert static._static.widths == [w for w in (window // 4, window // 2, window) if w >= MIN_COLUMNS]
     widths, forward = [], static._static._forward
-    static._static._forward = lambda bucket, width, alone: widths.append(width) or forward(bucket, width, alone)
+    static._static._forward = lambda bucket, width: widths.append(width) or forward(bucket, width)
     assert_same_answers(expected, static.run(requests))
     assert min(widths) < window and len(set(widths)) > 1  # steps read less than the window, in several sizes
 

@@ -764,38 +764,3 @@ def test_a_laya_job_is_looked_for_at_every_step_while_its_reserved_slot_stands_u
     assert joined == 5, steps[:10]  # the look inside the step it came in claimed it; it decodes from the next
     with session_scope() as session:
         assert {j.status for j in session.scalars(select(Job)).all()} == {"succeeded"}
-
-
-def test_with_latency_steps_laya_rows_step_alone_beside_kev_rows_and_every_job_succeeds(service_env, tiny_model):
-    """KEVLAYA_ENGINE__LATENCY_STEPS: the engine's decoder gives the Laya rows (the role with reserved slots: 2 of
-    8 here) steps of their own beside Kev rows, and every job still gets its tokens, once."""
-    from shared.settings import Settings
-    from worker.engine.loop import Engine
-    from worker.metrics import METRICS
-    from worker.model.loading import load_model
-
-    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
-                        engine={"max_batch": 8, "ignore_eos": True, "latency_steps": True},
-                        kev={"path": str(tiny_model["kev"])}, laya={"path": str(tiny_model["laya"])})
-    new_tokens = {"kev": 30, "laya": 8}
-    with session_scope() as session:
-        session.add_all([Job(adapter=a, requested_adapter=a, input=f"Question {i}?",
-                             params={**TEXT, "max_new_tokens": new_tokens[a]})
-                         for i, a in enumerate(["kev", "laya", "kev", "laya", "kev", "kev"])])
-    engine = Engine(load_model(settings), settings)
-    turns, alone = engine.decoder._alone_turn, []
-    engine.decoder._alone_turn = lambda kept, pending: alone.append(turns(kept, pending)) or alone[-1]
-    counted = {kind: METRICS.steps.labels(kind)._value.get() for kind in ("shared", "alone")}
-    try:
-        assert engine.drain(60) == 6
-    finally:
-        engine.decoder.close()
-    assert engine.decoder.latency_rows == 2
-    assert any(alone)
-    # each launch is counted in the worker's metrics by its kind
-    assert METRICS.steps.labels("alone")._value.get() - counted["alone"] == sum(alone) > 0
-    assert METRICS.steps.labels("shared")._value.get() - counted["shared"] == len(alone) - sum(alone) > 0
-    with session_scope() as session:
-        stored = session.scalars(select(Job)).all()
-    assert [(j.status, j.attempts, j.completion_tokens) for j in stored] == [
-        ("succeeded", 1, new_tokens[j.adapter]) for j in stored]

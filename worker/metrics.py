@@ -31,7 +31,6 @@ ERROR_CODES = ("out_of_memory", "numerical_error", "invalid_output", "length", "
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _PHASE = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 ENGINE_PHASES = ("claim", "prefill", "step", "wait", "store")
-STEP_KINDS = ("shared", "alone")  # SlotDecoder.launched
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 
 
@@ -64,9 +63,8 @@ class WorkerMetrics:
             "tokenise), prefill (one prompt group), step (one decode step), wait (of a step: the host waiting for the "
             "GPU's tokens; near none when the host, not the GPU, bounds the steps), store (one transaction of "
             "results, on the writer thread)", ["phase"], buckets=_PHASE, registry=r)
-        self.steps = Counter("kevlaya_engine_steps", "Decode steps launched, by kind: shared (every row in "
-                             "flight) or alone (the latency rows by themselves, KEVLAYA_ENGINE__LATENCY_STEPS)",
-                             ["kind"], registry=r)
+        self.steps = Counter("kevlaya_engine_steps", "Decode steps launched (each over every row in flight)",
+                             registry=r)
         self.rows_in_flight = Gauge("kevlaya_rows_in_flight", "Jobs holding a slot now", registry=r)
         self.up = Gauge("kevlaya_worker_up", "1 while this worker process serves", registry=r)
         self.model_loaded = Gauge("kevlaya_worker_model_loaded", "1 when the model and adapters are loaded",
@@ -93,8 +91,6 @@ class WorkerMetrics:
             self.group_size.labels(adapter)
         for phase in ENGINE_PHASES:
             self.engine_phase.labels(phase)
-        for kind in STEP_KINDS:
-            self.steps.labels(kind)
         self.up.set(1)
 
     # -- memory ------------------------------------------------------------------------------------------------

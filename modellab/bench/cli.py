@@ -50,10 +50,6 @@ def bench(
         "--prefill-between-steps/--whole-prefills",
         help="KEVLAYA_ENGINE__PREFILL_BETWEEN_STEPS: while rows decode, Kev prompts are prefilled one pass between "
              "two steps (--whole-prefills: at once, the A/B side)")] = True,
-    latency_steps: Annotated[bool, typer.Option(
-        "--latency-steps/--shared-steps-only",
-        help="KEVLAYA_ENGINE__LATENCY_STEPS: Laya rows decoding beside Kev rows also take steps of their own "
-             "(--shared-steps-only, the service's default: every row steps together)")] = False,
     lora_targets: Annotated[str, typer.Option(
         help="comma-separated layers the random adapters cover (default: every linear layer, as the demo model)")]
         = ",".join(ALL_LINEAR),
@@ -111,7 +107,7 @@ def bench(
                          latency_samples=latency_samples, fit_loads=loads, max_batch=max_batch, redis_url=redis_url,
                          cuda_graphs=cuda_graphs, kv_dtype=kv_dtype, window_tokens=window_tokens,
                          prefill_tokens=prefill_tokens, prefill_between_steps=prefill_between_steps,
-                         latency_steps=latency_steps, lora_targets=targets, peer=peer, census=census,
+                         lora_targets=targets, peer=peer, census=census,
                          pairs=chosen_pairs, pair_rounds=pair_rounds, stream_jobs=stream_jobs)
     command = shlex.join(["kevlaya", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"]
                          else ["python", "-m", "modellab.bench", *sys.argv[1:]])

@@ -32,9 +32,9 @@ def _streaming(engine: dict[str, Any]) -> str:
 
 def _steps_under_load(engine: dict[str, Any]) -> str:
     phases = engine.get("engine_phases_under_kev_load") or {}
-    shared, alone = ((phases.get(f"steps_{kind}") or {}).get("count", "—") for kind in ("shared", "alone"))
+    steps = (phases.get("steps") or phases.get("steps_shared") or {}).get("count", "—")  # steps_shared: older runs
     mean = [_fmt((phases.get(phase) or {}).get("mean_ms")) for phase in ("step", "wait")]
-    return f"{shared} / {alone} / {mean[0]} / {mean[1]}"
+    return f"{steps} / {mean[0]} / {mean[1]}"
 
 
 def _laya_parts(engine: dict[str, Any], when: str) -> str:
@@ -86,7 +86,7 @@ def table(result: dict[str, Any]) -> str:
         row("Laya first token p95 / ms per later token p50, idle", "", lambda e: _laya_parts(e, "idle")),
         row("Laya first token p95 / ms per later token p50, under Kev load", "",
             lambda e: _laya_parts(e, "under_kev_load")),
-        row("decode steps under Kev load: shared / Laya rows alone / mean ms / of it waiting for the GPU", "",
+        row("decode steps under Kev load: count / mean ms / of it waiting for the GPU", "",
             _steps_under_load),
         row("GPU busy during decode", _fmt((seed.get("profile") or {}).get("busy_fraction"), ".1%"),
             lambda e: _fmt(e["gpu_busy_fraction"], ".1%")),

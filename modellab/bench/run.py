@@ -74,7 +74,6 @@ class BenchConfig:
     window_tokens: int | None = None  # KEVLAYA_ENGINE__WINDOW_TOKENS; None: the service's default
     prefill_tokens: int | None = None  # KEVLAYA_ENGINE__PREFILL_TOKENS; None: the service's default
     prefill_between_steps: bool = True  # KEVLAYA_ENGINE__PREFILL_BETWEEN_STEPS
-    latency_steps: bool = False  # KEVLAYA_ENGINE__LATENCY_STEPS
     lora_targets: tuple[str, ...] = ALL_LINEAR  # the layers the random adapters cover (the demo model: every one)
     peer: bool = True  # time transformers' continuous batching on the same model and jobs
     census: bool = True  # the kernel census of the decode step and, on CUDA, the A/B pairs
@@ -375,7 +374,6 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
     if config.prefill_tokens is not None:
         env["KEVLAYA_ENGINE__PREFILL_TOKENS"] = str(config.prefill_tokens)
     env["KEVLAYA_ENGINE__PREFILL_BETWEEN_STEPS"] = str(config.prefill_between_steps).lower()
-    env["KEVLAYA_ENGINE__LATENCY_STEPS"] = str(config.latency_steps).lower()
     settings = Settings(_env_file=None,
                         model={"base": env["KEVLAYA_MODEL__BASE"], "device": device, "verify_manifests": False},
                         kev={"path": env["KEVLAYA_KEV__PATH"]}, laya={"path": env["KEVLAYA_LAYA__PATH"]},
@@ -407,7 +405,6 @@ def run_bench(config: BenchConfig, save: Callable[[dict[str, Any]], None] = lamb
                      "lora_targets": list(config.lora_targets),
                      "prefill_tokens": config.prefill_tokens or settings.engine.prefill_tokens,
                      "prefill_between_steps": config.prefill_between_steps,
-                     "latency_steps": config.latency_steps,
                      "prompt_tokens_seen": [min(j.prompt_tokens for j in jobs), max(j.prompt_tokens for j in jobs)]},
         "gpu_busy_method": "PyTorch profiler: CUDA kernel time over wall time of 16 decode steps (prefill removed "
                            "by a one-token run), in the bench process on the same model code and cap; the service "

@@ -162,7 +162,7 @@ class Service:
 
     def engine_phases(self) -> dict[str, tuple[float, float]]:
         """The worker's engine phase totals so far, from its /metrics: {phase: (count, seconds)}, and the decode
-        steps launched per kind as {"steps_shared": (count, 0), "steps_alone": (count, 0)}."""
+        steps launched as {"steps": (count, 0)}."""
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
@@ -175,7 +175,7 @@ class Service:
             elif family.name == "kevlaya_engine_steps":
                 for sample in family.samples:
                     if sample.name.endswith("_total"):
-                        totals[f"steps_{sample.labels['kind']}"] = {"_count": sample.value, "_sum": 0.0}
+                        totals["steps"] = {"_count": sample.value, "_sum": 0.0}
         return {phase: (values["_count"], values["_sum"]) for phase, values in totals.items()}
 
     # -- jobs ------------------------------------------------------------------------------------------------

@@ -403,36 +403,6 @@ def test_prefills_between_captured_steps_agree_with_whole_prefills(demo: Referen
     assert_agree(whole, aside, "prefills between captured steps against whole prefills on NF4")
 
 
-def test_captured_steps_of_the_latency_rows_alone_agree_with_shared_steps_only(demo: ReferenceRuntime) -> None:
-    """KEVLAYA_ENGINE__LATENCY_STEPS on captured steps: Laya rows step alone between shared steps (graphs of their
-    own, up to three rows padded to four into Kev rows' holes), the Kev rows masking those columns; greedy answers
-    agree with captured shared steps only on at least 99 % of their tokens, and such steps did run: each replay of
-    a step alone was timed on the GPU under its own shape (CapturedStep.timed, what the bench reads)."""
-    from worker.decoder.slot_decoder import SlotDecoder
-
-    requests = scenario_requests(Settings(_env_file=None), ["kev", "kev", "laya"] * 5)
-
-    def answers(**options: object) -> tuple[list, dict, dict]:
-        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
-                              eos_ids=demo.eos_ids, graphs=True, **options)
-        decoder._static.timed = {}
-        try:
-            results = decoder.run(requests)
-            torch.cuda.synchronize()
-            return results, dict(decoder.launched), decoder._static.timed
-        finally:
-            decoder.close()
-            del decoder
-            _free()
-
-    (shared, _, _), (apart, launched, timed) = answers(), answers(latency_adapters=["laya"], latency_rows=3)
-    assert launched["alone"] > 0
-    assert sum(len(events) for (_, _, alone), events in timed.items() if alone) == launched["alone"]
-    assert all(start.elapsed_time(end) > 0 for events in timed.values() for start, end in events)
-    assert all(g.error_code is None for g in apart)
-    assert_agree(shared, apart, "steps of the latency rows alone against shared steps only, captured on NF4")
-
-
 @pytest.mark.parametrize("decoded_scales", [True, False], ids=["scales-kept-decoded", "scales-decoded-per-call"])
 def test_joined_projections_on_nf4_with_captured_steps_agree_with_one_matmul_each(demo: ReferenceRuntime,
                                                                                   decoded_scales: bool) -> None:

@@ -3,8 +3,7 @@
 Inputs live in preallocated buffers, the whole window is read, and rows are padded to a bucket (1, 2, 4, ...
 slots) with idle rows that attend only to their own new column. On CUDA each bucket is captured once and
 replayed, so a step costs one launch instead of thousands; elsewhere the same step runs eagerly (the CPU tests
-use it). A step of the latency rows alone (SlotDecoder's `latency_adapters`) has graphs of its own, for buckets
-up to `alone_rows`: its rows sit at any slots, so it writes and reads through the slots a buffer names."""
+use it)."""
 
 from __future__ import annotations
 
@@ -60,43 +59,35 @@ class CapturedStep:
     its column `t`: columns before it are the rows' own or masked, so a step over short rows reads less of the
     block. The decoder keeps `t` low by compacting when it reaches a size (SlotDecoder._launch)."""
 
-    def __init__(self, decoder: SlotDecoder, capture: bool, column_buckets: int = 1, alone_rows: int = 0):
+    def __init__(self, decoder: SlotDecoder, capture: bool, column_buckets: int = 1):
         if decoder.attention != "sdpa":
             raise ValueError("static decode steps need sdpa attention")
         self.decoder = decoder
         slots, window, device = decoder.kv.slots, decoder.window, decoder.device
         self.buckets = sorted({min(2**i, slots) for i in range(slots.bit_length() + 1)})
         self.widths = sorted({window >> i for i in range(column_buckets) if window >> i >= min(MIN_COLUMNS, window)})
-        self.alone_buckets = [b for b in self.buckets if alone_rows and b <= self.bucket(min(alone_rows, slots))]
-        # per row: input token, index of its token in the chosen ones (-1: none), position, first column, adapter,
-        # the first column at which a step of the latency rows alone is a hole of its own (the window: none), slot
-        self.inputs = torch.zeros(slots, 7, dtype=torch.long, device=device)
+        # per slot: input token, index of its token in the chosen ones (-1: none), position, first column, adapter
+        self.inputs = torch.zeros(slots, 5, dtype=torch.long, device=device)
         cuda = device.type == "cuda"
-        self.staged = [torch.zeros(slots, 7, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.staged = [torch.zeros(slots, 5, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
         self.turn = 0
         self.ids = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(slots, 1, dtype=torch.long, device=device)
         self.mask = torch.zeros(slots, 1, 1, window, dtype=torch.bool, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
-        self.slots = torch.arange(slots, device=device)  # a step of the latency rows alone: each row's slot
         self.columns = torch.arange(window, device=device)
         self.adapters = decoder.lora.new_buffer(slots)
-        # (rows, columns, alone: a step of the latency rows alone)
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (rows, columns)
         self.logits: torch.Tensor | None = None  # where a replayed step's logits are kept until read
         self.pool = None  # the graphs' memory pool, which the captured prefill shares
-        # when a dict (benchmarks, CUDA): each replay's start and end events, by shape, to read its GPU time
-        self.timed: dict[tuple[int, int, bool], list[tuple[torch.cuda.Event, torch.cuda.Event]]] | None = None
         if capture:
             self._capture()
 
-    def _forward(self, bucket: int, width: int, alone: bool) -> torch.Tensor:
+    def _forward(self, bucket: int, width: int) -> torch.Tensor:
         decoder = self.decoder
         view = decoder.kv.view
         view.rows, view.column, view.columns = slice(0, bucket), self.column, width
-        if alone:
-            view.slots = self.slots[:bucket]
         decoder.lora.mask = self.adapters[:bucket]
         try:
             with torch.inference_mode():
@@ -104,7 +95,7 @@ class CapturedStep:
                                        position_ids=self.positions[:bucket], cache=decoder.kv.cache, use_cache=True,
                                        logits_to_keep=1)
         finally:
-            view.column = view.columns = view.slots = None
+            view.column = view.columns = None
         return output.logits[:, -1]
 
     def _capture(self) -> None:
@@ -113,15 +104,15 @@ class CapturedStep:
             raise ValueError("CUDA graphs need a CUDA device")
         self.mask[:, 0, 0, 0] = True
         reserved = torch.cuda.memory_reserved()
-        shapes = [(b, w, False) for b in self.buckets for w in self.widths]
-        shapes += [(b, w, True) for b in self.alone_buckets for w in self.widths]
-        for shape in shapes:
-            self.graphs[shape], self.pool = captured(functools.partial(self._forward, *shape), self.pool)
-        output = self.graphs[self.buckets[-1], self.widths[-1], False][1]
+        for bucket in self.buckets:
+            for width in self.widths:
+                self.graphs[bucket, width], self.pool = captured(functools.partial(self._forward, bucket, width),
+                                                                 self.pool)
+        output = self.graphs[self.buckets[-1], self.widths[-1]][1]
         self.logits = torch.empty(self.buckets[-1], *output.shape[1:], dtype=output.dtype, device=output.device)
-        log.info("captured the decode step for %s rows (alone: %s), reading %s columns (memory reserved: %+.0f MiB)",
-                 ", ".join(map(str, self.buckets)), ", ".join(map(str, self.alone_buckets)) or "none",
-                 ", ".join(map(str, self.widths)), (torch.cuda.memory_reserved() - reserved) / 2**20)
+        log.info("captured the decode step for %s rows, reading %s columns (memory reserved: %+.0f MiB)",
+                 ", ".join(map(str, self.buckets)), ", ".join(map(str, self.widths)),
+                 (torch.cuda.memory_reserved() - reserved) / 2**20)
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -131,56 +122,39 @@ class CapturedStep:
         return next(w for w in self.widths if w > t)
 
     def run(self, tokens: list[int], sources: list[int], positions: list[int], starts: list[int],
-            adapters: list[int], holes: list[int], chosen: Chosen | None, alone: list[int] | None = None
-            ) -> torch.Tensor:
-        """The logits of one step over slots 0..n-1, from the smallest bucket that holds them, or with `alone` over
-        the latency rows at those slots. A row's input token is `tokens[i]`, or where `sources[i]` ≥ 0 the token
-        `chosen` holds on the device at that index; then its position, first column, adapter and the column from
-        which the decoder's `skipped` columns are holes of its own. The host's inputs go in one copy from pinned
-        memory, which does not wait for the GPU: the step is queued behind the one in flight."""
+            adapters: list[int], chosen: Chosen | None) -> torch.Tensor:
+        """The logits of one step over slots 0..n-1, from the smallest bucket that holds them. A slot's input
+        token is `tokens[i]`, or where `sources[i]` ≥ 0 the token `chosen` holds on the device at that index;
+        then its position, first column and adapter. The host's inputs go in one copy from pinned memory, which
+        does not wait for the GPU: the step is queued behind the one in flight."""
         decoder = self.decoder
-        t, n, window = decoder.kv.t, len(tokens), decoder.window
+        t, n = decoder.kv.t, len(tokens)
         bucket, width = self.bucket(n), self.width(t)
         padding = bucket - n
-        # a step alone pads into slots other than its rows': their column t is a hole, or not in use
-        slots = alone + [s for s in range(decoder.kv.slots) if s not in alone][:padding] if alone else [0] * bucket
         staged = self._staging()
         staged[:bucket] = torch.tensor([tokens + [0] * padding, sources + [-1] * padding, positions + [0] * padding,
-                                        starts + [t] * padding, adapters + [NO_ADAPTER] * padding,
-                                        holes + [window] * padding, slots]).T
+                                        starts + [t] * padding, adapters + [NO_ADAPTER] * padding]).T
         inputs = self.inputs[:bucket]
         inputs.copy_(staged[:bucket], non_blocking=True)
         if self.copied is not None:
             self.copied[self.turn].record()
-        token, source, position, start, adapter, holes_from, slot = inputs.T
+        token, source, position, start, adapter = inputs.T
         if chosen is not None:
             token = chosen.tokens_for(token, source)
         self.ids[:bucket, 0].copy_(token)
         self.positions[:bucket, 0].copy_(position)
-        allowed = (self.columns >= start[:, None]) & (self.columns <= t)
-        if decoder.latency_rows:
-            allowed &= ~(decoder.skipped[None, :] & (self.columns >= holes_from[:, None]))
-        self.mask[:bucket, 0, 0] = allowed
+        self.mask[:bucket, 0, 0] = (self.columns >= start[:, None]) & (self.columns <= t)
         self.column.fill_(t)
-        if alone:
-            self.slots[:bucket].copy_(slot)
         decoder.lora.select_on_device(adapter, self.adapters[:bucket])
-        shape = (bucket, width, bool(alone))
-        if shape in self.graphs:
-            graph, output = self.graphs[shape]
-            if self.timed is not None:
-                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                events[0].record()
+        if (bucket, width) in self.graphs:
+            graph, output = self.graphs[bucket, width]
             graph.replay()
-            if self.timed is not None:
-                events[1].record()
-                self.timed.setdefault(shape, []).append(events)
             # Out of the graphs' pool: the step is read after the next call's work, and a captured prefill
             # replayed meanwhile reuses that pool.
             logits = self.logits[:bucket]
             logits.copy_(output)
         else:
-            logits = self._forward(*shape)
+            logits = self._forward(bucket, width)
         return logits[:n]
 
     def _staging(self) -> torch.Tensor:

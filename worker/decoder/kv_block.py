@@ -28,8 +28,8 @@ class View:
     """What the next forward pass reads and writes: rows `rows`, writes columns [write_lo, write_hi), reads
     columns [read_lo, write_hi). A static pass (`column` set) writes the columns that tensor holds and reads the
     whole window, or a static step the first `columns`: no shape or Python number changes between passes of one
-    shape, so the pass can be a CUDA graph. A static step's rows are `rows`; a static prefill pass's, and a static
-    step of the latency rows alone, are the slots `slots` holds (they start anywhere)."""
+    shape, so the pass can be a CUDA graph. A static step's rows are `rows`; a static prefill pass's are the slots
+    `slots` holds (they start anywhere)."""
 
     rows: slice = field(default_factory=lambda: slice(0, 0))
     read_lo: int = 0
@@ -60,8 +60,7 @@ class SlotLayer(CacheLayerMixin):
         if v.slots is not None:
             write_slots(self.keys, v.slots, v.column, key_states)
             write_slots(self.values, v.slots, v.column, value_states)
-            keys = self.keys[:, :, :v.columns].index_select(0, v.slots)
-            values = self.values[:, :, :v.columns].index_select(0, v.slots)
+            keys, values = self.keys.index_select(0, v.slots), self.values.index_select(0, v.slots)
         elif v.column is not None:
             keys, values = self.keys[v.rows, :, :v.columns], self.values[v.rows, :, :v.columns]
             write_column(keys, v.column, key_states)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +62,6 @@ class Row:
     admitted_at: float  # perf_counter when it was handed in (its time to first token counts from here)
     order: int  # admission order: an out-of-memory step gives back the newest rows first
     start: int = 0  # first cache column of this row
-    joined: int = 0  # the column of its first decode step: a step of the latency rows alone after it is a hole
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prefill_ms: float = 0.0
@@ -119,15 +118,9 @@ class SlotDecoder:
                  prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
                  kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool | None = None,
                  fused_rotary: bool | None = None, fused_lora: bool | None = None, static_prefill: bool = True,
-                 launch_ahead: bool = True, column_buckets: int | None = None, nf4_kernel: bool | None = None,
-                 latency_adapters: Collection[str] = (), latency_rows: int | None = None):
+                 launch_ahead: bool = True, column_buckets: int | None = None, nf4_kernel: bool | None = None):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
-        # KEVLAYA_ENGINE__LATENCY_STEPS: the rows of these adapters (not file-batch lines) also step alone, after each
-        # step of every row, while other rows decode beside them and they are at most `latency_rows` (None: any)
-        self._latency = {self.adapters.index(a) for a in latency_adapters}
-        self.latency_rows = (slots if latency_rows is None else min(latency_rows, slots)) if self._latency else 0
-        self._alone_next = False  # whether the next launch is the latency rows' own step
-        self.launched = {"shared": 0, "alone": 0}  # decode steps launched: of every row, of the latency rows alone
+        self.steps = 0  # decode steps launched
         self.waited_s = 0.0  # host seconds spent waiting for steps' tokens: near none when the host is the bound
         # KEVLAYA_ENGINE__PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
         self.prefill_tokens = prefill_tokens
@@ -148,8 +141,6 @@ class SlotDecoder:
         # benchmarks: end-of-sequence tokens never chosen, so every row writes its max_new_tokens
         self._banned = torch.tensor(self.eos_ids, device=self.device) if ignore_eos and self.eos_ids else None
         self.kv = KVBlock(model.config, slots, window, kv_dtype or dtype, self.device)
-        # columns written by a step of the latency rows alone: holes of the rows that did not take part
-        self.skipped = torch.zeros(window, dtype=torch.bool, device=self.device)
         self.attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
         if self.attention not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {self.attention!r}: the decoder builds sdpa/eager masks")
@@ -197,8 +188,7 @@ class SlotDecoder:
                 # that holds every row (CapturedStep); 1 reads the whole window. None: COLUMN_BUCKETS on CUDA.
                 if column_buckets is None:
                     column_buckets = COLUMN_BUCKETS if self.device.type == "cuda" else 1
-                self._static = CapturedStep(self, capture=graphs, column_buckets=column_buckets,
-                                            alone_rows=self.latency_rows)
+                self._static = CapturedStep(self, capture=graphs, column_buckets=column_buckets)
                 if static_prefill:
                     self._static_prefill = CapturedPrefill(self, capture=graphs, pool=self._static.pool)
         except BaseException:
@@ -248,8 +238,8 @@ class SlotDecoder:
 
     def begin_prefill(self, requests: list[GenerationRequest], admitted_at: float | None = None) -> None:
         """Start prefilling `requests` (as `prefill` takes them) in passes that run between decode steps, one per
-        `prefill_pass`: rows decoding wait one pass, not the whole prefill, and a `prefill` (a latency role's job)
-        may go in between. Its rows hold the top slots meanwhile and take no part in the steps."""
+        `prefill_pass`: rows decoding wait one pass, not the whole prefill, and a `prefill` (a Laya job) may go in
+        between. Its rows hold the top slots meanwhile and take no part in the steps."""
         if self.prefilling is not None:
             raise ValueError("a prefill is already under way")
         if requests:
@@ -318,7 +308,6 @@ class SlotDecoder:
         prefill_ms = (time.perf_counter() - block.started) * 1000
         for row in block.rows:
             row.start += by
-            row.joined = self.kv.t
             row.prefill_ms = prefill_ms
         self.rows.extend(block.rows)
         return self._advance(block.rows, self._choose(block.rows, block.logits).read())
@@ -327,7 +316,6 @@ class SlotDecoder:
         """Make `t` at least `width` (a prompt block of that width ends at `t - 1`), shifting rows right."""
         if not self.rows and self.prefilling is None:
             self.kv.t = width
-            self.skipped.zero_()
             return
         self._shift(max(0, width - self.kv.t))
         self.kv.t = max(self.kv.t, width)
@@ -344,14 +332,6 @@ class SlotDecoder:
             block.lo += by
         for row in self.rows + (self.prefilling.rows if self.prefilling else []):
             row.start += by
-            row.joined += by
-        if self._latency:  # the holes move with the columns; those shifted in are none
-            moved = self.skipped.clone()
-            self.skipped.zero_()
-            if by > 0:
-                self.skipped[by:] = moved[:-by]
-            else:
-                self.skipped[:by] = moved[-by:]
 
     def _padded(self, ids: torch.Tensor, present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A prompt block left-padded to the width the static prefill passes take, where it has one."""
@@ -450,9 +430,8 @@ class SlotDecoder:
         return self._join(block)
 
     def _launch(self, chosen: Chosen | None = None, chosen_rows: list[Row] = ()) -> Launched:
-        """Launch one step over the rows in flight, or over the latency rows alone (`latency_adapters`). A row's
-        input is its last token; for `chosen_rows`, the token `chosen` holds for it on the device, not yet read
-        (such a row that ends by length with it runs idle)."""
+        """Launch one step over the rows in flight. A row's input is its last token; for `chosen_rows`, the token
+        `chosen` holds for it on the device, not yet read (such a row that ends by length with it runs idle)."""
         pending = {id(row): i for i, row in enumerate(chosen_rows)}
         ends = {id(row) for row in chosen_rows if len(row.tokens) + 1 >= row.request.max_new_tokens}
         slots = [None if id(row) in ends else row for row in self.rows]
@@ -462,10 +441,6 @@ class SlotDecoder:
         elif self.static and self.kv.t in self._static.widths and kept and self._oldest(kept) > 0:
             self._compact(kept)  # back under the columns this step would read next: fewer read, every step
         t = self.kv.t
-        alone = self._alone_turn(kept, pending)
-        if alone:  # the latency rows, by slot; the others get a hole at column t
-            taken = [i for i, row in enumerate(slots) if row is not None and self._is_latency(row)]
-            slots = [slots[i] for i in taken]
         # a slot's input: its row's last token, or the index of its token among the chosen ones (-1: none)
         tokens = [row.tokens[-1] if row is not None and id(row) not in pending else 0 for row in slots]
         sources = [pending.get(id(row), -1) if row is not None else -1 for row in slots]
@@ -474,60 +449,22 @@ class SlotDecoder:
                      for row in slots]
         starts = [t if row is None else row.start for row in slots]
         adapters = [NO_ADAPTER if row is None else row.adapter for row in slots]
-        # a row that did not take part in a step of the latency rows alone has a hole there
-        holes = [self.window if row is None or self._is_latency(row) else row.joined for row in slots] \
-            if self._latency else [self.window] * len(slots)
         if self.static:
-            logits = self._static.run(tokens, sources, positions, starts, adapters, holes, chosen,
-                                      alone=taken if alone else None)
+            logits = self._static.run(tokens, sources, positions, starts, adapters, chosen)
         else:
             ids = torch.tensor(tokens, device=self.device)
             if chosen is not None:
                 ids = chosen.tokens_for(ids, torch.tensor(sources, device=self.device))
+            lo, n = min(starts), len(slots)
+            columns = torch.arange(lo, t + 1, device=self.device)
+            allowed = (columns[None, :] >= torch.tensor(starts, device=self.device)[:, None])[:, None, :]
             view = self.kv.view
-            if alone:
-                columns = torch.arange(self.window, device=self.device)
-                allowed = (columns >= torch.tensor(starts, device=self.device)[:, None]) & (columns <= t)
-                view.slots = torch.tensor(taken, device=self.device)
-                view.column = torch.tensor([t], device=self.device)
-                try:
-                    logits = self._forward(ids[:, None], allowed[:, None, :],
-                                           torch.tensor(positions, device=self.device)[:, None], adapters)
-                finally:
-                    view.slots = view.column = None
-            else:
-                lo, n = min(starts), len(slots)
-                columns = torch.arange(lo, t + 1, device=self.device)
-                allowed = columns[None, :] >= torch.tensor(starts, device=self.device)[:, None]
-                if self._latency:
-                    holes_from = torch.tensor(holes, device=self.device)
-                    allowed &= ~(self.skipped[lo:t + 1][None, :] & (columns[None, :] >= holes_from[:, None]))
-                view.rows, view.read_lo, view.write_lo, view.write_hi = slice(0, n), lo, t, t + 1
-                logits = self._forward(ids[:, None], allowed[:, None, :],
-                                       torch.tensor(positions, device=self.device)[:, None], adapters)
-        if alone:
-            self.skipped[t] = True
-        self.launched["alone" if alone else "shared"] += 1
+            view.rows, view.read_lo, view.write_lo, view.write_hi = slice(0, n), lo, t, t + 1
+            logits = self._forward(ids[:, None], allowed, torch.tensor(positions, device=self.device)[:, None],
+                                   adapters)
+        self.steps += 1
         self.kv.t = t + 1
         return Launched(logits, slots)
-
-    def _is_latency(self, row: Row) -> bool:
-        return row.adapter in self._latency and not row.request.background
-
-    def _alone_turn(self, kept: list[Row], pending: dict[int, int]) -> bool:
-        """Whether this launch is the latency rows' own: after each step of every row, while other rows decode
-        beside them and each of those has room in the window for one more hole (`pending`: rows whose last token
-        is chosen and not yet read)."""
-        if not self._latency:
-            return False
-        latency = [row for row in kept if self._is_latency(row)]
-        others = [row for row in kept if not self._is_latency(row)]
-        # a row's columns: those it holds, this hole, one per token it has yet to feed (its last is never fed)
-        room = all(self.kv.t - row.start + 1 + row.request.max_new_tokens - len(row.tokens) - (id(row) in pending)
-                   <= self.window for row in others)
-        alone = self._alone_next and 0 < len(latency) <= self.latency_rows and bool(others) and room
-        self._alone_next = not alone and bool(latency) and bool(others)
-        return alone
 
     def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor,
                  adapters: list[int]) -> torch.Tensor:

@@ -83,16 +83,12 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     wanted = settings.engine.max_batch + sum(reserved.values())
     graphs = settings.engine.cuda_graphs and loaded.device == "cuda"
     kv_dtype = STORAGE_DTYPES[settings.engine.kv_dtype]
-    # KEVLAYA_ENGINE__LATENCY_STEPS: the roles with reserved slots (Laya) also step alone, as many rows as they
-    # reserve (a captured step has graphs up to that; more such rows are much of the batch anyway)
-    latency = sorted(reserved) if settings.engine.latency_steps else []
 
     def build(slots: int) -> SlotDecoder:
         return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
                            eos_ids=loaded.eos_ids, ignore_eos=settings.engine.ignore_eos, graphs=graphs, texts=False,
                            prefill_tokens=settings.engine.prefill_tokens,
-                           prefill_chunk_tokens=settings.engine.prefill_chunk_tokens, kv_dtype=kv_dtype,
-                           latency_adapters=latency, latency_rows=sum(reserved.values()))
+                           prefill_chunk_tokens=settings.engine.prefill_chunk_tokens, kv_dtype=kv_dtype)
 
     if loaded.device != "cuda":
         return build(wanted)  # the decoder joins the projections itself
@@ -140,8 +136,8 @@ class Engine:
         self.interactive_at = -INTERACTIVE_QUIET_S  # time.monotonic() of the last interactive job claimed
         self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes)
         self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
-        # what the decoder counted (launches by kind, seconds waiting for the GPU) up to the last step's metrics
-        self.counted = {**dict.fromkeys(self.decoder.launched, 0), "waited_s": 0.0}
+        # what the decoder counted (steps launched, seconds waiting for the GPU) up to the last step's metrics
+        self.counted = (0, 0.0)
         # The writer's work must not hold the decode loop at each lock hand-back (settings: engine.switch_interval_ms).
         sys.setswitchinterval(settings.engine.switch_interval_ms / 1000)
 
@@ -386,11 +382,10 @@ class Engine:
             failure = failed("internal", f"{exc.__class__.__name__}: {exc}")
             self.writer.store([(request.job_id, failure) for request in self.decoder.clear()])
             return
-        now = {**self.decoder.launched, "waited_s": self.decoder.waited_s}
-        METRICS.engine_phase.labels("wait").observe(now["waited_s"] - self.counted["waited_s"])
-        for kind in self.decoder.launched:  # only a step launches
-            METRICS.steps.labels(kind).inc(now[kind] - self.counted[kind])
-        self.counted = now
+        steps, waited_s = self.decoder.steps, self.decoder.waited_s  # only a step launches
+        METRICS.engine_phase.labels("wait").observe(waited_s - self.counted[1])
+        METRICS.steps.inc(steps - self.counted[0])
+        self.counted = (steps, waited_s)
         self._finished(finished)
 
     def _out_of_memory_alone(self, request: GenerationRequest) -> None:
