@@ -368,13 +368,13 @@ class ServiceProcess:
     prewarmed server when there is one, else started as a command."""
 
     def __init__(self, args: list[str], env: dict[str, str], log_path: Path, stop_signal: int = signal.SIGTERM,
-                 prewarmed: Prewarmed | None = None):
+                 prewarmed: Prewarmed | None = None, cwd: Path | None = None):
         self.log_path, self.stop_signal = log_path, stop_signal
         self.log = open(log_path, "wb")
         if prewarmed is not None:
             self.process = prewarmed.start(["kevlaya", *args[-1:]], {**os.environ, **env}, Path.cwd(), log_path)
         else:
-            self.process = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log,
+            self.process = subprocess.Popen(args, env={**os.environ, **env}, stdout=self.log, cwd=cwd,
                                             stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:
