@@ -185,9 +185,9 @@ def test_the_memory_census_finds_the_peak_of_live_allocations_and_sums_them_by_s
     bytes were (not at the end, nor the largest ever made), summed by the project's line that made them."""
     from modellab.bench.memory_census import by_source, live_at_peak, pools
 
-    join = [_frame("/srv/worker/decoder/fused_projections.py", 51, "_share_storage"),
+    join = [_frame("/srv/worker/decoder/kernels/fused_projections.py", 51, "_share_storage"),
             _frame("/usr/lib/python3/site-packages/torch/functional.py", 9, "cat")]
-    prefill = [_frame("/srv/worker/decoder/nf4_matmul.py", 400, "sliced_matmul"),
+    prefill = [_frame("/srv/worker/decoder/kernels/nf4_matmul.py", 400, "sliced_matmul"),
                _frame("/usr/lib/python3/site-packages/bitsandbytes/functional.py", 7, "dequantize_4bit")]
     trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": join},
              {"action": "alloc", "addr": 2, "size": 30, "frames": prefill},
@@ -200,7 +200,7 @@ def test_the_memory_census_finds_the_peak_of_live_allocations_and_sums_them_by_s
     assert peak == 160 and sorted(size for size, _ in alive) == [30, 30, 100]
     rows = by_source(alive, top=5)
     assert [(row["allocations"], row["where"].split(" <- ")[0]) for row in rows] == [
-        (1, "decoder/fused_projections.py:51 _share_storage"), (2, "decoder/nf4_matmul.py:400 sliced_matmul")]
+        (1, "kernels/fused_projections.py:51 _share_storage"), (2, "kernels/nf4_matmul.py:400 sliced_matmul")]
     assert rows[1]["where"].endswith("bitsandbytes/functional.py:7 dequantize_4bit")
     segments = [{"segment_pool_id": (0, 0), "total_size": 4 * 2**20, "allocated_size": 2**20},
                 {"segment_pool_id": (1, 0), "total_size": 2 * 2**20, "allocated_size": 0},

@@ -11,8 +11,8 @@ import transformers.models.llama.modeling_llama as modeling_llama
 
 from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
-from worker.decoder.fused_rotary import NAME, FusedRotary
 from worker.decoder.graph_step import MIN_COLUMNS
+from worker.decoder.kernels.fused_rotary import NAME, FusedRotary
 from worker.decoder.sampling import RowSampling, choose, nucleus
 from worker.decoder.slot_decoder import SlotDecoder
 from worker.generation import GenerationRequest, GenerationResult

@@ -1,4 +1,4 @@
-"""Projections that share an input joined into one matmul (worker/decoder/fused_projections.py): the same numbers
+"""Projections that share an input joined into one matmul (worker/decoder/kernels/fused_projections.py): the same numbers
 as each projection alone, on NF4 and dense weights, with LoRA on some members only, and the model given back."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from modellab.model_factory import build_random_model
 from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
-from worker.decoder.fused_projections import (
+from worker.decoder.kernels.fused_projections import (
     FusedProjections,
     _dense_matmul,
     _joined,
@@ -19,7 +19,7 @@ from worker.decoder.fused_projections import (
     decoded_scales_bytes,
     join_weights,
 )
-from worker.decoder.row_lora import RowLoRA
+from worker.decoder.kernels.row_lora import RowLoRA
 from worker.decoder.slot_decoder import SlotDecoder
 from worker.generation import GenerationRequest
 
@@ -134,7 +134,7 @@ def test_a_joined_nf4_prefill_dequantizes_a_slice_of_one_members_weight_at_a_tim
     import bitsandbytes
     import bitsandbytes.functional as bnbf
 
-    from worker.decoder import nf4_matmul
+    from worker.decoder.kernels import nf4_matmul
 
     torch.manual_seed(0)
     sizes, features = [256, 128, 64], 128
@@ -327,7 +327,7 @@ def test_the_weights_are_joined_once_per_model(runtime: ReferenceRuntime) -> Non
 def test_a_joined_step_runs_fewer_matmuls_and_copies_no_base_output(runtime: ReferenceRuntime) -> None:
     """What the GPU census counts, on the CPU: joined, a layer runs 4 base matmuls instead of 7; and each LoRA
     expand adds into the base output in place (out of place, `addmm` first copies it: one more kernel per product).
-    On CUDA a group's expand is one kernel for all its members (worker/decoder/lora_expand.py); here, without it,
+    On CUDA a group's expand is one kernel for all its members (worker/decoder/kernels/lora_expand.py); here, without it,
     one product per member's rank block."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,4 +1,4 @@
-"""The rotary kernel (worker/decoder/fused_rotary.py) run by Triton's interpreter on the CPU against transformers'
+"""The rotary kernel (worker/decoder/kernels/fused_rotary.py) run by Triton's interpreter on the CPU against transformers'
 own `apply_rotary_pos_emb` (tests/test_decoder.py installs it under a decoder; the GPU suite runs the compiled kernel
 under captured steps)."""
 
@@ -13,7 +13,7 @@ from tests.interpreted import run_interpreted
 INTERPRETED = textwrap.dedent("""
     import torch
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
-    from worker.decoder.fused_rotary import rotary, takes
+    from worker.decoder.kernels.fused_rotary import rotary, takes
 
     for dtype in (torch.float32, torch.float16):
         # a decode step's one token and a prefill's several; head counts that are and are not powers of two
@@ -54,7 +54,7 @@ def test_where_the_kernels_cannot_run_the_decoder_is_told_so_and_they_are_not_us
     pytest.importorskip("triton", reason="without Triton the probe says no before trying")
     import torch
 
-    from worker.decoder import fused_rotary, lora_expand, nf4_matmul
+    from worker.decoder.kernels import fused_rotary, lora_expand, nf4_matmul
 
     cpu = torch.device("cpu")
     for module in (fused_rotary, lora_expand, nf4_matmul):

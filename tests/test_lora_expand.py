@@ -1,5 +1,5 @@
-"""The LoRA masked-expand kernel (worker/decoder/lora_expand.py) run by Triton's interpreter on the CPU against the
-three operations it replaces in worker/decoder/row_lora.py (the GPU suite runs it compiled, under the decoder)."""
+"""The LoRA masked-expand kernel (worker/decoder/kernels/lora_expand.py) run by Triton's interpreter on the CPU against the
+three operations it replaces in worker/decoder/kernels/row_lora.py (the GPU suite runs it compiled, under the decoder)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.interpreted import run_interpreted
 
 INTERPRETED = textwrap.dedent("""
     import torch
-    from worker.decoder.lora_expand import masked_expand
+    from worker.decoder.kernels.lora_expand import masked_expand
 
     generator = torch.Generator().manual_seed(0)
     # a decode step (one token a row) and a prefill pass (several); one layer's rank block, and joined projections'

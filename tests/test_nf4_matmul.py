@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.interpreted import run_interpreted
-from worker.decoder.nf4_matmul import Nf4Weight, dequantize_reference
+from worker.decoder.kernels.nf4_matmul import Nf4Weight, dequantize_reference
 
 
 def nf4_linear(out_features: int, in_features: int, nested: bool, seed: int = 0, bias: bool = True):  # noqa: ANN201
@@ -64,7 +64,7 @@ def test_a_prefill_through_an_nf4_layer_dequantizes_its_weight_a_slice_at_a_time
     whole weight would stay in a captured prefill's memory pool: 86 MiB for a 7B model's down_proj."""
     import bitsandbytes.functional as bnbf
 
-    from worker.decoder import nf4_matmul
+    from worker.decoder.kernels import nf4_matmul
 
     layer = nf4_linear(96, 320, nested)
     x = torch.randn(3, 24, 320).half()  # 72 rows: more than the kernel's MAX_ROWS
@@ -91,7 +91,7 @@ INTERPRETED = textwrap.dedent("""
     import dataclasses
     import torch
     from tests.test_nf4_matmul import nf4_linear
-    from worker.decoder.nf4_matmul import Nf4Weight, dequantize_reference, nf4_matmul, plan
+    from worker.decoder.kernels.nf4_matmul import Nf4Weight, dequantize_reference, nf4_matmul, plan
 
     worst = 0.0
     for nested in (True, False):
@@ -116,7 +116,7 @@ INTERPRETED = textwrap.dedent("""
                     worst = max(worst, ((got.float() - expected).abs().max() / expected.abs().max()).item())
 
     # the probe's trial (both scale layouts) runs where the kernel does: here, Triton's interpreter
-    from worker.decoder.nf4_matmul import runs_on
+    from worker.decoder.kernels.nf4_matmul import runs_on
     assert runs_on(torch.device("cpu"))
     print(f"worst relative error {worst:.2e}")
 """)
@@ -133,7 +133,7 @@ def test_the_kernel_run_by_tritons_interpreter_multiplies_as_the_reference_does(
 def test_the_byte_permute_decode_picks_each_codes_nf4_value() -> None:
     """The PTX of the permute decode (the GPU suite runs it compiled), emulated instruction by instruction: every
     byte value in every position of a word gives its two codes' fp16 NF4 values, high code first."""
-    from worker.decoder.nf4_matmul import NF4_VALUES, permute_asm, ptx_emulated
+    from worker.decoder.kernels.nf4_matmul import NF4_VALUES, permute_asm, ptx_emulated
 
     asm, values = permute_asm(), NF4_VALUES.half()
     generator = torch.Generator().manual_seed(0)

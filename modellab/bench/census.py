@@ -37,7 +37,7 @@ _REGIONS = {"lora": LORA_RANGE, "nf4_matmul": NF4_RANGE}
 def kernel_class(name: str, frames: list[str]) -> str:
     """The class of a kernel (or CPU operator) `name` launched from within Python `frames`."""
     where = " ".join(frames)
-    if _REGIONS["lora"] in where or "masked_expand" in name:  # the LoRA expand kernel (worker/decoder/lora_expand.py)
+    if _REGIONS["lora"] in where or "masked_expand" in name:  # the LoRA expand kernel (worker/decoder/kernels/lora_expand.py)
         return "lora"
     if _REGIONS["nf4_matmul"] in where or re.search(r"4bit|dequantize|nf4", name, re.I):
         return "nf4_matmul"
@@ -78,8 +78,8 @@ class _Regions:
 def _ranges() -> Iterator[None]:
     """Name the LoRA products and the 4-bit matmuls (bitsandbytes' and the NF4 kernel's) as profiler ranges while
     the census runs."""
-    from worker.decoder.nf4_matmul import Nf4Kernels
-    from worker.decoder.row_lora import RowLoRA
+    from worker.decoder.kernels.nf4_matmul import Nf4Kernels
+    from worker.decoder.kernels.row_lora import RowLoRA
 
     RowLoRA.profile_label = LORA_RANGE
     Nf4Kernels.profile_label = NF4_RANGE

@@ -22,7 +22,7 @@ from modellab.bench.cli import SHAPES
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
     """(out, in) of each matmul of one decoder layer of `shape` as the decoder runs it: q/k/v joined, o, gate/up
-    joined, down (worker/decoder/fused_projections.py)."""
+    joined, down (worker/decoder/kernels/fused_projections.py)."""
     from modellab.model_factory import SHAPES as CONFIGS
 
     config = CONFIGS[shape][1]
@@ -74,7 +74,7 @@ def main(
     if shape not in SHAPES or shape == "tiny":
         raise typer.BadParameter(f"must be one of {', '.join(s for s in SHAPES if s != 'tiny')}",
                                  param_hint="--shape")
-    from worker.decoder.nf4_matmul import MAX_ROWS, Launch, Nf4Weight, nf4_matmul, plan
+    from worker.decoder.kernels.nf4_matmul import MAX_ROWS, Launch, Nf4Weight, nf4_matmul, plan
 
     try:
         counts = [int(r) for r in rows.split(",") if r.strip()]

@@ -279,11 +279,11 @@ def test_captured_steps_reading_part_of_the_window_answer_as_steps_reading_all_o
 
 
 def test_the_rotary_kernel_on_cuda_rotates_as_transformers_does() -> None:
-    """worker/decoder/fused_rotary.py compiled: on a 3B model's heads (16 query, 2 key/value, 128 wide), for a
+    """worker/decoder/kernels/fused_rotary.py compiled: on a 3B model's heads (16 query, 2 key/value, 128 wide), for a
     decode step's rows and a prefill's tokens, its queries and keys are transformers' to within one rounding."""
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-    from worker.decoder.fused_rotary import rotary, takes
+    from worker.decoder.kernels.fused_rotary import rotary, takes
 
     for dtype in (torch.float16, torch.bfloat16):
         for batch, seq in ((32, 1), (4, 200)):
@@ -300,10 +300,10 @@ def test_the_rotary_kernel_on_cuda_rotates_as_transformers_does() -> None:
 
 
 def test_the_lora_expand_kernel_on_cuda_adds_as_the_three_operations_do() -> None:
-    """worker/decoder/lora_expand.py compiled: a 3B layer's joined q/k/v and gate/up LoRA expands (Kev r16, Laya
+    """worker/decoder/kernels/lora_expand.py compiled: a 3B layer's joined q/k/v and gate/up LoRA expands (Kev r16, Laya
     r8; each member's columns from its own rank block), for a step's rows and a prefill pass's tokens, add into the
     output what mask-then-matmul adds, to within fp16 rounding."""
-    from worker.decoder.lora_expand import masked_expand, takes
+    from worker.decoder.kernels.lora_expand import masked_expand, takes
 
     width, table = 24, torch.zeros(3, 24, device="cuda", dtype=torch.float16)
     table[0, :16], table[1, 16:] = 1, 1
@@ -410,7 +410,7 @@ def test_joined_projections_on_nf4_with_captured_steps_agree_with_one_matmul_eac
     captured step) under captured steps with Kev and Laya rows mixed: greedy answers agree with one matmul per
     projection on at least 99 % of their tokens (fp16 GEMMs of another width may round differently), and the
     model's own layers compute as before afterwards."""
-    from worker.decoder.fused_projections import join_weights
+    from worker.decoder.kernels.fused_projections import join_weights
     from worker.decoder.slot_decoder import SlotDecoder
 
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 16)
@@ -575,15 +575,15 @@ def test_memory_taken_by_another_process_after_sizing_fails_no_job(env, api, sta
 
 def test_the_nf4_kernel_multiplies_every_layer_as_bitsandbytes_and_answers_agree(demo: ReferenceRuntime,
                                                                                   qwen: ReferenceRuntime) -> None:
-    """The Triton NF4 kernel (worker/decoder/nf4_matmul.py): on every NF4 layer of the demo model and of a real shape,
+    """The Triton NF4 kernel (worker/decoder/kernels/nf4_matmul.py): on every NF4 layer of the demo model and of a real shape,
     its product for 1 to 64 rows, the values decoded by byte permutes or by a tree of selects, is bitsandbytes'
     (fp16 rounding); the decoder (captured steps) serves its matmuls of 2 rows or more through it, with answers that are those through
     bitsandbytes on at least 99 % of the tokens, and closing gives bitsandbytes' path back."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
-    from worker.decoder import nf4_matmul as kernel_module
-    from worker.decoder.nf4_matmul import Nf4Kernels, Nf4Weight, nf4_matmul, plan
+    from worker.decoder.kernels import nf4_matmul as kernel_module
+    from worker.decoder.kernels.nf4_matmul import Nf4Kernels, Nf4Weight, nf4_matmul, plan
     from worker.decoder.slot_decoder import SlotDecoder
 
     worst, layers = 0.0, 0

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.decoder.row_lora import NO_ADAPTER
+from worker.decoder.kernels.row_lora import NO_ADAPTER
 
 if TYPE_CHECKING:
     from worker.decoder.sampling import Chosen

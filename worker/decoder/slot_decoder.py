@@ -19,19 +19,19 @@ from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
 from shared.grammar import OwnOptionsDecision, first_part
-from worker.decoder import lora_expand
-from worker.decoder.fused_norms import FusedNorms
-from worker.decoder.fused_projections import FusedProjections
-from worker.decoder.fused_rotary import FusedRotary
-from worker.decoder.fused_rotary import runs_on as fused_rotary_runs_on
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.graph_prefill import CapturedPrefill
 from worker.decoder.graph_step import CapturedStep
+from worker.decoder.kernels import lora_expand
+from worker.decoder.kernels.fused_norms import FusedNorms
+from worker.decoder.kernels.fused_projections import FusedProjections
+from worker.decoder.kernels.fused_rotary import FusedRotary
+from worker.decoder.kernels.fused_rotary import runs_on as fused_rotary_runs_on
+from worker.decoder.kernels.nf4_matmul import Nf4Kernels, nf4_layers
+from worker.decoder.kernels.nf4_matmul import runs_on as nf4_runs_on
+from worker.decoder.kernels.row_lora import NO_ADAPTER, RowLoRA
 from worker.decoder.kv_block import KVBlock
-from worker.decoder.nf4_matmul import Nf4Kernels, nf4_layers
-from worker.decoder.nf4_matmul import runs_on as nf4_runs_on
 from worker.decoder.prefill_budget import prefill_group
-from worker.decoder.row_lora import NO_ADAPTER, RowLoRA
 from worker.decoder.sampling import Choice, Chosen, RowSampling, choose
 from worker.generation import GenerationRequest, GenerationResult, numerical_error
 from worker.model.tokens import encode_chats, result_text
@@ -48,7 +48,7 @@ COLUMN_BUCKETS = 3
 def _served(wanted: bool | None, device: torch.device,
             runs_on: Callable[[torch.device], bool] | None = None) -> bool:
     """Whether a fused operation the decoder serves on CUDA by default (`wanted` None) is used here: on CUDA only
-    where its kernel builds and runs (`runs_on`, tried once per device; worker/decoder/triton_kernels.py)."""
+    where its kernel builds and runs (`runs_on`, tried once per device; worker/decoder/kernels/triton_kernels.py)."""
     use = device.type == "cuda" if wanted is None else wanted
     return use and (runs_on is None or device.type != "cuda" or runs_on(device))
 

@@ -73,7 +73,7 @@ def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
     worker/memory.py sizes it by arithmetic, then by its measured peak)."""
     import torch
 
-    from worker.decoder.fused_projections import decoded_scales_bytes, join_weights
+    from worker.decoder.kernels.fused_projections import decoded_scales_bytes, join_weights
     from worker.decoder.kv_block import STORAGE_DTYPES, kv_shape
     from worker.decoder.slot_decoder import SlotDecoder
 

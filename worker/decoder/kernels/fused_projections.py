@@ -28,9 +28,9 @@ from weakref import WeakKeyDictionary
 import torch
 from peft.tuners.lora import LoraLayer
 
-from worker.decoder import nf4_matmul as nf4_kernel
-from worker.decoder.nf4_matmul import Nf4Weight, sliced_matmul
-from worker.decoder.row_lora import RowLoRA
+from worker.decoder.kernels import nf4_matmul as nf4_kernel
+from worker.decoder.kernels.nf4_matmul import Nf4Weight, sliced_matmul
+from worker.decoder.kernels.row_lora import RowLoRA
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 

@@ -13,7 +13,7 @@ absmaxes are 8-bit codes of a second blockwise quantization plus an offset, deco
 
 `dequantize_reference` is the same arithmetic in plain torch, which tests compare with bitsandbytes' own
 dequantization on the CPU, and the kernel (Triton's interpreter on the CPU, the real kernel on CUDA) with it.
-`Nf4Kernels` puts the kernel on a model's NF4 layers while a decoder serves; worker/decoder/fused_projections.py
+`Nf4Kernels` puts the kernel on a model's NF4 layers while a decoder serves; worker/decoder/kernels/fused_projections.py
 calls it for joined projections (`takes`).
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.decoder.triton_kernels import runs, triton_available
+from worker.decoder.kernels.triton_kernels import runs, triton_available
 
 log = logging.getLogger("kevlaya.decoder")
 
@@ -466,7 +466,7 @@ def _forward_with(weight: Nf4Weight, original):  # noqa: ANN001, ANN202
 
 @functools.cache
 def runs_on(device: torch.device) -> bool:
-    """Whether the kernel builds and runs on `device` (worker/decoder/triton_kernels.py), tried once."""
+    """Whether the kernel builds and runs on `device` (worker/decoder/kernels/triton_kernels.py), tried once."""
     def trial(device: torch.device) -> None:
         # both scale layouts the decoder serves: float32 (joined projections) and double-quantized (the others)
         parts = dict(packed=torch.zeros(64 * 64 // 2, dtype=torch.uint8, device=device), code=NF4_VALUES.to(device),

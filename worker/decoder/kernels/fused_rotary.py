@@ -4,7 +4,7 @@ transformers applies it as `q * cos + rotate_half(q) * sin` and the same for `k`
 a concatenation, two products and a sum for each), 360 of a 3B model's decode step, each a few microseconds of
 launch for almost no work. Here one Triton program per token rotates every query and key head of it at once, in
 float32, rounded once to the model's dtype (transformers rounds after each operation, so greedy answers agree
-rather than match bit for bit, as with worker/decoder/fused_norms.py).
+rather than match bit for bit, as with worker/decoder/kernels/fused_norms.py).
 
 transformers calls the function by its module-level name (`apply_rotary_pos_emb` in `modeling_llama`,
 `modeling_qwen2`, ...), so `FusedRotary` puts its own there while a decoder is installed and puts the original
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker.decoder.triton_kernels import runs, triton_available
+from worker.decoder.kernels.triton_kernels import runs, triton_available
 
 NAME = "apply_rotary_pos_emb"
 # transformers' modeling modules whose function is `q * cos + rotate_half(q) * sin` over the whole head (others
@@ -92,7 +92,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 @functools.cache
 def runs_on(device: torch.device) -> bool:
-    """Whether the kernel builds and runs on `device` (worker/decoder/triton_kernels.py), tried once."""
+    """Whether the kernel builds and runs on `device` (worker/decoder/kernels/triton_kernels.py), tried once."""
     def trial(device: torch.device) -> None:
         x = torch.zeros(1, 2, 1, 32, device=device, dtype=torch.float16)  # one token, two heads of 32
         rotary(x, x, x[:, 0], x[:, 0])

@@ -1,13 +1,13 @@
 """The second half of a row-selected LoRA product as one kernel: `output += (shrunk * row_mask) @ B.T`.
 
-worker/decoder/row_lora.py computes each LoRA layer as a shrink (`x @ A_all.T`), a row mask that keeps each
+worker/decoder/kernels/row_lora.py computes each LoRA layer as a shrink (`x @ A_all.T`), a row mask that keeps each
 row's own adapter's rank block, and an expand added into the base output: three kernels, 432 of a 3B model's decode
 step. The mask only zeroes a few columns of a narrow matrix, so it costs a launch for almost no work; here the
 expand reads the shrunk columns, masks them and adds the product into the output in one Triton kernel. Served on
 CUDA (`RowLoRA(masked_expand=True)`, the slot decoder's default there); the benchmark's `unfused_lora` pair is the
 other side. The products are fp16 with float32 sums, added into the output and rounded once, as cuBLAS does.
 
-Joined projections (worker/decoder/fused_projections.py) shrink once for all their members: `shrunk` then holds
+Joined projections (worker/decoder/kernels/fused_projections.py) shrink once for all their members: `shrunk` then holds
 one rank block per member side by side, and each output column tile reads its own member's block, so the expand's
 B stays as compact as a single layer's (out × width), not block-diagonal.
 """
@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from worker.decoder.triton_kernels import runs, triton_available
+from worker.decoder.kernels.triton_kernels import runs, triton_available
 
 if triton_available():
     import triton
@@ -82,7 +82,7 @@ def masked_expand(output: torch.Tensor, shrunk: torch.Tensor, mask: torch.Tensor
 
 @functools.cache
 def runs_on(device: torch.device) -> bool:
-    """Whether the kernel builds and runs on `device` (worker/decoder/triton_kernels.py), tried once."""
+    """Whether the kernel builds and runs on `device` (worker/decoder/kernels/triton_kernels.py), tried once."""
     def trial(device: torch.device) -> None:
         zeros = torch.zeros(1, 1, 16, device=device, dtype=torch.float16)
         masked_expand(zeros, zeros.clone(), zeros.clone(), torch.zeros(16, 16, device=device, dtype=torch.float16))

@@ -19,7 +19,7 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
-from worker.decoder import lora_expand
+from worker.decoder.kernels import lora_expand
 
 NO_ADAPTER = -1  # a row index that selects no adapter (the bare base model)
 
@@ -49,7 +49,7 @@ class RowLoRA:
                  masked_expand: bool = False):
         """`dtype`: the LoRA products' dtype, by default the dtype the base layers compute in. PEFT keeps adapter
         weights in fp32 beside a 4-bit base, which costs a cast each way and fp32 (SIMT) matmuls per layer.
-        `masked_expand`: the mask and the expand as one kernel where it applies (worker/decoder/lora_expand.py)."""
+        `masked_expand`: the mask and the expand as one kernel where it applies (worker/decoder/kernels/lora_expand.py)."""
         if getattr(model, "_row_lora", None) is not None:  # its hooks and the other's would both add a delta
             raise RuntimeError("this model already serves a decoder: close that decoder first")
         self.model, self.adapters = model, list(adapters)
@@ -69,7 +69,7 @@ class RowLoRA:
         # stays PEFT's own and PEFT's weights can be views into the stacks: the adapters held once, not twice.
         # Otherwise its scaling is folded into each layer's B (a copy) and its mask row is 1.
         self.scales = [_uniform_scaling(self.layers, name) for name in adapters]
-        # Per LoRA layer: (A_all, B_all), rank blocks side by side (worker/decoder/fused_projections.py joins them).
+        # Per LoRA layer: (A_all, B_all), rank blocks side by side (worker/decoder/kernels/fused_projections.py joins them).
         self.stacked: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self.layers:
             self.restack(layer, *self._stack(layer))
@@ -144,7 +144,7 @@ class RowLoRA:
     def add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
             boundaries: tuple[int, ...] = ()) -> torch.Tensor:
         """`output` plus each row's LoRA product ((x @ a.T) * row mask) @ b.T. `a` may stack several projections'
-        rank blocks (projections joined by input, worker/decoder/fused_projections.py), each taking the row mask:
+        rank blocks (projections joined by input, worker/decoder/kernels/fused_projections.py), each taking the row mask:
         the output columns from `boundaries[k - 1]` on are then expanded from block k (`b` stays out × width)."""
         if RowLoRA.profile_label is not None:
             with torch.profiler.record_function(RowLoRA.profile_label):
