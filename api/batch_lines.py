@@ -16,11 +16,11 @@ from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
-from api.chat_schemas import CHAT_FIELDS, ChatRequest
 from api.http.errors import ApiError, validation_error_body
 from api.jobs.prompt_budget import FieldNames
-from api.responses.schemas import ENDPOINT as RESPONSES
-from api.responses.schemas import RESPONSES_FIELDS, ResponseJob, ResponsesRequest
+from api.openai.chat.schemas import CHAT_FIELDS, ChatRequest
+from api.openai.responses.schemas import ENDPOINT as RESPONSES
+from api.openai.responses.schemas import RESPONSES_FIELDS, ResponseJob, ResponsesRequest
 from shared.schemas import JobCreate
 
 MAX_CUSTOM_ID = 512

@@ -3,19 +3,18 @@ client parses them (docs/architecture.md §15). Ids carry OpenAI's prefixes; the
 
 from __future__ import annotations
 
-import re
 import uuid
 from datetime import datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from api.openai.ids import public_id
 from shared.models import FileBatch, StoredFile
 from shared.schemas import RequestModel, Text
 from shared.stats import parse_window
 
 FILE_PREFIX, BATCH_PREFIX = "file-", "batch_"
-_ID = re.compile(r"[0-9a-f]{32}")
 
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/responses"]  # the endpoints a line may call here
 
@@ -29,17 +28,6 @@ def completion_window(value: str) -> timedelta:
     if window > MAX_COMPLETION_WINDOW:
         raise ValueError(f"{value!r}: at most {MAX_COMPLETION_WINDOW.days}d")
     return window
-
-
-def public_id(prefix: str, value: uuid.UUID) -> str:
-    return f"{prefix}{value.hex}"
-
-
-def parse_id(prefix: str, value: str) -> uuid.UUID | None:
-    """The row id behind a public id; None for anything this service did not issue."""
-    if value.startswith(prefix) and _ID.fullmatch(value[len(prefix):]):
-        return uuid.UUID(hex=value[len(prefix):])
-    return None
 
 
 def _epoch(value: datetime | None) -> int | None:

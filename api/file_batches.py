@@ -21,12 +21,13 @@ from sqlalchemy import delete as delete_rows
 from sqlalchemy.orm import Session
 
 from api.batch_lines import MalformedFile, Rejected, Request, check_file, read_requests
-from api.batch_schemas import BATCH_PREFIX, RequestCounts, public_id
-from api.chat_schemas import chat_answered, completion
+from api.batch_schemas import BATCH_PREFIX, RequestCounts
 from api.file_store import FileStore
 from api.jobs.deletion import delete_files, delete_jobs
 from api.jobs.presenters import jobs_out
-from api.responses.schemas import StoredResponse, response_object
+from api.openai.chat.schemas import chat_answered, completion
+from api.openai.ids import public_id
+from api.openai.responses.schemas import StoredResponse, response_object
 from shared import lifecycle, usage
 from shared.clock import db_now
 from shared.db import one_writer

@@ -26,8 +26,10 @@ from api.jobs.writer_process import WriterProcess
 from api.keys.auth import KeyCache
 from api.keys.throttle import AuthThrottle
 from api.metrics import ApiMetrics, RequestMetrics
-from api.responses import routes as responses
-from api.routes import batches, chat, files, health, metrics, models, stats, status_page
+from api.openai import models
+from api.openai.chat import routes as chat
+from api.openai.responses import routes as responses
+from api.routes import batches, files, health, metrics, stats, status_page
 from api.streams.follow import reader
 from api.streams.notices import notices
 from shared.collector import settled_collector

@@ -191,9 +191,9 @@ class Job(Base):
     # What this row charges its key's stored bytes (shared/usage.py): its request when stored, plus its result once
     # finished; a deletion gives back exactly this (migration 0009).
     stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    # A response of the Responses API (api/responses/, docs/architecture.md §17; migration 0011): the request as it
-    # came, less what the job itself holds (null for every other job); the response it continues, by id (a plain
-    # column: that one may be deleted, this one keeps its conversation in `input`); and whether it is stored
+    # A response of the Responses API (api/openai/responses/, docs/architecture.md §17; migration 0011): the request
+    # as it came, less what the job itself holds (null for every other job); the response it continues, by id (a
+    # plain column: that one may be deleted, this one keeps its conversation in `input`); and whether it is stored
     # (`store: false`: never shown, deleted once answered).
     response_request: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     previous_response_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)

@@ -454,7 +454,7 @@ class JobCreate(RequestModel):
         return to_messages(self.input if isinstance(self.input, str) else self.input.model_dump())
 
     def row_columns(self) -> dict[str, Any]:
-        """Columns of the job's row beyond those every job has: a response's (api/responses/schemas.py)."""
+        """Columns of the job's row beyond those every job has: a response's (api/openai/responses/schemas.py)."""
         return {}
 
     def prompt_chars(self) -> int:

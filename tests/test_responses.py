@@ -1,4 +1,4 @@
-"""OpenAI's Responses API on the durable job (api/responses/): the official `openai` client against the app, and
+"""OpenAI's Responses API on the durable job (api/openai/responses/): the official `openai` client against the app, and
 against a real API and worker on the tiny random-weight model (every call is well-formed because the grammar
 allows nothing else; the text itself is noise)."""
 

@@ -24,12 +24,12 @@ from api.batch_schemas import (
     BatchObject,
     RequestCounts,
     completion_window,
-    parse_id,
 )
 from api.file_store import FileStoreDep
 from api.http.deps import SessionDep, reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, ApiError, error_responses
 from api.keys.auth import CurrentKey
+from api.openai.ids import parse_id
 from shared.clock import db_now
 from shared.db import one_writer
 from shared.models import ApiKey, BatchStatus, FileBatch, StoredFile

@@ -1,4 +1,5 @@
-"""Long-polls that wait on "job finished" notices instead of polling the database.
+"""The "job finished" notices, so that what waits for a job's end need not poll the database: the long-polls
+(api/jobs/waiting.py) and the followers of a job's event stream (api/streams/follow.py).
 
 One Redis subscription per API process fans the notices out to the waiting requests. A waiter holds no
 database connection and no thread while it waits; it reads the job row when its notice arrives and, in case

@@ -26,7 +26,7 @@ from api.jobs.presenters import jobs_out
 from api.jobs.waiting import wait_finished
 from api.keys.auth import CurrentKey, SubmitterKey
 from api.keys.caps import HeldStream, long_polls, streams
-from api.responses.schemas import (
+from api.openai.responses.schemas import (
     RESPONSES_FIELDS,
     ResponseDeleted,
     ResponseJob,
@@ -40,7 +40,7 @@ from api.responses.schemas import (
     response_object,
     status_of,
 )
-from api.responses.stream import response_stream
+from api.openai.responses.stream import response_stream
 from shared import lifecycle
 from shared.db import new_session, one_writer
 from shared.models import ApiKey, Job, JobStatus

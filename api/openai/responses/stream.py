@@ -1,5 +1,5 @@
 """A response's Server-Sent Events, in the Responses API's event types (docs/architecture.md §17): built on the
-job's answer updates as chat's chunk stream is (api/event_stream.py `answer_updates`).
+job's answer updates as chat's chunk stream is (api/openai/answers.py `answer_updates`).
 
 Every event carries a `sequence_number`, from 0. The updates come one list per entry of the job's stream, so the
 same stream always gives the same events with the same numbers: a client that lost its connection asks for the
@@ -16,8 +16,8 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from api.event_stream import Diverged, Ended, Failed, NewCalls, TextDelta, TimedOut, Update, answer_updates
-from api.responses.schemas import (
+from api.openai.answers import Diverged, Ended, Failed, NewCalls, TextDelta, TimedOut, Update, answer_updates
+from api.openai.responses.schemas import (
     StoredResponse,
     function_call_item,
     message_id,

@@ -6,8 +6,6 @@ from fastapi import APIRouter, Depends
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from api.chat_schemas import CHAT_FIELDS, ChatCompletion, ChatRequest, chat_answered, completion
-from api.event_stream import chat_chunk_stream
 from api.http.deps import reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, ApiError, ErrorResponse, error_responses
 from api.jobs.intake import IntakeDep
@@ -15,6 +13,8 @@ from api.jobs.lookup import read_visible
 from api.jobs.waiting import wait_finished
 from api.keys.auth import SubmitterKey
 from api.keys.caps import HeldStream, long_polls, streams
+from api.openai.chat.schemas import CHAT_FIELDS, ChatCompletion, ChatRequest, chat_answered, completion
+from api.openai.chat.stream import chat_chunk_stream
 
 router = APIRouter(prefix="/v1/chat", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])
 

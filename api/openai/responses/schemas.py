@@ -5,7 +5,7 @@ job holds (a previous response's conversation first), its function tools, `tool_
 the job's params as chat's do, and what the job's row does not hold (the request as it came, the response it
 continues, `store`) goes in the columns of migration 0011. A job is shown as a response (`response_object`) from
 the row alone, so a response survives restarts like any job. Chat's building blocks carry it all: messages and
-tools (shared/schemas.py, shared/tools.py) and the answer's calls (api/chat_schemas.py)."""
+tools (shared/schemas.py, shared/tools.py) and the answer's calls (api/openai/chat/schemas.py)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from pydantic import (
     field_validator,
 )
 
-from api.batch_schemas import parse_id
-from api.chat_schemas import KevlayaExtra, answer_calls, chat_answered
 from api.http.errors import ApiError
 from api.jobs.prompt_budget import FieldNames
+from api.openai.chat.schemas import KevlayaExtra, answer_calls, chat_answered
+from api.openai.ids import parse_id
 from shared.models import Job
 from shared.schemas import (
     MAX_TOOLS,
@@ -566,7 +566,7 @@ def message_id(job_id: uuid.UUID) -> str:
 
 
 def function_call_item(job: JobOut, index: int, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-    """A call of the answer as a `function_call` item; its call id is chat's (api/chat_schemas.py `call_out`)."""
+    """A call of the answer as a `function_call` item; its call id is chat's (api/openai/chat/schemas.py `call_out`)."""
     return {"type": "function_call", "id": f"fc_{job.id.hex}_{index}", "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
