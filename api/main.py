@@ -11,9 +11,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.telemetry import TelemetryConfig
 
-from api.batch_keeper import BatchKeeper
-from api.batch_lines import fields_of
-from api.file_store import FileStore
+from api.batch import routes as batches
+from api.batch.keeper import BatchKeeper
+from api.batch.lines import fields_of
+from api.files import routes as files
+from api.files.store import FileStore
 from api.http.body_limit import BodySizeLimit
 from api.http.docs import install_docs
 from api.http.errors import install_error_handlers
@@ -29,7 +31,7 @@ from api.metrics import ApiMetrics, RequestMetrics
 from api.openai import models
 from api.openai.chat import routes as chat
 from api.openai.responses import routes as responses
-from api.routes import batches, files, health, metrics, stats, status_page
+from api.routes import health, metrics, stats, status_page
 from api.streams.follow import reader
 from api.streams.notices import notices
 from shared.collector import settled_collector

@@ -207,7 +207,7 @@ def _finish(client: httpx.Client, batch_id: str, out: Path, errors: Path, poll: 
 # -- checking arguments before anything is sent ----------------------------------------------------------------
 
 def _check_window(window: str) -> None:
-    from api.batch_schemas import completion_window  # what POST /v1/batches takes
+    from api.batch.schemas import completion_window  # what POST /v1/batches takes
 
     try:
         completion_window(window)

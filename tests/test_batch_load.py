@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from api.batch_lines import check_file, read_requests
+from api.batch.lines import check_file, read_requests
 from modellab.bench.batch_load import ENDPOINT, check_exactly_once, write_batch_file
 
 pytestmark = pytest.mark.integration

@@ -278,7 +278,7 @@ def test_an_empty_page_cursor_is_refused_naming_it_not_read_as_no_cursor(client)
 def test_an_output_line_stays_one_line_whatever_characters_the_answer_holds():
     """A model's text can hold U+2028, U+2029 or U+0085, which JSON leaves raw and `str.splitlines()` (and other
     JSONL readers) take for line ends: seen as an output file whose lines no longer parsed."""
-    from api.file_batches import jsonl_line
+    from api.batch.file_batches import jsonl_line
 
     line = {"custom_id": "a", "response": {"body": {"text": "x\u2028y\u2029z\x85w\nv\x1c"}}}
     written = b"".join(jsonl_line(line) for _ in range(3)).decode()

@@ -9,7 +9,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from api.file_names import shown_name
+from api.files.names import shown_name
 from tests.conftest import free_port, start_api
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "laya", ' \

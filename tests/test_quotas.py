@@ -284,7 +284,7 @@ def test_delete_cancels_a_queued_job_deletes_a_finished_one_and_refuses_a_runnin
 
 def test_retention_deletes_old_finished_jobs_files_and_batches_and_frees_their_bytes(client, monkeypatch,
                                                                                       service_env):
-    import api.batch_keeper
+    import api.batch.keeper
 
     files_dir = Path(service_env["KEVLAYA_BATCH__FILES_DIR"])
     body = {"adapter": "laya", "input": "old", "params": TEXT}
@@ -310,7 +310,7 @@ def test_retention_deletes_old_finished_jobs_files_and_batches_and_frees_their_b
     key_id = key_id_of()
 
     monkeypatch.setattr(get_settings().quotas, "retention_s", 86400)
-    monkeypatch.setattr(api.batch_keeper, "HOUSEKEEPING_S", 0.2)
+    monkeypatch.setattr(api.batch.keeper, "HOUSEKEEPING_S", 0.2)
     client.app.state.batch_keeper.kick()
 
     def swept() -> bool:

@@ -181,7 +181,7 @@ class Profiler:
                                          "raw", "--nonblocking", "--threads", "--output", str(output)],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-    def stop(self, within: str = "validate (api/file_batches.py") -> dict[str, Any]:
+    def stop(self, within: str = "validate (api/batch/file_batches.py") -> dict[str, Any]:
         self.process.send_signal(signal.SIGINT)
         try:
             _, stderr = self.process.communicate(timeout=60)

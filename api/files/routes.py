@@ -19,16 +19,16 @@ from fastapi.responses import FileResponse
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from api.batch_schemas import FILE_PREFIX, FileDeleted, FileList, FileObject
-from api.file_names import content_disposition, shown_name
-from api.file_store import FileStore, FileStoreDep, Received, TooLarge
+from api.files.deletion import delete_files
+from api.files.names import content_disposition, shown_name
+from api.files.schemas import FILE_PREFIX, FileDeleted, FileList, FileObject
+from api.files.store import FileStore, FileStoreDep, Received, TooLarge
+from api.files.upload import read_form
 from api.http.deps import SessionDep, SettingsDep, reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, RETRY_AFTER_S, ApiError, error_responses
-from api.jobs.deletion import delete_files
 from api.keys.auth import CurrentKey
 from api.keys.quotas import Admission, stored_limit, uploads_in_flight
 from api.openai.ids import parse_id
-from api.upload_stream import read_form
 from shared.db import new_session, one_writer
 from shared.models import ApiKey, BatchStatus, FileBatch, KeyUsage, StoredFile
 from shared.settings import Settings

@@ -14,9 +14,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import exists, or_, select
 from sqlalchemy.orm import Session
 
-from api import file_batches
-from api.file_store import FileStore
-from api.jobs.deletion import delete_files, delete_jobs
+from api.batch import file_batches
+from api.files.deletion import delete_files
+from api.files.store import FileStore
+from api.jobs.deletion import delete_jobs
 from shared.clock import db_now
 from shared.db import one_writer
 from shared.models import BatchStatus, FileBatch, Job, JobStatus, StoredFile

@@ -1,20 +1,21 @@
-"""The Files and Batch APIs' objects, field for field as OpenAI's API reference defines them, so the official
-client parses them (docs/architecture.md §15). Ids carry OpenAI's prefixes; the rows keep plain UUIDs."""
+"""The Batch API's objects, field for field as OpenAI's API reference defines them, so the official client parses
+them (docs/architecture.md §15). Ids carry OpenAI's prefixes (api/openai/ids.py); the rows keep plain UUIDs."""
 
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from api.files.schemas import FILE_PREFIX, epoch
 from api.openai.ids import public_id
-from shared.models import FileBatch, StoredFile
+from shared.models import FileBatch
 from shared.schemas import RequestModel, Text
 from shared.stats import parse_window
 
-FILE_PREFIX, BATCH_PREFIX = "file-", "batch_"
+BATCH_PREFIX = "batch_"
 
 BatchEndpoint = Literal["/v1/chat/completions", "/v1/responses"]  # the endpoints a line may call here
 
@@ -28,41 +29,6 @@ def completion_window(value: str) -> timedelta:
     if window > MAX_COMPLETION_WINDOW:
         raise ValueError(f"{value!r}: at most {MAX_COMPLETION_WINDOW.days}d")
     return window
-
-
-def _epoch(value: datetime | None) -> int | None:
-    return None if value is None else int(value.timestamp())
-
-
-class FileObject(BaseModel):
-    id: str
-    object: Literal["file"] = "file"
-    bytes: int
-    created_at: int
-    expires_at: int | None
-    filename: str
-    purpose: Literal["batch", "batch_output"]
-    status: Literal["processed"] = "processed"  # deprecated by OpenAI; a stored file is always whole here
-    status_details: None = None
-
-    @classmethod
-    def of(cls, row: StoredFile) -> FileObject:
-        return cls(id=public_id(FILE_PREFIX, row.id), bytes=row.bytes, created_at=_epoch(row.created_at),
-                   expires_at=_epoch(row.expires_at), filename=row.filename, purpose=row.purpose)
-
-
-class FileList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FileObject]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
-class FileDeleted(BaseModel):
-    id: str
-    object: Literal["file"] = "file"
-    deleted: bool
 
 
 class ExpiresAfter(RequestModel):
@@ -127,7 +93,7 @@ class BatchObject(BaseModel):
         def file_id(value: uuid.UUID | None) -> str | None:
             return None if value is None else public_id(FILE_PREFIX, value)
 
-        times: dict[str, Any] = {name: _epoch(getattr(row, name)) for name in (
+        times: dict[str, Any] = {name: epoch(getattr(row, name)) for name in (
             "created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
             "expired_at", "cancelling_at", "cancelled_at")}
         return cls(id=public_id(BATCH_PREFIX, row.id), endpoint=row.endpoint,

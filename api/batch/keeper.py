@@ -2,7 +2,7 @@
 
 Every `KEVLAYA_BATCH__CHECK_INTERVAL_S` it stores the lines of `validating` batches as jobs, expires batches past
 their completion window, writes the output and error files of batches whose lines have all finished, and
-removes expired files, files left without a row, and what is older than `KEVLAYA_QUOTAS__RETENTION_S` (api/retention.py). Everything it does is in the database first, so a keeper
+removes expired files, files left without a row, and what is older than `KEVLAYA_QUOTAS__RETENTION_S` (api/batch/retention.py). Everything it does is in the database first, so a keeper
 that dies (or a database that is away for a while) leaves nothing half done: the next look, here or in another
 API process, goes on from the rows."""
 
@@ -22,9 +22,9 @@ from fastapi import Depends, Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api import file_batches, retention
-from api.file_store import FileStore
-from api.jobs.deletion import delete_files
+from api.batch import file_batches, retention
+from api.files.deletion import delete_files
+from api.files.store import FileStore
 from shared.clock import db_now
 from shared.db import new_session, one_writer
 from shared.models import BatchStatus, FileBatch, StoredFile

@@ -1,6 +1,6 @@
 """`/v1/batches`: OpenAI's Batch API on the durable queue (docs/architecture.md §15).
 
-Creating a batch stores its row (`validating`) and answers at once; the API's batch keeper (api/batch_keeper.py)
+Creating a batch stores its row (`validating`) and answers at once; the API's batch keeper (api/batch/keeper.py)
 stores the lines as jobs, and writes the output and error files when the last line has finished. A key sees
 only its own batches."""
 
@@ -13,11 +13,10 @@ from fastapi import APIRouter, Depends, Query
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from api import file_batches
-from api.batch_keeper import BatchKeeperDep
-from api.batch_schemas import (
+from api.batch import file_batches
+from api.batch.keeper import BatchKeeperDep
+from api.batch.schemas import (
     BATCH_PREFIX,
-    FILE_PREFIX,
     BatchCreate,
     BatchDeleted,
     BatchList,
@@ -25,7 +24,8 @@ from api.batch_schemas import (
     RequestCounts,
     completion_window,
 )
-from api.file_store import FileStoreDep
+from api.files.schemas import FILE_PREFIX
+from api.files.store import FileStoreDep
 from api.http.deps import SessionDep, reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, ApiError, error_responses
 from api.keys.auth import CurrentKey

@@ -20,10 +20,11 @@ from sqlalchemy import and_, exists, func, insert, or_, select, update
 from sqlalchemy import delete as delete_rows
 from sqlalchemy.orm import Session
 
-from api.batch_lines import MalformedFile, Rejected, Request, check_file, read_requests
-from api.batch_schemas import BATCH_PREFIX, RequestCounts
-from api.file_store import FileStore
-from api.jobs.deletion import delete_files, delete_jobs
+from api.batch.lines import MalformedFile, Rejected, Request, check_file, read_requests
+from api.batch.schemas import BATCH_PREFIX, RequestCounts
+from api.files.deletion import delete_files
+from api.files.store import FileStore
+from api.jobs.deletion import delete_jobs
 from api.jobs.presenters import jobs_out
 from api.openai.chat.schemas import chat_answered, completion
 from api.openai.ids import public_id
