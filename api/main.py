@@ -27,11 +27,11 @@ from api.jobs.writer import JobWriter
 from api.jobs.writer_process import WriterProcess
 from api.keys.auth import KeyCache
 from api.keys.throttle import AuthThrottle
-from api.metrics import ApiMetrics, RequestMetrics
 from api.openai import models
 from api.openai.chat import routes as chat
 from api.openai.responses import routes as responses
-from api.routes import health, metrics, stats, status_page
+from api.ops import health, metrics, stats, status_page
+from api.ops.metrics import ApiMetrics, RequestMetrics
 from api.streams.follow import reader
 from api.streams.notices import notices
 from shared.collector import settled_collector
@@ -72,7 +72,7 @@ def telemetry_config() -> TelemetryConfig | None:
     """FastAPI's OpenTelemetry bridge asks on every request whether a tracer, meter or logger provider is set up.
     Here one only ever is by FastAPI's own auto-configuration (FASTAPI_OTEL_AUTO_CONFIGURE=true, with the
     OpenTelemetry SDK installed): without it the answer is always no, so it is given once instead of per request
-    (the API's own metrics are Prometheus', api/metrics.py). None: FastAPI's defaults."""
+    (the API's own metrics are Prometheus', api/ops/metrics.py). None: FastAPI's defaults."""
     if os.getenv("FASTAPI_OTEL_AUTO_CONFIGURE", "").lower() == "true":
         return None
     return {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}

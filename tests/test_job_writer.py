@@ -20,7 +20,7 @@ from api.jobs import writer as job_writer
 from api.jobs.submission import Accepted, new_job
 from api.jobs.writer import JobWriter
 from api.jobs.writer_process import WriterProcess
-from api.metrics import ApiMetrics
+from api.ops.metrics import ApiMetrics
 from shared import db
 from shared.clock import db_now
 from shared.keys import create_key

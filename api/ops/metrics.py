@@ -1,5 +1,6 @@
 """The API's Prometheus metrics: its own requests, plus what it can read at scrape time (queue depth from the
-database, workers from their heartbeats). Generation figures live in the worker's registry, never here.
+database, workers from their heartbeats), and `GET /metrics` that serves them (no key, like /readyz: counts only, no
+hosts or contents). Generation figures live in the worker's registry, never here.
 
 Each app has its own registry, so building several apps in one process (tests) registers nothing twice."""
 
@@ -9,7 +10,15 @@ import logging
 import time
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from fastapi import APIRouter, Request, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import Match
@@ -20,6 +29,7 @@ from shared.heartbeat import live_workers
 from shared.stats import queue_depth
 
 log = logging.getLogger("kevlaya.api")
+router = APIRouter(tags=["health"])
 
 UNMATCHED = "unmatched"  # any path no route serves: one label value, not one per path a scanner tries
 
@@ -122,3 +132,9 @@ class RequestMetrics:
             route = _route_template(scope)
             self.metrics.requests.labels(scope["method"], route, str(status)).inc()
             self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - started)
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition"}})
+def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

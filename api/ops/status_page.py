@@ -22,4 +22,4 @@ _HEADERS = {
 
 @router.get("/status", response_class=HTMLResponse, include_in_schema=False)
 def status_page() -> HTMLResponse:
-    return HTMLResponse((files("api") / "static" / "status.html").read_text(encoding="utf-8"), headers=_HEADERS)
+    return HTMLResponse((files("api.ops") / "static" / "status.html").read_text(encoding="utf-8"), headers=_HEADERS)
