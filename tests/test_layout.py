@@ -67,6 +67,80 @@ def test_imports_go_one_way(package: str):
     assert not wrong, f"{package}/ may import only {sorted(allowed)}:\n" + "\n".join(wrong)
 
 
+# Inside api/: every module belongs to a package of one concern (docs/development.md: The code layout); only main.py,
+# the app factory that includes each package's routers, sits at the top.
+API_TOP = {"__init__.py", "main.py"}
+
+
+def test_the_api_has_no_flat_module_but_main():
+    flat = sorted(path.name for path in (ROOT / "api").glob("*.py"))
+    assert set(flat) == API_TOP, f"api/ holds only {sorted(API_TOP)}; put {sorted(set(flat) - API_TOP)} in a package"
+    assert all((path / "__init__.py").exists() for path in (ROOT / "api").iterdir()
+               if path.is_dir() and path.name != "__pycache__" and any(path.rglob("*.py")))
+
+
+def api_imports() -> dict[str, set[str]]:
+    """Each api module and the api modules it imports (`from api.x import y` names module api.x.y where there is one)."""
+    modules = {module_name(path): path for path in source_files("api")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = graph.setdefault(name, set())
+        for node in ast.walk(parsed(path)):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    child = f"{node.module}.{alias.name}"
+                    found.add(child if child in modules else node.module)
+        found &= set(modules)
+        found.discard(name)
+    return graph
+
+
+def api_package(module: str) -> str:
+    """The api package a module belongs to (`api.openai.chat.routes` -> `api.openai`); `api.main` is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, as the nodes along it, or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node):], node]
+        if node in done:
+            return None
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if found := visit(target):
+                return found
+        path.pop()
+        done.add(node)
+        return None
+
+    return next((found for node in sorted(graph) if (found := visit(node))), None)
+
+
+def test_the_api_packages_import_no_circle():
+    """The packages of api/ import one another one way (http at the bottom, main at the top: docs/development.md), and
+    so do their modules."""
+    modules = api_imports()
+    packages: dict[str, set[str]] = {}
+    for module, imported in modules.items():
+        packages.setdefault(api_package(module), set()).update(
+            api_package(target) for target in imported if api_package(target) != api_package(module))
+    assert circle(packages) is None, "api packages import in a circle: " + " -> ".join(circle(packages))
+    assert circle(modules) is None, "api modules import in a circle: " + " -> ".join(circle(modules))
+    assert not any("api.main" in imported for imported in modules.values()), "nothing imports the app factory"
+
+
+def test_the_circle_check_finds_one():
+    assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
 # Inside worker/: what each room may import from the project (itself always; `shared` always, except where said).
 # Imports only go down: tasks -> engine -> {ledger, decoder, model, memory} -> generation; the decoder knows
 # neither the ledger nor the database (docs/architecture.md §2).
