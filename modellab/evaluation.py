@@ -8,6 +8,7 @@ every job in it (batch size 1 = a job served alone)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -26,6 +27,8 @@ from shared.lifecycle import JobOutcome
 from shared.schemas import answer_grammar
 from shared.settings import Settings
 from worker.decoder.slot_decoder import SlotDecoder
+from worker.engine.build import decoder_options
+from worker.engine.offline import run_to_end
 from worker.generation import GenerationRequest, GenerationResult
 from worker.ledger.cascade import needs_escalation
 from worker.ledger.outcomes import decision_probability, job_outcome
@@ -107,7 +110,8 @@ class Evaluator:
                                   progress)
         decoder = self._decoder()
         try:
-            return self._answered(mode, scenarios, requests, decoder.run, progress)
+            run = functools.partial(run_to_end, decoder, prefill_tokens=self.settings.engine.prefill_tokens)
+            return self._answered(mode, scenarios, requests, run, progress)
         finally:
             decoder.close()
 
@@ -124,10 +128,11 @@ class Evaluator:
         return answers
 
     def _decoder(self) -> SlotDecoder:
+        """The worker's decoder (its options from the settings, as served) with `batch_size` slots."""
         window = min(self.settings.engine.window_tokens, self.loaded.context or self.settings.engine.window_tokens)
         return SlotDecoder(self.loaded.model, self.loaded.tokenizer, sorted(self.loaded.adapters),
                            slots=self.batch_size, window=window, eos_ids=self.loaded.eos_ids,
-                           prefill_tokens=self.settings.engine.prefill_tokens)
+                           options=decoder_options(self.settings, self.loaded.device))
 
     def _request(self, adapter: str, scenario: Scenario, constrained: bool) -> GenerationRequest:
         profile = self.settings.adapter_profile(adapter)

@@ -13,8 +13,10 @@ from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
 from worker.decoder.graph_step import MIN_COLUMNS
 from worker.decoder.kernels.fused_rotary import NAME, FusedRotary
+from worker.decoder.options import DecoderOptions
 from worker.decoder.sampling import RowSampling, choose, nucleus
 from worker.decoder.slot_decoder import SlotDecoder
+from worker.engine.offline import run_to_end
 from worker.generation import GenerationRequest, GenerationResult
 from worker.memory import after_step_out_of_memory
 
@@ -36,7 +38,7 @@ def runtime() -> ReferenceRuntime:
 def decoder(runtime: ReferenceRuntime):  # noqa: ANN201
     def make(slots: int = 4, window: int = 256, **options: object) -> SlotDecoder:
         made = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=slots, window=window,
-                           eos_ids=runtime.eos_ids, **options)
+                           eos_ids=runtime.eos_ids, options=DecoderOptions(**options))
         decoders.append(made)
         return made
 
@@ -76,7 +78,7 @@ def test_greedy_answers_equal_per_adapter_generate(runtime: ReferenceRuntime, de
     requests = mixed_requests()
     expected = [runtime.run_batch([r]).results[0] for r in requests]  # each job alone, on its own adapter
     assert {len(r.token_ids) for r in expected} != {expected[0].completion_tokens}  # lengths really differ
-    assert_same_answers(expected, decoder(slots, window, static_steps=static_steps).run(requests))
+    assert_same_answers(expected, run_to_end(decoder(slots, window, static_steps=static_steps), requests))
 
 
 @pytest.mark.parametrize("slots, window", [(3, 256), (2, 128)], ids=["refilled", "compacted"])
@@ -90,16 +92,17 @@ def test_static_steps_that_read_part_of_the_window_answer_as_generate(runtime: R
     assert static._static.widths == [w for w in (window // 4, window // 2, window) if w >= MIN_COLUMNS]
     widths, forward = [], static._static._forward
     static._static._forward = lambda bucket, width: widths.append(width) or forward(bucket, width)
-    assert_same_answers(expected, static.run(requests))
+    assert_same_answers(expected, run_to_end(static, requests))
     assert min(widths) < window and len(set(widths)) > 1  # steps read less than the window, in several sizes
 
 
-def test_run_prefills_within_the_prefill_budget_as_the_serving_loop_does(runtime: ReferenceRuntime, decoder) -> None:
-    """`run` (tests, the benchmark's profile) used to prefill every free slot at once, past the budget the
-    serving loop keeps, and ran out of memory where serving did not."""
+def test_run_to_end_prefills_within_the_prefill_budget_as_the_serving_loop_does(runtime: ReferenceRuntime,
+                                                                               decoder) -> None:
+    """`run_to_end` (tests, the benchmark's profile, the evaluation) keeps the serving loop's prefill budget: a
+    decoder's `run` once prefilled every free slot at once and ran out of memory where serving did not."""
     requests = mixed_requests()[:8]
     expected = [runtime.run_batch([r]).results[0] for r in requests]  # before a decoder takes PEFT's path over
-    budgeted = decoder(slots=8, window=256, prefill_tokens=120)
+    budgeted = decoder(slots=8, window=256)
     blocks: list[int] = []
     prefill = budgeted.prefill
 
@@ -111,7 +114,7 @@ def test_run_prefills_within_the_prefill_budget_as_the_serving_loop_does(runtime
         return prefill(batch, *args)
 
     budgeted.prefill = recorded
-    assert_same_answers(expected, budgeted.run(requests))
+    assert_same_answers(expected, run_to_end(budgeted, requests, prefill_tokens=120))
     assert len(blocks) > 1 and max(blocks) <= 120, blocks
 
 
@@ -128,7 +131,7 @@ def test_a_prefill_in_chunks_answers_as_one_pass_and_no_pass_exceeds_the_chunk(r
     hook = runtime.model.register_forward_pre_hook(
         lambda _module, _args, kwargs: passes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
-        assert_same_answers(expected, chunked.run(requests))
+        assert_same_answers(expected, run_to_end(chunked, requests))
         prefills = [shape for shape in passes if shape[1] > 1]  # decode steps pass one column
         assert prefills and max(rows * columns for rows, columns in prefills) <= 16, prefills
         assert len(prefills) > len(requests) / 4  # prompts of 20-odd tokens: more than one pass per prefill
@@ -147,7 +150,7 @@ def test_the_throwaway_prefill_measured_at_start_leaves_no_trace(runtime: Refere
     measured = decoder(slots=4, window=256, static_steps=True)
     measured.throwaway_prefill(rows=9, width=999)  # clamped to the slots and the window
     assert measured.free == 4 and not measured.rows
-    assert_same_answers(expected, measured.run(requests))
+    assert_same_answers(expected, run_to_end(measured, requests))
     measured.close()  # one decoder on a model at a time
     busy = decoder(slots=2)
     busy.prefill(requests[:1])
@@ -163,7 +166,7 @@ def test_rms_norms_as_one_operator_answer_as_generate_does(runtime: ReferenceRun
     fused = decoder(slots=3, window=256, static_steps=True, fused_norms=True)
     norms = fused.norms._norms
     assert len(norms) == 2 * runtime.model.config.num_hidden_layers + 1  # two per layer, and the final one
-    assert_same_answers(expected, fused.run(requests))
+    assert_same_answers(expected, run_to_end(fused, requests))
     fused.close()
     assert all("forward" not in vars(norm) for norm in norms)
 
@@ -191,7 +194,7 @@ def test_a_decoder_with_its_cuda_kernels_asked_for_answers_as_generate_on_the_cp
     expected = [runtime.run_batch([r]).results[0] for r in requests]
     fused = decoder(slots=2, window=256, static_steps=True, fused_rotary=True, fused_lora=True)
     assert fused.rotary.installed and fused.lora.masked_expand
-    assert_same_answers(expected, fused.run(requests))
+    assert_same_answers(expected, run_to_end(fused, requests))
     fused.close()
     assert not hasattr(getattr(modeling_llama, NAME), "original")
 
@@ -207,7 +210,7 @@ def test_a_model_serves_one_decoder_at_a_time(runtime: ReferenceRuntime, decoder
     first.close()
     second = decoder(slots=2)
     first.close()
-    assert_same_answers(expected, second.run([job]))
+    assert_same_answers(expected, run_to_end(second, [job]))
 
 
 def test_a_freed_slot_is_taken_while_a_long_row_decodes(runtime: ReferenceRuntime, decoder) -> None:
@@ -236,7 +239,7 @@ def test_a_seeded_job_samples_as_it_would_alone(runtime: ReferenceRuntime, decod
              request("laya", PROMPTS[2], 16, temperature=0.5),
              request("kev", PROMPTS[4], 20)]
     alone = runtime.run_batch([seeded]).results[0]
-    together = decoder(slots=4).run([mates[0], seeded, *mates[1:]])[1]
+    together = run_to_end(decoder(slots=4), [mates[0], seeded, *mates[1:]])[1]
     assert together.token_ids == alone.token_ids
     assert together.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-4)
 
@@ -256,7 +259,7 @@ def test_a_row_with_broken_logits_fails_alone(runtime: ReferenceRuntime, decoder
 
     handle = runtime.model.get_base_model().lm_head.register_forward_hook(poison_second_row_from_step_3)
     try:
-        results = engine.run(requests)
+        results = run_to_end(engine, requests)
     finally:
         handle.remove()
     assert results[1].error_code == "numerical_error" and results[1].completion_tokens == 2

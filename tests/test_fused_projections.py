@@ -20,7 +20,9 @@ from worker.decoder.kernels.fused_projections import (
     join_weights,
 )
 from worker.decoder.kernels.row_lora import RowLoRA
+from worker.decoder.options import DecoderOptions
 from worker.decoder.slot_decoder import SlotDecoder
+from worker.engine.offline import run_to_end
 from worker.generation import GenerationRequest
 
 PROMPTS = ["Pick a laptop under 900 EUR.", "Train or plane to Lyon?", "Hire Ana or Ben?", "Rent or buy?", "Go?"]
@@ -193,11 +195,12 @@ def test_a_decoder_with_joined_projections_answers_as_one_without(runtime: Refer
     answers = {}
     for fused in (False, True):
         decoder = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=3, window=128,
-                              eos_ids=runtime.eos_ids, static_steps=static_steps, fused_projections=fused)
+                              eos_ids=runtime.eos_ids,
+                              options=DecoderOptions(static_steps=static_steps, fused_projections=fused))
         try:
             if fused:  # q/k/v and gate/up in each of the two layers
                 assert decoder.fused.groups == 2 * runtime.model.config.num_hidden_layers
-            answers[fused] = decoder.run(requests())
+            answers[fused] = run_to_end(decoder, requests())
         finally:
             decoder.close()
     assert {len(r.token_ids) for r in answers[False]} != {24}  # rows ended at different steps
@@ -300,7 +303,7 @@ def test_an_adapter_whose_scaling_differs_between_layers_answers_as_peft_does(ru
                               eos_ids=runtime.eos_ids)
         try:
             assert decoder.lora.scales[0] is None and decoder.lora.scales[1] == layers[0].scaling["laya"]
-            got = decoder.run(requests())
+            got = run_to_end(decoder, requests())
         finally:
             decoder.close()
     finally:
@@ -334,7 +337,7 @@ def test_a_joined_step_runs_fewer_matmuls_and_copies_no_base_output(runtime: Ref
     counts = {}
     for fused in (False, True):
         decoder = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=2, window=128,
-                              eos_ids=runtime.eos_ids, fused_projections=fused)
+                              eos_ids=runtime.eos_ids, options=DecoderOptions(fused_projections=fused))
         try:
             decoder.prefill(requests()[:2])
             decoder.step()  # this step, and the next one launched ahead

@@ -23,6 +23,7 @@ from shared.settings import Settings
 from tests.conftest import AUTH
 from worker.decoder.grammar import RowGrammars
 from worker.decoder.slot_decoder import SlotDecoder
+from worker.engine.offline import run_to_end
 from worker.generation import GenerationRequest
 from worker.ledger.outcomes import job_outcome
 from worker.model.tokens import decode_with_spans
@@ -52,13 +53,13 @@ def random_weights(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRuntime
 
 def decoder_of(runtime: ReferenceRuntime, slots: int = 4) -> SlotDecoder:
     return SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=slots, window=1024,
-                       eos_ids=runtime.eos_ids, texts=True)
+                       eos_ids=runtime.eos_ids)
 
 
 def run(runtime: ReferenceRuntime, requests: list[GenerationRequest], slots: int = 4) -> list:
     decoder = decoder_of(runtime, slots)
     try:
-        return decoder.run(requests)
+        return run_to_end(decoder, requests)
     finally:
         decoder.close()
 

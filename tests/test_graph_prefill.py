@@ -8,6 +8,7 @@ import pytest
 from modellab.reference import ReferenceRuntime
 from tests.test_decoder import assert_same_answers, decoder, mixed_requests, runtime  # noqa: F401 (fixtures)
 from worker.decoder.graph_prefill import CapturedPrefill
+from worker.engine.offline import run_to_end
 
 
 @pytest.mark.parametrize("slots, prefill_tokens", [(5, 100), (3, None)], ids=["padded-rows", "split-rows"])
@@ -21,8 +22,7 @@ def test_a_static_prefill_runs_only_fixed_shapes_and_answers_as_generate(runtime
     monkeypatch.setattr("worker.decoder.graph_prefill.PREFILL_COLUMNS", 32)  # prompts of 20-odd tokens: 1-2 passes
     requests = mixed_requests()
     expected = [runtime.run_batch([r]).results[0] for r in requests]
-    static = decoder(slots=slots, window=256, static_steps=True, prefill_chunk_tokens=4 * 32,
-                     prefill_tokens=prefill_tokens)
+    static = decoder(slots=slots, window=256, static_steps=True, prefill_chunk_tokens=4 * 32)
     prefill = static._static_prefill
     assert prefill.columns == 32 and prefill.buckets == [1, 2, 4][:slots.bit_length()]
     passes: list[tuple[int, int]] = []
@@ -32,7 +32,7 @@ def test_a_static_prefill_runs_only_fixed_shapes_and_answers_as_generate(runtime
     hook = runtime.model.register_forward_pre_hook(
         lambda _module, _args, kwargs: passes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
-        assert_same_answers(expected, static.run(requests))
+        assert_same_answers(expected, run_to_end(static, requests, prefill_tokens))
     finally:
         hook.remove()
     prefills = {shape for shape in passes if shape[1] > 1}  # decode steps pass one column
@@ -50,7 +50,7 @@ def test_an_eager_prefill_beside_static_steps_answers_the_same(runtime: Referenc
     expected = [runtime.run_batch([r]).results[0] for r in requests]
     eager = decoder(slots=4, window=256, static_steps=True, static_prefill=False)
     assert eager._static_prefill is None
-    assert_same_answers(expected, eager.run(requests))
+    assert_same_answers(expected, run_to_end(eager, requests))
 
 
 @pytest.mark.parametrize("rows, spare, pieces", [

@@ -15,8 +15,10 @@ from modellab.reference import ReferenceRuntime
 from shared.settings import Settings
 from tests.test_decoder import mixed_requests
 from worker.decoder.kv_block import KVBlock, kv_shape
+from worker.decoder.options import DecoderOptions
 from worker.decoder.slot_decoder import SlotDecoder
-from worker.engine.loop import build_decoder
+from worker.engine.build import build_decoder
+from worker.engine.offline import run_to_end
 from worker.generation import GenerationRequest, GenerationResult
 from worker.ledger.outcomes import job_outcome
 from worker.memory import kv_bytes_per_token
@@ -33,12 +35,12 @@ def runtime() -> ReferenceRuntime:
 
 
 def answers(runtime: ReferenceRuntime, requests: list[GenerationRequest], slots: int, window: int,
-            **options: object) -> list[GenerationResult]:
+            prefill_tokens: int | None = None, **options: object) -> list[GenerationResult]:
     """`requests` run through a decoder of their own (one decoder at a time holds a model's LoRA)."""
     decoder = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=slots, window=window,
-                          eos_ids=runtime.eos_ids, **options)
+                          eos_ids=runtime.eos_ids, options=DecoderOptions(**options))
     try:
-        return decoder.run(requests)
+        return run_to_end(decoder, requests, prefill_tokens)
     finally:
         decoder.close()
 
@@ -59,7 +61,7 @@ def decision(result: GenerationResult) -> str | None:
 def test_an_fp8_block_holds_one_byte_an_element_as_the_budget_counts(runtime: ReferenceRuntime) -> None:
     config = runtime.model.config
     decoder = SlotDecoder(runtime.model, runtime.tokenizer, ["kev", "laya"], slots=4, window=256,
-                          eos_ids=runtime.eos_ids, kv_dtype=FP8)
+                          eos_ids=runtime.eos_ids, options=DecoderOptions(kv_dtype=FP8))
     try:
         block = decoder.kv
     finally:
@@ -106,7 +108,7 @@ def test_auto_is_the_decoder_built_without_a_storage_dtype(runtime: ReferenceRun
     built = build_decoder(runtime.loaded, settings)
     try:
         assert built.kv.layers[0].keys.dtype == torch.float32
-        slots, got = built.kv.slots, built.run(requests)
+        slots, got = built.kv.slots, run_to_end(built, requests, settings.engine.prefill_tokens)
     finally:
         built.close()
     expected = answers(runtime, requests, slots, 256, texts=False, prefill_tokens=settings.engine.prefill_tokens)

@@ -8,12 +8,12 @@ import random
 import pytest
 
 from shared.settings import Settings
-from worker.decoder.prefill_budget import prefill_group
 from worker.engine.policy import (
     PrefillPacer,
     apart_from_batch_lines,
     latency_jobs_apart,
     plan_slots,
+    prefill_group,
     prefill_order,
     reserved_slots,
     unpaced_prefix,

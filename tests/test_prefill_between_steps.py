@@ -16,6 +16,7 @@ from tests.test_decoder import (  # noqa: F401 (fixtures)
     runtime,
 )
 from worker.decoder.slot_decoder import SlotDecoder
+from worker.engine.offline import run_to_end
 from worker.generation import GenerationRequest, GenerationResult
 
 
@@ -76,7 +77,7 @@ def test_the_block_compacts_and_shifts_with_a_prefill_under_way(runtime: Referen
     options = dict(slots=4, window=128, static_steps=static_steps, prefill_chunk_tokens=8,
                    column_buckets=column_buckets, ignore_eos=True, kv_dtype=kv_dtype)
     whole = decoder(**options)
-    expected = whole.run(everything)
+    expected = run_to_end(whole, everything)
     whole.close()
     made = decoder(**options)
     done = {r.job_id: r for r in made.prefill([short])}

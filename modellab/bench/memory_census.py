@@ -104,7 +104,7 @@ def main(
 
     from modellab.bench.slot_fit import loaded_random_model
     from shared.settings import Settings
-    from worker.engine.loop import build_decoder
+    from worker.engine.build import build_decoder
 
     if kv_dtype not in ("auto", "fp8"):
         raise typer.BadParameter("auto or fp8", param_hint="--kv-dtype")

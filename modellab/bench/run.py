@@ -35,12 +35,13 @@ from modellab.presets import ALL_LINEAR
 from modellab.reference import ReferenceRuntime
 from shared.schemas import answer_grammar
 from shared.settings import Settings
+from worker.decoder.options import DecoderOptions
 from worker.generation import GenerationRequest
 from worker.model.loading import resolve_device
 
 log = logging.getLogger("kevlaya.bench")
 
-# Each A/B pair's decoder options (modellab/bench/pairs.py says what each changes).
+# The DecoderOptions fields each A/B pair changes on the served decoder (modellab/bench/pairs.py says what each is).
 PAIR_OPTIONS: dict[str, dict[str, Any]] = {
     "lora_fp32": {"lora_dtype": torch.float32},
     "unfused": {"fused_projections": False},
@@ -123,19 +124,22 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     """The slot decoder alone on a full Kev batch, built as the worker builds it: GPU busy share, step and prefill
     time (captured, as served), the same under the decision grammar, the A/B pairs of `config.pairs` (CUDA;
     modellab/bench/pairs.py), and a kernel census of eager steps of each that changes the step."""
-    from worker.decoder.kv_block import STORAGE_DTYPES
     from worker.decoder.slot_decoder import SlotDecoder
-    from worker.engine.loop import build_decoder
+    from worker.engine.build import build_decoder, decoder_options
+    from worker.engine.offline import run_to_end
 
-    decoder = build_decoder(runtime.loaded, settings.updated(engine={"cuda_graphs": config.cuda_graphs}))
+    settings = settings.updated(engine={"cuda_graphs": config.cuda_graphs})
+    budget = settings.engine.prefill_tokens
+    decoder = build_decoder(runtime.loaded, settings)
     try:
-        profile = decode_busy_fraction(decoder.run, runtime.device, kev)
+        run = functools.partial(run_to_end, decoder, prefill_tokens=budget)
+        profile = decode_busy_fraction(run, runtime.device, kev)
         window = decoder.window
         if profile is not None:
             # The same rows under the decision grammar: masks computed while the GPU runs leave its busy share be.
             constrained = [dataclasses.replace(r, grammar=answer_grammar({"output": "decision"}, r.messages, True))
                            for r in kev]
-            profile["decision_grammar"] = decode_busy_fraction(decoder.run, runtime.device, constrained)
+            profile["decision_grammar"] = decode_busy_fraction(run, runtime.device, constrained)
     finally:
         decoder.close()
         del decoder
@@ -144,30 +148,29 @@ def _decoder_phase(runtime: ReferenceRuntime, settings: Settings, config: BenchC
     if not config.census:
         return figures
     loaded = runtime.loaded
+    served = dataclasses.replace(decoder_options(settings, runtime.device), texts=False)  # as build_decoder's
     # Captured steps first, each pair and the served step again after them, then the censuses: the profiler's
     # Python tracing is the dearest thing here and nothing timed runs after it.
-    variants: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {}
+    variants: dict[str, tuple[DecoderOptions, int, Callable[..., Any]]] = {}  # options, prefill budget, measure
     if runtime.device == "cuda":
         for pair in config.pairs:
-            options = {"graphs": config.cuda_graphs, **PAIR_OPTIONS[pair]}
-            if pair == "lora_fp32":  # one prompt per prefill: a full group's fp32 products do not fit under the cap
-                options["prefill_tokens"] = window
-            variants[pair] = (options, decode_busy_fraction)
-        variants["profile_again"] = ({"graphs": config.cuda_graphs}, decode_busy_fraction)
-    variants["census"] = ({"graphs": False}, kernel_census)
+            # lora_fp32: one prompt per prefill, since a full group's fp32 products do not fit under the cap
+            variants[pair] = (dataclasses.replace(served, **PAIR_OPTIONS[pair]),
+                              window if pair == "lora_fp32" else budget, decode_busy_fraction)
+        variants["profile_again"] = (served, budget, decode_busy_fraction)
+    eager = dataclasses.replace(served, graphs=False)  # a census counts the kernels of eager decode steps
+    variants["census"] = (eager, budget, kernel_census)
     if runtime.device == "cuda":
         for pair in config.pairs:
-            if pair not in SAME_KERNEL_PAIRS:  # a census counts the kernels of eager decode steps
-                variants[f"census_{pair}"] = ({"graphs": False, **PAIR_OPTIONS[pair]}, kernel_census)
-    for name, (options, measure) in variants.items():
+            if pair not in SAME_KERNEL_PAIRS:
+                variants[f"census_{pair}"] = (dataclasses.replace(eager, **PAIR_OPTIONS[pair]), budget, kernel_census)
+    for name, (options, prefill_tokens, measure) in variants.items():
         # as many slots as rows: the fp32 products need more memory than the sizing left spare under the cap
         decoder = SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=len(kev), window=window,
-                              eos_ids=loaded.eos_ids, ignore_eos=settings.engine.ignore_eos, texts=False,
-                              kv_dtype=STORAGE_DTYPES[settings.engine.kv_dtype],
-                              **{"prefill_tokens": settings.engine.prefill_tokens,
-                                 "prefill_chunk_tokens": settings.engine.prefill_chunk_tokens, **options})
+                              eos_ids=loaded.eos_ids, options=options)
         try:
-            figures[name] = _recorded(name, functools.partial(measure, decoder.run, runtime.device, kev))
+            run = functools.partial(run_to_end, decoder, prefill_tokens=prefill_tokens)
+            figures[name] = _recorded(name, functools.partial(measure, run, runtime.device, kev))
         finally:
             decoder.close()
             del decoder

@@ -67,7 +67,7 @@ def main(
     import torch
 
     from shared.settings import Settings
-    from worker.engine.loop import build_decoder
+    from worker.engine.build import build_decoder
 
     try:
         chunk_list = [int(c) for c in chunks.split(",") if c.strip()]

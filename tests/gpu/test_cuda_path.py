@@ -21,6 +21,8 @@ from modellab.reference import ReferenceRuntime
 from shared.decision import find_decision
 from shared.settings import Settings
 from tests.conftest import AUTH, free_port, start_worker, submit, wait_finished, wait_until
+from worker.decoder.options import DecoderOptions
+from worker.engine.offline import run_to_end
 from worker.generation import GenerationRequest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -97,11 +99,11 @@ def test_a_step_captured_with_one_adapter_mix_replays_right_with_another(demo: R
     # the reference first: while a decoder exists, the model's own LoRA path is off
     answers = [[demo.run_batch([r]).results[0] for r in requests] for requests in mixes]
     decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
-                          graphs=True)
+                          options=DecoderOptions(graphs=True))
     try:
         for requests, expected in zip(mixes, answers):
             mix = [r.adapter for r in requests]
-            got = decoder.run(requests)
+            got = run_to_end(decoder, requests)
             agree = sum(g.token_ids == e.token_ids for g, e in zip(got, expected))
             assert agree >= len(requests) - 1, (mix, [(e.text, g.text) for g, e in zip(got, expected)])
     finally:
@@ -149,12 +151,13 @@ def long_requests(count: int, prompt_chars: int, new_tokens: int) -> list[Genera
 
 
 def test_a_real_shape_stays_under_the_cap(qwen: ReferenceRuntime) -> None:
-    from worker.engine.loop import build_decoder
+    from worker.engine.build import build_decoder
 
-    decoder = build_decoder(qwen.loaded, Settings(_env_file=None, model={"device": "cuda"}, engine={
-        "vram_budget_gb": CAP_GB, "max_batch": 16, "ignore_eos": True}))
+    settings = Settings(_env_file=None, model={"device": "cuda"},
+                        engine={"vram_budget_gb": CAP_GB, "max_batch": 16, "ignore_eos": True})
+    decoder = build_decoder(qwen.loaded, settings)
     try:
-        got = decoder.run(long_requests(16, 250, 64))
+        got = run_to_end(decoder, long_requests(16, 250, 64), settings.engine.prefill_tokens)
         assert [r.completion_tokens for r in got] == [64] * 16
         assert torch.cuda.max_memory_reserved() <= CAP_GB * 2**30
     finally:
@@ -170,7 +173,7 @@ def test_a_real_out_of_memory_is_recognised_and_the_decoder_still_serves(qwen: R
     from worker.memory import is_out_of_memory
 
     decoder = SlotDecoder(qwen.model, qwen.tokenizer, ["kev", "laya"], slots=16, window=2048, eos_ids=qwen.eos_ids,
-                          ignore_eos=True)
+                          options=DecoderOptions(ignore_eos=True))
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + 0.25 * 2**30) / total, 0)
     try:
@@ -183,7 +186,7 @@ def test_a_real_out_of_memory_is_recognised_and_the_decoder_still_serves(qwen: R
         torch.cuda.set_per_process_memory_fraction(CAP_GB * 2**30 / total, 0)
     try:
         assert decoder.rows == []
-        assert [r.completion_tokens for r in decoder.run(long_requests(2, 100, 4))] == [4, 4]
+        assert [r.completion_tokens for r in run_to_end(decoder, long_requests(2, 100, 4))] == [4, 4]
     finally:
         decoder.close()
         del decoder
@@ -239,11 +242,12 @@ def test_the_slot_decoder_on_nf4_answers_as_generate_does(demo: ReferenceRuntime
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4)
     expected = [demo.run_batch([r]).results[0] for r in requests]
     decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
-                          graphs=graphs, fused_norms=fused, fused_rotary=fused, fused_lora=fused, nf4_kernel=fused)
+                          options=DecoderOptions(graphs=graphs, fused_norms=fused, fused_rotary=fused,
+                                                 fused_lora=fused, nf4_kernel=fused))
     try:
         assert (decoder.rotary is not None and decoder.rotary.installed) is fused
         assert decoder.lora.masked_expand is fused and (decoder.nf4 is not None) is fused
-        got = decoder.run(requests)
+        got = run_to_end(decoder, requests)
     finally:
         decoder.close()
     agree = sum(g.token_ids == e.token_ids for g, e in zip(got, expected))
@@ -262,12 +266,12 @@ def test_captured_steps_reading_part_of_the_window_answer_as_steps_reading_all_o
 
     def answers(column_buckets: int) -> tuple[list, list[int]]:
         decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=4, window=1024, eos_ids=demo.eos_ids,
-                              graphs=True, ignore_eos=True, column_buckets=column_buckets)
+                              options=DecoderOptions(graphs=True, ignore_eos=True, column_buckets=column_buckets))
         widths: list[int] = []
         width = decoder._static.width
         decoder._static.width = lambda t: widths.append(width(t)) or widths[-1]
         try:
-            return decoder.run(requests), widths
+            return run_to_end(decoder, requests), widths
         finally:
             decoder.close()
 
@@ -343,11 +347,11 @@ def test_an_fp8_cache_on_nf4_with_captured_steps_agrees_with_the_fp16_cache(demo
     requests = scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 16)
 
     def answers(kv_dtype: torch.dtype | None, chunk: int | None = None) -> tuple[list, int]:
-        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
-                              eos_ids=demo.eos_ids, graphs=True, kv_dtype=kv_dtype, prefill_chunk_tokens=chunk)
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024, eos_ids=demo.eos_ids,
+                              options=DecoderOptions(graphs=True, kv_dtype=kv_dtype, prefill_chunk_tokens=chunk))
         try:
             block = sum(layer.keys.nbytes + layer.values.nbytes for layer in decoder.kv.layers)
-            return decoder.run(requests), block
+            return run_to_end(decoder, requests), block
         finally:
             decoder.close()
             del decoder
@@ -389,8 +393,8 @@ def test_prefills_between_captured_steps_agree_with_whole_prefills(demo: Referen
         return [done[r.job_id] for r in requests]
 
     def answers(run: object) -> list:
-        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=12, window=1024,
-                              eos_ids=demo.eos_ids, graphs=True, prefill_chunk_tokens=512)
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=12, window=1024, eos_ids=demo.eos_ids,
+                              options=DecoderOptions(graphs=True, prefill_chunk_tokens=512))
         try:
             return run(decoder)
         finally:
@@ -398,7 +402,7 @@ def test_prefills_between_captured_steps_agree_with_whole_prefills(demo: Referen
             del decoder
             _free()
 
-    whole, aside = answers(lambda decoder: decoder.run(requests)), answers(between_steps)
+    whole, aside = answers(lambda decoder: run_to_end(decoder, requests)), answers(between_steps)
     assert all(g.error_code is None for g in aside)
     assert_agree(whole, aside, "prefills between captured steps against whole prefills on NF4")
 
@@ -418,12 +422,12 @@ def test_joined_projections_on_nf4_with_captured_steps_agree_with_one_matmul_eac
     join_weights(demo.model, decoded_scales=decoded_scales)
 
     def answers(fused: bool) -> list:
-        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
-                              eos_ids=demo.eos_ids, graphs=True, fused_projections=fused)
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024, eos_ids=demo.eos_ids,
+                              options=DecoderOptions(graphs=True, fused_projections=fused))
         try:
             if fused:
                 assert decoder.fused.groups == 2 * demo.model.config.num_hidden_layers
-            return decoder.run(requests)
+            return run_to_end(decoder, requests)
         finally:
             decoder.close()
             del decoder
@@ -439,7 +443,7 @@ def test_the_slot_decoder_is_sized_by_its_measured_peak(demo: ReferenceRuntime) 
     """A workspace estimate of 0 and a budget 16 slots short of what 64 slots were measured to need: the worker
     measures its graphs and its largest prefill, takes slots away, and real jobs then stay within the budget."""
     from worker.decoder.kv_block import kv_shape
-    from worker.engine.loop import build_decoder
+    from worker.engine.build import build_decoder
     from worker.memory import kv_bytes_per_token
 
     def settings(budget_gb: float) -> Settings:
@@ -464,7 +468,8 @@ def test_the_slot_decoder_is_sized_by_its_measured_peak(demo: ReferenceRuntime) 
         assert 1 <= decoder.kv.slots < 64
         torch.cuda.reset_peak_memory_stats()
         decoder.throwaway_prefill(rows=2, width=1024)
-        got = decoder.run(scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4))
+        got = run_to_end(decoder, scenario_requests(Settings(_env_file=None), ["kev", "laya"] * 4),
+                         settings(budget / 2**30).engine.prefill_tokens)
         assert all(g.error_code is None for g in got)
         assert torch.cuda.max_memory_reserved() <= budget
     finally:
@@ -479,8 +484,8 @@ def test_a_rebuilt_decoder_leaves_no_memory_behind(demo: ReferenceRuntime) -> No
     from worker.decoder.slot_decoder import SlotDecoder
 
     def build_and_close() -> int:
-        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=16, window=1024,
-                              eos_ids=demo.eos_ids, graphs=True)
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=16, window=1024, eos_ids=demo.eos_ids,
+                              options=DecoderOptions(graphs=True))
         decoder.throwaway_prefill(rows=2, width=1024)
         decoder.close()
         del decoder
@@ -518,9 +523,9 @@ def test_constrained_and_free_rows_share_captured_steps_on_nf4(demo: ReferenceRu
 
     def run(requests: list[GenerationRequest]) -> list:
         decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=len(requests), window=1024,
-                              eos_ids=demo.eos_ids, graphs=True)
+                              eos_ids=demo.eos_ids, options=DecoderOptions(graphs=True))
         try:
-            return decoder.run(requests)
+            return run_to_end(decoder, requests)
         finally:
             decoder.close()
 
@@ -614,11 +619,11 @@ def test_the_nf4_kernel_multiplies_every_layer_as_bitsandbytes_and_answers_agree
 
     def answers(with_kernel: bool) -> list:
         calls.clear()
-        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024,
-                              eos_ids=demo.eos_ids, graphs=True, nf4_kernel=with_kernel)
+        decoder = SlotDecoder(demo.model, demo.tokenizer, ["kev", "laya"], slots=8, window=1024, eos_ids=demo.eos_ids,
+                              options=DecoderOptions(graphs=True, nf4_kernel=with_kernel))
         try:
             assert (decoder.nf4 is not None) is with_kernel
-            return decoder.run(requests)
+            return run_to_end(decoder, requests)
         finally:
             decoder.close()
             del decoder

@@ -36,7 +36,7 @@ class CapturedPrefill:
     def __init__(self, decoder: SlotDecoder, capture: bool, pool: tuple | None = None):
         self.decoder = decoder
         slots, window, device = decoder.kv.slots, decoder.window, decoder.device
-        budget = decoder.prefill_chunk_tokens or slots * PREFILL_COLUMNS
+        budget = decoder.options.prefill_chunk_tokens or slots * PREFILL_COLUMNS
         self.columns = min(PREFILL_COLUMNS, window, budget)
         most = max(1, min(slots, budget // self.columns))  # rows × columns within the chunk budget
         self.buckets = [2**i for i in range(most.bit_length()) if 2**i <= most]

@@ -31,7 +31,7 @@ from worker.decoder.kernels.nf4_matmul import Nf4Kernels, nf4_layers
 from worker.decoder.kernels.nf4_matmul import runs_on as nf4_runs_on
 from worker.decoder.kernels.row_lora import NO_ADAPTER, RowLoRA
 from worker.decoder.kv_block import KVBlock
-from worker.decoder.prefill_budget import prefill_group
+from worker.decoder.options import DecoderOptions
 from worker.decoder.sampling import Choice, Chosen, RowSampling, choose
 from worker.generation import GenerationRequest, GenerationResult, numerical_error
 from worker.model.tokens import encode_chats, result_text
@@ -113,23 +113,12 @@ class SlotDecoder:
     per row (RowLoRA), not through PEFT's active adapter."""
 
     def __init__(self, model: PeftModel, tokenizer: PreTrainedTokenizerBase, adapters: list[str], *, slots: int,
-                 window: int, eos_ids: list[int], ignore_eos: bool = False, static_steps: bool = False,
-                 graphs: bool = False, texts: bool = True, prefill_tokens: int | None = None,
-                 prefill_chunk_tokens: int | None = None, lora_dtype: torch.dtype | None = None,
-                 kv_dtype: torch.dtype | None = None, fused_projections: bool = True, fused_norms: bool | None = None,
-                 fused_rotary: bool | None = None, fused_lora: bool | None = None, static_prefill: bool = True,
-                 launch_ahead: bool = True, column_buckets: int | None = None, nf4_kernel: bool | None = None):
+                 window: int, eos_ids: list[int], options: DecoderOptions = DecoderOptions()):
         self.model, self.tokenizer, self.adapters = model, tokenizer, list(adapters)
+        self.options = options
         self.steps = 0  # decode steps launched
         self.waited_s = 0.0  # host seconds spent waiting for steps' tokens: near none when the host is the bound
-        # KEVLAYA_ENGINE__PREFILL_TOKENS: the padded tokens one prefill takes at most (one job always goes)
-        self.prefill_tokens = prefill_tokens
-        # KEVLAYA_ENGINE__PREFILL_CHUNK_TOKENS: the padded tokens one forward pass of a prefill takes at most
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        # texts=False: results carry token ids and log-probabilities only, and the caller makes their text on its
-        # own thread (decode_with_spans costs milliseconds a row, which every row in flight would wait for).
-        self.texts = texts
-        self.eos_ids, self.ignore_eos = list(eos_ids), ignore_eos
+        self.eos_ids, self.ignore_eos = list(eos_ids), options.ignore_eos
         # `generate` keeps the model's top-k (transformers' default: 50) when sampling; so does this decoder.
         self.top_k = getattr(model.generation_config, "top_k", None) or GENERATE_DEFAULT_TOP_K
         parameter = next(model.parameters())
@@ -137,60 +126,54 @@ class SlotDecoder:
         dtype = model.config.dtype if isinstance(model.config.dtype, torch.dtype) else torch.float16
         if self.device.type == "cpu":
             dtype = torch.float32
-        # KEVLAYA_ENGINE__KV_DTYPE: the cache may store in another dtype (fp8); attention still reads it in `dtype`.
-        # benchmarks: end-of-sequence tokens never chosen, so every row writes its max_new_tokens
-        self._banned = torch.tensor(self.eos_ids, device=self.device) if ignore_eos and self.eos_ids else None
-        self.kv = KVBlock(model.config, slots, window, kv_dtype or dtype, self.device)
+        self._banned = torch.tensor(self.eos_ids, device=self.device) if self.ignore_eos and self.eos_ids else None
+        # the cache may store in another dtype (fp8); attention still reads it in `dtype`
+        self.kv = KVBlock(model.config, slots, window, options.kv_dtype or dtype, self.device)
         self.attention = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
         if self.attention not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {self.attention!r}: the decoder builds sdpa/eager masks")
         self.grammars = RowGrammars(tokenizer, model.config.vocab_size, self.eos_ids, slots, self.device)
         self.rows: list[Row] = []  # row i lives in slot i
-        # The next step, launched before the host read the tokens of the one before (`step`), or None;
-        # launch_ahead=False: each step launched when called, to compare.
-        self.launch_ahead = launch_ahead
+        # The next step, launched before the host read the tokens of the one before (`step`), or None
         self._ahead: Launched | None = None
         # The prefill whose passes run between decode steps (`begin_prefill`), or None; its rows hold the top slots.
         self.prefilling: PromptBlock | None = None
         self.limit = slots  # rows admitted at most; the engine lowers it after an out-of-memory (worker/memory.py)
         self._order = itertools.count()
-        self.static = static_steps or graphs
-        # The LoRA products in the compute dtype, like the rest of the step (`lora_dtype`: another, to compare);
-        # on CUDA each product's row mask and expand as one kernel (`fused_lora`: False, three kernels, to compare)
-        fused_lora = _served(fused_lora, self.device, lora_expand.runs_on)
-        self.lora = RowLoRA(model, self.adapters, lora_dtype or dtype, masked_expand=fused_lora)
+        self.static = options.static_steps or options.graphs
+        # The LoRA products in the compute dtype, like the rest of the step; on CUDA each product's row mask and
+        # expand as one kernel
+        masked_expand = _served(options.fused_lora, self.device, lora_expand.runs_on)
+        self.lora = RowLoRA(model, self.adapters, options.lora_dtype or dtype, masked_expand=masked_expand)
         self.fused: FusedProjections | None = None
-        # RMSNorm as PyTorch's one operator where that was measured (None: on CUDA); the CPU keeps transformers'
+        # RMSNorm as PyTorch's one operator where that was measured (on CUDA); the CPU keeps transformers'
         # formula, whose greedy answers the shipped model's tests hold token for token
         self.norms: FusedNorms | None = None
-        fused_norms = _served(fused_norms, self.device)
         # the rotary embedding of queries and keys as one kernel, likewise (it computes only on CUDA)
         self.rotary: FusedRotary | None = None
-        fused_rotary = _served(fused_rotary, self.device, fused_rotary_runs_on)
         # NF4 matmuls of 2 to 64 rows as one Triton kernel, likewise (bitsandbytes' dequantize-then-GEMM otherwise)
         self.nf4: Nf4Kernels | None = None
         nf4 = nf4_layers(model)
-        nf4_kernel = bool(nf4) and _served(nf4_kernel, self.device, nf4_runs_on)
-        # Static steps come with fixed-shape prefill passes, captured with them (False: eager prefills, to compare).
+        # Static steps come with fixed-shape prefill passes, captured with them.
         self._static_prefill: CapturedPrefill | None = None
         try:
-            # q/k/v and gate/up each as one matmul and one LoRA product (False: one per projection, to compare)
-            if fused_projections:
+            if options.fused_projections:
                 self.fused = FusedProjections(model, self.lora)
-            if fused_norms:
+            if _served(options.fused_norms, self.device):
                 self.norms = FusedNorms(model)
-            if fused_rotary:
+            if _served(options.fused_rotary, self.device, fused_rotary_runs_on):
                 self.rotary = FusedRotary(model)
-            if nf4_kernel:  # before the steps are captured, so the graphs hold it
+            if nf4 and _served(options.nf4_kernel, self.device, nf4_runs_on):  # before the steps are captured
                 self.nf4 = Nf4Kernels(nf4)
             if self.static:
                 # column_buckets > 1: static steps also read only the window's first half, quarter, ... when
                 # that holds every row (CapturedStep); 1 reads the whole window. None: COLUMN_BUCKETS on CUDA.
+                column_buckets = options.column_buckets
                 if column_buckets is None:
                     column_buckets = COLUMN_BUCKETS if self.device.type == "cuda" else 1
-                self._static = CapturedStep(self, capture=graphs, column_buckets=column_buckets)
-                if static_prefill:
-                    self._static_prefill = CapturedPrefill(self, capture=graphs, pool=self._static.pool)
+                self._static = CapturedStep(self, capture=options.graphs, column_buckets=column_buckets)
+                if options.static_prefill:
+                    self._static_prefill = CapturedPrefill(self, capture=options.graphs, pool=self._static.pool)
         except BaseException:
             self.close()  # a decoder that failed to build leaves the model as it found it
             raise
@@ -216,10 +199,6 @@ class SlotDecoder:
         self.lora.remove()
 
     # -- prefill -----------------------------------------------------------------------------------------------
-
-    def prefill_count(self, prompt_tokens: list[int]) -> int:
-        """How many of the waiting jobs (in order, by prompt tokens) the next prefill takes (`prefill_group`)."""
-        return prefill_group(prompt_tokens, self.free, self.prefill_tokens)
 
     def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
         """Whether a row of this size can ever run here: its prompt and new tokens within one slot's window."""
@@ -350,7 +329,8 @@ class SlotDecoder:
         # In chunks of columns, each attending to the cache the chunks before it wrote: a forward pass's
         # activations are bounded by the chunk, not by the prompt block (worker/memory.py measures the largest).
         rows = block.ids.shape[0]
-        columns = max(1, self.prefill_chunk_tokens // rows) if self.prefill_chunk_tokens else width
+        chunk = self.options.prefill_chunk_tokens
+        columns = max(1, chunk // rows) if chunk else width
         for a in range(0, width, columns):
             b = min(a + columns, width)
             view = self.kv.view  # set at each pass: decode steps between passes set it too
@@ -412,7 +392,7 @@ class SlotDecoder:
         logits = launched.logits[:len(index)] if index == list(range(len(index))) else launched.logits[index]
         chosen = self._choose(rows, logits)
         going_on = [row for row in rows if len(row.tokens) + 1 < row.request.max_new_tokens]
-        if self.launch_ahead and (going_on or len(rows) < len(self.rows)):
+        if self.options.launch_ahead and (going_on or len(rows) < len(self.rows)):
             try:
                 self._ahead = self._launch(chosen, rows)
             except Exception as exc:  # nothing is lost: the next call launches it again, and raises there
@@ -578,25 +558,8 @@ class SlotDecoder:
             finish_reason="stop" if row.ended else "length", stop=row.stopped_by,
             top_logprobs=list(row.top_logprobs) if row.request.top_logprobs is not None else None,
         )
-        if self.texts:
+        if self.options.texts:
             result_text(self.tokenizer, result)
         if row.broken_after is not None:
             numerical_error(result, row.broken_after)
         return result
-
-    def run(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Every request to the end, admitting as slots free up, each prefill within the prefill budget as in
-        the serving loop; results in request order (tests, benchmarks)."""
-        waiting, done = list(requests), {}
-        lengths = encode_chats(self.tokenizer, waiting, torch.device("cpu"))["attention_mask"].sum(1).tolist()
-        while waiting or self.rows:
-            if waiting and self.free:
-                count = self.prefill_count(lengths)
-                batch, waiting, lengths = waiting[:count], waiting[count:], lengths[count:]
-                finished = self.prefill(batch)
-            else:
-                finished = self.step()
-            done.update({r.job_id: r for r in finished})
-        return [done[r.job_id] for r in requests]
-
-

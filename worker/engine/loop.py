@@ -4,7 +4,6 @@ slot; jobs claimed together are one claim group (a `batches` row)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import sys
@@ -17,11 +16,13 @@ from typing import TYPE_CHECKING, NamedTuple
 from shared.db import session_scope, write_scope
 from shared.models import ClaimGroup, Job, Priority
 from shared.settings import Settings
+from worker.engine.build import build_decoder
 from worker.engine.policy import (
     PrefillPacer,
     apart_from_batch_lines,
     latency_jobs_apart,
     plan_slots,
+    prefill_group,
     prefill_order,
     reserved_slots,
     unpaced_prefix,
@@ -36,19 +37,15 @@ from worker.ledger.settle import failed, generation_request, unreadable
 from worker.memory import (
     CARD_FULL_PAUSE_S,
     GIB,
-    SlotBudget,
     after_prefill_out_of_memory,
     after_step_out_of_memory,
     alone_out_of_memory,
-    fit_slots,
     is_out_of_memory,
-    kv_bytes_per_token,
     memory_taken_elsewhere,
 )
 from worker.metrics import METRICS
 
 if TYPE_CHECKING:  # torch is imported only in the worker child
-    from worker.decoder.slot_decoder import SlotDecoder
     from worker.model.loading import LoadedModel
 
 INTERACTIVE_QUIET_S = 10.0  # after this long without an interactive job, batch lines prefill unbounded
@@ -66,48 +63,6 @@ class Claimed(NamedTuple):
     request: GenerationRequest
     prompt_tokens: int
     claimed_at: float  # time.monotonic()
-
-
-def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:
-    """A decoder with `max_batch` slots plus the reserved ones, fewer where the memory budget holds fewer (CUDA:
-    worker/memory.py sizes it by arithmetic, then by its measured peak)."""
-    import torch
-
-    from worker.decoder.kernels.fused_projections import decoded_scales_bytes, join_weights
-    from worker.decoder.kv_block import STORAGE_DTYPES, kv_shape
-    from worker.decoder.slot_decoder import SlotDecoder
-
-    window = min(settings.engine.window_tokens, loaded.context or settings.engine.window_tokens)
-    # Reserved slots come on top of max_batch, so a role's backlog keeps max_batch rows when memory allows.
-    reserved = reserved_slots(settings, loaded.adapters, settings.engine.max_batch)
-    wanted = settings.engine.max_batch + sum(reserved.values())
-    graphs = settings.engine.cuda_graphs and loaded.device == "cuda"
-    kv_dtype = STORAGE_DTYPES[settings.engine.kv_dtype]
-
-    def build(slots: int) -> SlotDecoder:
-        return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
-                           eos_ids=loaded.eos_ids, ignore_eos=settings.engine.ignore_eos, graphs=graphs, texts=False,
-                           prefill_tokens=settings.engine.prefill_tokens,
-                           prefill_chunk_tokens=settings.engine.prefill_chunk_tokens, kv_dtype=kv_dtype)
-
-    if loaded.device != "cuda":
-        return build(wanted)  # the decoder joins the projections itself
-    torch.cuda.empty_cache()  # what loading left cached is not the decoder's to count
-    element_bytes = kv_dtype.itemsize if kv_dtype else 2  # fp8, else the compute dtype (fp16)
-
-    budget = SlotBudget(
-        budget_bytes=int(settings.engine.vram_budget_gb * GIB), resident_bytes=torch.cuda.memory_allocated(),
-        workspace_bytes=int(settings.engine.workspace_gb * GIB),
-        kv_per_token=kv_bytes_per_token(*kv_shape(loaded.model.config), dtype_bytes=element_bytes), window=window)
-    # q/k/v and gate/up weights joined once, before the memory the model holds is measured; their NF4 scales are
-    # kept decoded (faster steps) unless that memory would cost a slot (a 7B model on a 6 GB card)
-    extra = decoded_scales_bytes(loaded.model)
-    decoded = not budget.costs_a_slot(extra, wanted)
-    join_weights(loaded.model, decoded_scales=decoded)
-    log.info("q/k/v and gate/up joined; NF4 scales %s (%.0f MiB decoded)", "kept decoded" if decoded else
-             "decoded at each step, since keeping them would cost a slot", extra / 2**20)
-    budget = dataclasses.replace(budget, resident_bytes=torch.cuda.memory_allocated())
-    return fit_slots(build, budget, wanted, settings.engine.prefill_tokens)
 
 
 def _caught(work: Callable[[], None], raised: list[BaseException]) -> None:
@@ -286,8 +241,8 @@ class Engine:
         self.to_prefill, waited = [self.to_prefill[i] for i in order], [waited[i] for i in order]
         tokens = [c.prompt_tokens for c in self.to_prefill]
         # Batch lines go a few at a time only while interactive jobs come: alone, a batch drains at full speed.
-        count = apart_from_batch_lines(self.decoder.prefill_count(tokens), [c.request.background for c in
-                                       self.to_prefill], tokens,
+        count = apart_from_batch_lines(prefill_group(tokens, self.decoder.free, self.settings.engine.prefill_tokens),
+                                       [c.request.background for c in self.to_prefill], tokens,
                                        self.settings.engine.batch_prefill_tokens if self._interactive() else None)
         roles = set(self._reserved())
         latency = [c.request.adapter in roles and not c.request.background for c in self.to_prefill]

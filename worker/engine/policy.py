@@ -7,7 +7,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shared.settings import Settings
-from worker.decoder.prefill_budget import prefill_group
 from worker.ledger.claims import QueueSnapshot
 
 
@@ -59,6 +58,19 @@ def plan_slots(snapshot: QueueSnapshot, free: int, max_wait_ms: float, expected_
             shares[adapter] = shares.get(adapter, 0) + count
             left -= count
     return list(shares.items())
+
+
+def prefill_group(prompt_tokens: list[int], free: int, budget_tokens: int | None) -> int:
+    """How many of these jobs (in order, by prompt tokens) one prefill takes: at most `free`, and the padded block
+    (jobs × longest prompt) within `budget_tokens` (None: no bound), the size that sets a prefill's time and
+    memory; the first job always goes."""
+    taken, longest = 0, 0
+    for tokens in prompt_tokens[:free]:
+        longest = max(longest, tokens)
+        if taken and budget_tokens is not None and (taken + 1) * longest > budget_tokens:
+            break
+        taken += 1
+    return taken
 
 
 def prefill_order(new_tokens: list[int], waited_ms: list[float], max_wait_ms: float,
