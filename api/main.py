@@ -1,4 +1,6 @@
-"""Builds the FastAPI app: routers, error handlers, the body-size limit, the prompt budget."""
+"""Builds the FastAPI app: each package's routers, the error handlers, the body-size limit and the request metrics,
+the process's intake (prompt budget, job writer), key cache, throttle, file store and batch keeper, and the OpenAPI
+schema with the configured bounds."""
 
 from __future__ import annotations
 
