@@ -205,6 +205,70 @@ def test_the_decoder_reaches_neither_the_ledger_nor_the_database():
     assert not reached, "\n".join(reached)
 
 
+def project_imports(path: Path, known: set[str]) -> set[str]:
+    """The project modules importing `path` runs: each module it names (`from a.b import c` names `a.b.c` where that
+    is a module, else `a.b`) and the packages above it, whose `__init__` runs first; type hints and imports inside
+    functions count too (a cycle through them is one edit away from a circular import)."""
+    named = set()
+    for node in ast.walk(parsed(path)):
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            named.add(node.module)
+            named.update(f"{node.module}.{alias.name}" for alias in node.names)
+    reached = {".".join(name.split(".")[:i]) for name in named for i in range(1, name.count(".") + 2)}
+    return (reached & known) - {module_name(path)}
+
+
+def import_cycles(package: str) -> list[list[str]]:
+    """The modules of `package` that import each other in a circle, directly or not: each strongly connected
+    component of the import graph with more than one module (Tarjan's algorithm), or a module importing itself."""
+    paths = {module_name(p): p for p in source_files(package)}
+    graph = {name: sorted(project_imports(path, set(paths))) for name, path in paths.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(name: str) -> None:
+        order[name] = low[name] = len(order)
+        stack.append(name)
+        for other in graph[name]:
+            if other not in order:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in stack:
+                low[name] = min(low[name], order[other])
+        if low[name] == order[name]:
+            component = stack[stack.index(name):]
+            del stack[stack.index(name):]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in order:
+            visit(name)
+    return cycles
+
+
+def test_no_worker_modules_import_each_other_in_a_circle():
+    """The captured step and prefill get what they need handed in (worker/decoder/state.py), not by importing the
+    decoder that imports them; likewise everywhere in worker/."""
+    assert import_cycles("worker") == []
+
+
+def test_the_cycle_check_finds_a_circle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    package = tmp_path / "loop"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from loop.b import thing\n")
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from loop import c\n")
+    (package / "c.py").write_text("def late():\n    import loop.a\n")
+    (package / "d.py").write_text("import loop.a\n")  # imports the circle, is not in it
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)  # source_files and module_name read it
+    assert import_cycles("loop") == [["loop.a", "loop.b", "loop.c"]]
+
+
 def assignments(name: str) -> list[str]:
     """Every file (and line) in the packages that binds `name` at any level."""
     found = []

@@ -13,15 +13,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
 from worker.decoder.graph_step import captured
 from worker.decoder.kernels.row_lora import NO_ADAPTER
-
-if TYPE_CHECKING:
-    from worker.decoder.slot_decoder import PromptBlock, SlotDecoder
+from worker.decoder.state import ModelState, PromptBlock
 
 log = logging.getLogger("kevlaya.decoder")
 
@@ -30,13 +27,15 @@ PREFILL_COLUMNS = 128
 
 
 class CapturedPrefill:
-    """One decoder's fixed-shape prefill passes, one graph per bucket of rows when `capture` (CUDA), else run
-    eagerly; `pool`: the memory pool of the decoder's captured steps, which these graphs share."""
+    """One decoder's fixed-shape prefill passes over the model state it is given, one graph per bucket of rows
+    when `capture` (CUDA), else run eagerly; `chunk_tokens`: the padded tokens one pass takes at most
+    (KEVLAYA_ENGINE__PREFILL_CHUNK_TOKENS; None: a pass of every slot's row); `pool`: the memory pool of the
+    decoder's captured steps, which these graphs share."""
 
-    def __init__(self, decoder: SlotDecoder, capture: bool, pool: tuple | None = None):
-        self.decoder = decoder
-        slots, window, device = decoder.kv.slots, decoder.window, decoder.device
-        budget = decoder.options.prefill_chunk_tokens or slots * PREFILL_COLUMNS
+    def __init__(self, state: ModelState, capture: bool, chunk_tokens: int | None = None, pool: tuple | None = None):
+        self.state = state
+        slots, window, device = state.kv.slots, state.kv.window, state.device
+        budget = chunk_tokens or slots * PREFILL_COLUMNS
         self.columns = min(PREFILL_COLUMNS, window, budget)
         most = max(1, min(slots, budget // self.columns))  # rows × columns within the chunk budget
         self.buckets = [2**i for i in range(most.bit_length()) if 2**i <= most]
@@ -46,7 +45,7 @@ class CapturedPrefill:
         self.mask = torch.zeros(top, 1, self.columns, window, dtype=torch.bool, device=device)
         self.slots = torch.zeros(top, dtype=torch.long, device=device)
         self.written = torch.zeros(self.columns, dtype=torch.long, device=device)  # the columns a pass writes
-        self.adapters = decoder.lora.new_buffer(top)
+        self.adapters = state.lora.new_buffer(top)
         self.own = torch.eye(self.columns, dtype=torch.bool, device=device)  # a padding row attends to itself
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
@@ -57,25 +56,20 @@ class CapturedPrefill:
         """The padded width a prompt block of `width` columns takes here (a multiple of the pass's columns), or
         None when that is over the window (the block then runs eagerly)."""
         padded = -(-width // self.columns) * self.columns
-        return padded if padded <= self.decoder.window else None
+        return padded if padded <= self.state.kv.window else None
 
     def _forward(self, bucket: int) -> torch.Tensor:
-        decoder = self.decoder
-        view = decoder.kv.view
+        view = self.state.kv.view
         view.slots, view.column = self.slots[:bucket], self.written
-        decoder.lora.mask = self.adapters[:bucket]
+        self.state.lora.mask = self.adapters[:bucket]
         try:
-            with torch.inference_mode():
-                output = decoder.model(input_ids=self.ids[:bucket], attention_mask=self.mask[:bucket],
-                                       position_ids=self.positions[:bucket], cache=decoder.kv.cache,
-                                       use_cache=True, logits_to_keep=1)
+            return self.state.logits(self.ids[:bucket], self.mask[:bucket], self.positions[:bucket])
         finally:
             view.slots = view.column = None
-        return output.logits[:, -1]
 
     def _capture(self) -> None:
         """One graph per bucket, captured on an empty decoder (its writes land in free slots)."""
-        if self.decoder.device.type != "cuda":
+        if self.state.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.mask[:, 0, :, :self.columns] = self.own
         self.written.copy_(torch.arange(self.columns))
@@ -109,7 +103,7 @@ class CapturedPrefill:
                 part = slice(done, done + count)
                 slots = list(range(block.slots.start, block.slots.stop))[part] + free[:bucket - count]
                 self.slots[:bucket].copy_(torch.tensor(slots))
-                self.decoder.lora.select_in_place(block.adapters[part] + [NO_ADAPTER] * (bucket - count),
+                self.state.lora.select_in_place(block.adapters[part] + [NO_ADAPTER] * (bucket - count),
                                                   self.adapters[:bucket])
                 lo = block.lo  # read at each pass: the block moves when the key/value block shifts
                 self.ids[:bucket].zero_()

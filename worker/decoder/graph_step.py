@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.decoder.kernels.row_lora import NO_ADAPTER
+from worker.decoder.state import ModelState
 
 if TYPE_CHECKING:
     from worker.decoder.sampling import Chosen
-    from worker.decoder.slot_decoder import SlotDecoder
 
 log = logging.getLogger("kevlaya.decoder")
 
@@ -52,18 +52,17 @@ def captured(forward: Callable[[], torch.Tensor], pool: tuple | None) -> tuple[t
 
 
 class CapturedStep:
-    """One decoder's fixed-shape step, one graph per bucket when `capture` (CUDA), else run eagerly.
+    """One decoder's fixed-shape step over the model state it is given (sdpa attention), one graph per bucket when
+    `capture` (CUDA), else run eagerly.
 
     A bucket is a number of rows and a number of columns read: the whole window, or with `column_buckets` = k
     also its half, quarter, ... (k sizes in all, none under MIN_COLUMNS). A step reads the smallest that holds
     its column `t`: columns before it are the rows' own or masked, so a step over short rows reads less of the
-    block. The decoder keeps `t` low by compacting when it reaches a size (SlotDecoder._launch)."""
+    block. The decoder keeps `t` low by compacting when it reaches a size (SlotDecoder._launch): it reads `widths`."""
 
-    def __init__(self, decoder: SlotDecoder, capture: bool, column_buckets: int = 1):
-        if decoder.attention != "sdpa":
-            raise ValueError("static decode steps need sdpa attention")
-        self.decoder = decoder
-        slots, window, device = decoder.kv.slots, decoder.window, decoder.device
+    def __init__(self, state: ModelState, capture: bool, column_buckets: int = 1):
+        self.state = state
+        slots, window, device = state.kv.slots, state.kv.window, state.device
         self.buckets = sorted({min(2**i, slots) for i in range(slots.bit_length() + 1)})
         self.widths = sorted({window >> i for i in range(column_buckets) if window >> i >= min(MIN_COLUMNS, window)})
         # per slot: input token, index of its token in the chosen ones (-1: none), position, first column, adapter
@@ -77,7 +76,7 @@ class CapturedStep:
         self.mask = torch.zeros(slots, 1, 1, window, dtype=torch.bool, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.columns = torch.arange(window, device=device)
-        self.adapters = decoder.lora.new_buffer(slots)
+        self.adapters = state.lora.new_buffer(slots)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (rows, columns)
         self.logits: torch.Tensor | None = None  # where a replayed step's logits are kept until read
         self.pool = None  # the graphs' memory pool, which the captured prefill shares
@@ -85,22 +84,17 @@ class CapturedStep:
             self._capture()
 
     def _forward(self, bucket: int, width: int) -> torch.Tensor:
-        decoder = self.decoder
-        view = decoder.kv.view
+        view = self.state.kv.view
         view.rows, view.column, view.columns = slice(0, bucket), self.column, width
-        decoder.lora.mask = self.adapters[:bucket]
+        self.state.lora.mask = self.adapters[:bucket]
         try:
-            with torch.inference_mode():
-                output = decoder.model(input_ids=self.ids[:bucket], attention_mask=self.mask[:bucket, ..., :width],
-                                       position_ids=self.positions[:bucket], cache=decoder.kv.cache, use_cache=True,
-                                       logits_to_keep=1)
+            return self.state.logits(self.ids[:bucket], self.mask[:bucket, ..., :width], self.positions[:bucket])
         finally:
             view.column = view.columns = None
-        return output.logits[:, -1]
 
     def _capture(self) -> None:
         """One graph per bucket, sharing one memory pool; captured on idle rows (nothing is in flight yet)."""
-        if self.decoder.device.type != "cuda":
+        if self.state.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.mask[:, 0, 0, 0] = True
         reserved = torch.cuda.memory_reserved()
@@ -127,8 +121,7 @@ class CapturedStep:
         token is `tokens[i]`, or where `sources[i]` ≥ 0 the token `chosen` holds on the device at that index;
         then its position, first column and adapter. The host's inputs go in one copy from pinned memory, which
         does not wait for the GPU: the step is queued behind the one in flight."""
-        decoder = self.decoder
-        t, n = decoder.kv.t, len(tokens)
+        t, n = self.state.kv.t, len(tokens)
         bucket, width = self.bucket(n), self.width(t)
         padding = bucket - n
         staged = self._staging()
@@ -145,7 +138,7 @@ class CapturedStep:
         self.positions[:bucket, 0].copy_(position)
         self.mask[:bucket, 0, 0] = (self.columns >= start[:, None]) & (self.columns <= t)
         self.column.fill_(t)
-        decoder.lora.select_on_device(adapter, self.adapters[:bucket])
+        self.state.lora.select_on_device(adapter, self.adapters[:bucket])
         if (bucket, width) in self.graphs:
             graph, output = self.graphs[bucket, width]
             graph.replay()

@@ -11,8 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from peft import PeftModel
@@ -33,6 +32,7 @@ from worker.decoder.kernels.row_lora import NO_ADAPTER, RowLoRA
 from worker.decoder.kv_block import KVBlock
 from worker.decoder.options import DecoderOptions
 from worker.decoder.sampling import Choice, Chosen, RowSampling, choose
+from worker.decoder.state import ModelState, PromptBlock, Row
 from worker.generation import GenerationRequest, GenerationResult, numerical_error
 from worker.model.tokens import encode_chats, result_text
 
@@ -54,57 +54,12 @@ def _served(wanted: bool | None, device: torch.device,
 
 
 @dataclass
-class Row:
-    request: GenerationRequest
-    adapter: int  # index into the decoder's adapters
-    sampling: RowSampling
-    prompt_tokens: int
-    admitted_at: float  # perf_counter when it was handed in (its time to first token counts from here)
-    order: int  # admission order: an out-of-memory step gives back the newest rows first
-    start: int = 0  # first cache column of this row
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    prefill_ms: float = 0.0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    broken_after: int | None = None  # generated tokens before its logits went non-finite
-    matcher: Any = None  # llguidance.LLMatcher of the row's grammar, or None: free
-    past_head: bool = False  # an OwnOptionsDecision grammar's head is written and its rest is the row's matcher
-    text_bytes: bytearray = field(default_factory=bytearray)  # what it wrote so far, while it has stop strings
-    stopped_by: str | None = None  # the stop string it ended on
-    ended: bool = False  # it ended (end of sequence, grammar complete, stop string) rather than ran out of tokens
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when its request asks
-
-
-@dataclass
 class Launched:
     """A step launched and not yet chosen from: its logits, row i's in row i, for the rows as they were then
     (None: a slot that ran idle)."""
 
     logits: torch.Tensor
     rows: list[Row | None]
-
-
-@dataclass
-class PromptBlock:
-    """Prompts being prefilled: rows × width tokens, left-padded, written at the slots `slots` (consecutive) and
-    the columns [lo, lo + width), which move when the key/value block shifts. Its rows join the rows in flight
-    once its last pass has run (`logits` set): placed to end at the column before `t`."""
-
-    rows: list[Row]  # none for the throwaway prefill
-    adapters: list[int]  # each row's
-    slots: slice
-    ids: torch.Tensor
-    allowed: torch.Tensor  # rows × width × width: where each column may look
-    positions: torch.Tensor
-    lo: int
-    started: float  # perf_counter of its first pass
-    passes: Iterator[None] = iter(())  # runs one forward pass per item
-    logits: torch.Tensor | None = None  # each row's last logits, once the last pass has run
-
-    @property
-    def end(self) -> int:
-        return self.lo + self.ids.shape[1]
 
 
 class SlotDecoder:
@@ -145,6 +100,7 @@ class SlotDecoder:
         # expand as one kernel
         masked_expand = _served(options.fused_lora, self.device, lora_expand.runs_on)
         self.lora = RowLoRA(model, self.adapters, options.lora_dtype or dtype, masked_expand=masked_expand)
+        self.state = ModelState(model, self.kv, self.lora, self.device)  # what the captured step and prefill run on
         self.fused: FusedProjections | None = None
         # RMSNorm as PyTorch's one operator where that was measured (on CUDA); the CPU keeps transformers'
         # formula, whose greedy answers the shipped model's tests hold token for token
@@ -166,14 +122,18 @@ class SlotDecoder:
             if nf4 and _served(options.nf4_kernel, self.device, nf4_runs_on):  # before the steps are captured
                 self.nf4 = Nf4Kernels(nf4)
             if self.static:
+                if self.attention != "sdpa":
+                    raise ValueError("static decode steps need sdpa attention")
                 # column_buckets > 1: static steps also read only the window's first half, quarter, ... when
                 # that holds every row (CapturedStep); 1 reads the whole window. None: COLUMN_BUCKETS on CUDA.
                 column_buckets = options.column_buckets
                 if column_buckets is None:
                     column_buckets = COLUMN_BUCKETS if self.device.type == "cuda" else 1
-                self._static = CapturedStep(self, capture=options.graphs, column_buckets=column_buckets)
+                self._static = CapturedStep(self.state, capture=options.graphs, column_buckets=column_buckets)
                 if options.static_prefill:
-                    self._static_prefill = CapturedPrefill(self, capture=options.graphs, pool=self._static.pool)
+                    self._static_prefill = CapturedPrefill(self.state, capture=options.graphs,
+                                                           chunk_tokens=options.prefill_chunk_tokens,
+                                                           pool=self._static.pool)
         except BaseException:
             self.close()  # a decoder that failed to build leaves the model as it found it
             raise
@@ -453,10 +413,7 @@ class SlotDecoder:
         if self.attention == "eager":  # eager attention adds its mask to the scores
             mask = torch.zeros(mask.shape, device=self.device).masked_fill(~mask, torch.finfo(torch.float32).min)
         self.lora.select(adapters)
-        with torch.inference_mode():
-            output = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                cache=self.kv.cache, use_cache=True, logits_to_keep=1)
-        return output.logits[:, -1]
+        return self.state.logits(ids, mask, positions)
 
     def _choose(self, rows: list[Row], logits: torch.Tensor) -> Chosen:
         """Each row's next token from its logits, chosen on the device. The grammars' masks are computed here,

@@ -34,7 +34,7 @@ from worker.ledger.cascade import is_cascade_head
 from worker.ledger.outcomes import stored_text
 
 if TYPE_CHECKING:
-    from worker.decoder.slot_decoder import Row
+    from worker.decoder.state import Row
 
 log = logging.getLogger("kevlaya.worker")
 FINISH_WAIT_S = 1.0  # the result writer waits this long at most for a job's last text to be written
