@@ -733,10 +733,10 @@ def test_a_laya_job_is_looked_for_at_every_step_while_its_reserved_slot_stands_u
     stands unused: a Laya job that comes while Kev rows decode is claimed at the next step, not a poll interval
     later (here one hour, so only the rule can claim it before the Kev rows end)."""
     from shared.settings import Settings
-    from worker.engine import loop
+    from worker.engine import loop, scheduler
     from worker.model.loading import load_model
 
-    monkeypatch.setattr(loop, "IDLE_POLL_S", 3600.0)
+    monkeypatch.setattr(scheduler, "IDLE_POLL_S", 3600.0)
     settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
                         engine={"max_batch": 4, "ignore_eos": True}, kev={"path": str(tiny_model["kev"])},
                         laya={"path": str(tiny_model["laya"])})
@@ -744,7 +744,7 @@ def test_a_laya_job_is_looked_for_at_every_step_while_its_reserved_slot_stands_u
         session.add_all([Job(adapter="kev", requested_adapter="kev", input=f"Weigh option {i}.",
                              params={**TEXT, "max_new_tokens": 60}) for i in range(2)])
     engine = loop.Engine(load_model(settings), settings)
-    assert engine._reserved() == {"laya": 1}
+    assert engine.scheduler.reserved(engine.decoder.limit) == {"laya": 1}
     steps, step = [], engine.decoder.step
 
     def stepping(meanwhile=None):  # noqa: ANN001, ANN202

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from shared.settings import Settings
-from worker.engine.policy import (
+from worker.engine.scheduler import (
     PrefillPacer,
     apart_from_batch_lines,
     latency_jobs_apart,

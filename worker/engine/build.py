@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from shared.settings import Settings
 from worker.decoder.options import DecoderOptions
-from worker.engine.policy import reserved_slots
+from worker.engine.scheduler import reserved_slots
 from worker.memory import GIB, SlotBudget, fit_slots, kv_bytes_per_token
 
 if TYPE_CHECKING:  # torch is imported only in the worker child

@@ -1,13 +1,13 @@
 """Requests run to the end on a slot decoder without the queue: the tests', the benchmark's and the evaluation's
 driver. It admits in request order as slots free up, each prefill within the serving loop's prefill budget
 (`prefill_group`), and steps otherwise; the serving loop's other rules (roles, pacing, prefills between steps) need
-a queue and are the serving loop's (worker/engine/policy.py)."""
+a queue and are its scheduler's (worker/engine/scheduler.py)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from worker.engine.policy import prefill_group
+from worker.engine.scheduler import prefill_group
 from worker.generation import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:  # torch is imported only in the worker child
