@@ -104,7 +104,7 @@ class CapturedPrefill:
                 slots = list(range(block.slots.start, block.slots.stop))[part] + free[:bucket - count]
                 self.slots[:bucket].copy_(torch.tensor(slots))
                 self.state.lora.select_in_place(block.adapters[part] + [NO_ADAPTER] * (bucket - count),
-                                                  self.adapters[:bucket])
+                                                self.adapters[:bucket])
                 lo = block.lo  # read at each pass: the block moves when the key/value block shifts
                 self.ids[:bucket].zero_()
                 self.ids[:count].copy_(block.ids[part, a:b])

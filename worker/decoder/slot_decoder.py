@@ -2,7 +2,9 @@
 and sampling settings. Between steps new requests are prefilled into free slots; a row that finishes leaves at
 once and its slot is free for the next step (docs/architecture.md §14).
 
-No database or Celery here: the engine (worker/engine/) decides who gets a slot and records what comes out.
+The decoder executes and decides nothing about who goes next: the engine's scheduler (worker/engine/scheduler.py)
+chooses which requests to prefill, whole or a pass at a time, and when to step; the engine records what comes out.
+No database or Celery here.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class Launched:
 class SlotDecoder:
     """Up to `slots` rows in flight on one model; each row attends over at most `window` tokens (prompt plus
     new tokens). The model is a PeftModel holding `adapters`; while the decoder exists their LoRA is applied
-    per row (RowLoRA), not through PEFT's active adapter."""
+    per row (RowLoRA), not through PEFT's active adapter. `options` says how it computes (DecoderOptions; the
+    worker's come from its settings, worker/engine/build.py)."""
 
     def __init__(self, model: PeftModel, tokenizer: PreTrainedTokenizerBase, adapters: list[str], *, slots: int,
                  window: int, eos_ids: list[int], options: DecoderOptions = DecoderOptions()):
