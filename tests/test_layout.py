@@ -257,6 +257,17 @@ def test_no_worker_modules_import_each_other_in_a_circle():
     assert import_cycles("worker") == []
 
 
+def test_the_kernels_know_nothing_of_the_decoder_that_installs_them():
+    """worker/decoder/kernels/ replaces the model's operations; rows, steps and who runs next are the decoder's and
+    the engine's, so a kernel imports only other kernels."""
+    kernels = "worker.decoder.kernels"
+    wrong = [f"{rel(path)}:{line} imports {module}"
+             for path in source_files("worker") if module_name(path).startswith(kernels)
+             for line, module in imported_modules(path)
+             if module.startswith("worker.") and not (module == kernels or module.startswith(kernels + "."))]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_cycle_check_finds_a_circle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     package = tmp_path / "loop"
     package.mkdir()
