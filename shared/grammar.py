@@ -122,10 +122,40 @@ def option_names(items: list[str]) -> list[str]:
     return [name for name in dict.fromkeys(names) if name]
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: its parts' properties add up
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+# an object that says how extra keys go, or whose properties other parts may add to, stays as it is
+_EXTRA_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+               "$ref", "if", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object that names its properties, and says nothing of others, closed to others
+    (`additionalProperties: false`), as OpenAI's strict mode asks and xgrammar's strict mode does. JSON Schema
+    admits any extra key by default, and so would the grammar: a model may then write keys no client asked for,
+    and random weights write one until max_tokens. An answer under the closed schema is valid under the open one."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            out[key] = closed(out[key])
+    if isinstance(out.get("properties"), dict) and not any(key in out for key in _EXTRA_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_grammar(schema: dict[str, Any] | None) -> str:
-    """Any JSON object (`schema` None: OpenAI's `json_object`), or one that validates against `schema`. Raises
-    GrammarError for a schema the library cannot enforce exactly."""
-    schema = {"type": "object"} if schema is None else schema
+    """Any JSON object (`schema` None: OpenAI's `json_object`), or one that validates against `schema` (`closed`).
+    Raises GrammarError for a schema the library cannot enforce exactly."""
+    schema = {"type": "object"} if schema is None else closed(schema)
     grammar = LLMatcher.grammar_from_json_schema(json.dumps({**schema, "x-guidance": COMPACT_JSON}))
     check(grammar)
     return grammar
@@ -151,8 +181,9 @@ def tool_call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     parameters' definitions move to the root, where their `$ref`s point."""
     definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
     # the arguments are an object, also where the schema leaves its type out
-    arguments = {"type": "object", **{key: value for key, value in parameters.items()
-                                      if key not in definitions and key != "$schema"}}
+    arguments = closed({"type": "object", **{key: value for key, value in parameters.items()
+                                             if key not in definitions and key != "$schema"}})
+    definitions = {key: {name: closed(sub) for name, sub in value.items()} for key, value in definitions.items()}
     _check_refs(arguments)
     return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False, **definitions,

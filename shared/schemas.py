@@ -246,6 +246,9 @@ class Message(RequestModel):
     tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=grammar.MAX_TOOL_CALLS)] | None = Field(
         default=None, description="an assistant message's calls")
     tool_call_id: CallId | None = Field(default=None, description="a `tool` message: the call it answers")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = Field(
+        default=None, description="who speaks, among several of one role (OpenAI's optional `name`): the prompt "
+        "gives the message as `<name>: <content>`, since no base's chat template has a place for it")
 
     @model_validator(mode="before")
     @classmethod
@@ -273,6 +276,8 @@ class Message(RequestModel):
             raise ValueError("tool_calls: only in an assistant message")
         if (self.tool_call_id is None) is (self.role == "tool"):
             raise ValueError("tool_call_id: required in a tool message, and only there")
+        if self.name is not None and self.role == "tool":
+            raise ValueError("name: not in a tool message (its call id names the call it answers)")
         return self
 
     @model_serializer(mode="wrap")

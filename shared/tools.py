@@ -5,6 +5,7 @@ answer. Plain data (stored params and input), so the API's prompt budget and the
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from shared.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_CALL_SEPARATOR
@@ -66,13 +67,16 @@ def with_tools(messages: list[dict[str, str]], params: dict[str, Any]) -> list[d
 
 def chat_turns(stored: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Stored messages as the plain turns every chat template takes (none of the bases' templates has tool
-    roles): an assistant's calls become its text in the wire format, after its content; the results of a turn's
-    calls become one user turn of `<tool_response>` blocks, each `{"name", "content"}`."""
+    roles): a message's `name` comes before its text (`ana: ...`); an assistant's calls become its text in the
+    wire format, after its content; the results of a turn's calls become one user turn of `<tool_response>`
+    blocks, each `{"name", "content"}`."""
     turns: list[dict[str, str]] = []
     names: dict[str, str] = {}  # call id: function name, from the assistant turns so far
     after_result = False  # the last turn holds tool results: the next result joins it
     for message in stored:
         role, content = message["role"], message.get("content")
+        if content and message.get("name"):
+            content = f"{message['name']}: {content}"
         if role == "tool":
             block = (f"{TOOL_RESPONSE_OPEN}{_compact({'name': names.get(message['tool_call_id'], ''), 'content': content})}"
                      f"{TOOL_RESPONSE_CLOSE}")
@@ -114,6 +118,17 @@ def leading_calls(text: str) -> tuple[list[tuple[str, dict[str, Any]]], int]:
             break
         at += len(TOOL_CALL_SEPARATOR)
     return calls, end
+
+
+_CUT_CALL = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": (.*)', re.DOTALL)
+
+
+def cut_call(text: str) -> tuple[str, str] | None:
+    """A call that max_tokens cut short, as the text after an answer's complete calls holds it: its name and its
+    arguments so far (OpenAI hands such a call back with `finish_reason: "length"`); None where the name itself was
+    cut, or the text opens no call."""
+    match = _CUT_CALL.match(text.removeprefix(TOOL_CALL_OPEN)) if text.startswith(TOOL_CALL_OPEN) else None
+    return (json.loads(f'"{match[1]}"'), match[2]) if match else None
 
 
 def may_open_call(text: str) -> bool:

@@ -71,6 +71,53 @@ def test_the_tools_grammar_takes_a_valid_call_and_refuses_a_wrong_name_or_invali
     assert not accepts(schema_or_call, "It is sunny.")
 
 
+def test_open_schemas_are_enforced_closed_and_what_they_admit_stays_valid(accepts):
+    """A schema that says nothing of extra keys (as LangChain's and most hand-written ones) admits any, and random
+    weights wrote one until max_tokens: the grammar closes each object that names its properties."""
+    open_weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "at": {
+        "type": "object", "properties": {"day": {"enum": ["fri", "sat"]}}, "required": ["day"]}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": open_weather}}]
+    built = answer_grammar({"output": "tool_calls", "tools": tools, "tool_choice": "required"}, MESSAGES,
+                           analysis=False)
+    good = {"city": "Paris", "at": {"day": "fri"}}
+    jsonschema.validate(good, open_weather)
+    assert accepts(built, call_text("get_weather", good))
+    assert not accepts(built, call_text("get_weather", {"city": "Paris", "wind": 3}))  # valid under the open schema
+    assert not accepts(built, call_text("get_weather", {"city": "Paris", "at": {"day": "fri", "hour": 9}}))
+    # an object left free (no properties named) stays free, and one that says how extra keys go keeps its word
+    free = {"type": "object", "properties": {"tags": {"type": "object"},
+                                            "more": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                     "additionalProperties": {"type": "integer"}}}}
+    loose = answer_grammar({"output": "tool_calls", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": free}}], "tool_choice": "required"}, MESSAGES, analysis=False)
+    assert accepts(loose, call_text("f", {"tags": {"x": "y"}, "more": {"a": 1, "b": 2}}))
+    assert not accepts(loose, call_text("f", {"other": 1}))
+
+
+def test_closing_a_schema_reads_its_keywords_not_its_property_names():
+    named_like_keywords = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "items": {"type": "array", "items": {"type": "object", "properties": {"y": {"type": "string"}}}}},
+        "$defs": {"P": {"type": "object", "properties": {"z": {"type": "null"}}}},
+        "allOf": [{"properties": {"w": {"type": "integer"}}}]}
+    out = grammar.closed(named_like_keywords)
+    assert "additionalProperties" not in out  # its properties may come from allOf: left as it is
+    assert set(out["properties"]) == {"properties", "items"}  # property names are never taken for keywords
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert out["properties"]["items"]["items"]["additionalProperties"] is False
+    assert out["$defs"]["P"]["additionalProperties"] is False
+    assert out["allOf"] == named_like_keywords["allOf"]  # allOf's parts add up: none is closed alone
+    assert "additionalProperties" not in named_like_keywords["properties"]["properties"]  # the caller's is untouched
+
+
+def test_a_messages_name_reaches_the_model_before_its_text():
+    stored = {"messages": [{"role": "user", "name": "ana", "content": "Tea or coffee?"},
+                           {"role": "assistant", "name": "helper", "content": "Tea."},
+                           {"role": "user", "content": "Why?"}]}
+    turns = model_messages(stored, {"output": "text"}, "You are Laya.")[1:]
+    assert [t["content"] for t in turns] == ["ana: Tea or coffee?", "helper: Tea.", "Why?"]
+
+
 def test_tools_and_earlier_calls_reach_the_model_as_plain_turns():
     stored = {"messages": [
         *MESSAGES,
@@ -121,6 +168,10 @@ def call(name: str = "get_weather", call_id: str = "c1", arguments: str = '{"cit
      "messages.1.tool_calls.0.function.arguments"),
     ({"messages": [*MESSAGES, {"role": "assistant"}]}, "messages.1"),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [call()]}]}, "messages.0"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "ana smith"}]}, "messages.0.name"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "x" * 65}]}, "messages.0.name"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [call()]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "18 C", "name": "get_weather"}]}, "messages.2"),
 ])
 def test_tools_and_tool_messages_the_server_cannot_honour_are_refused_naming_the_field(client: TestClient, extra,
                                                                                        field):
@@ -170,6 +221,28 @@ def test_forced_tool_calls_are_valid_on_random_weights_streamed_or_not(env, api,
     single = client.chat.completions.create(model="laya", messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                             parallel_tool_calls=False, max_tokens=400, temperature=0)
     assert len(valid_calls(single.choices[0], set(SCHEMAS))) == 1
+
+    # max_tokens cuts the call: OpenAI's "length" with the call so far (a client reports an invalid call), never the
+    # call's wire format handed over as the model's words; the stream ends the same way
+    for stream in (False, True):
+        cut = client.chat.completions.create(model="laya", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                             max_tokens=55, temperature=0, stream=stream)
+        if stream:
+            chunks = [chunk for chunk in cut if chunk.choices]
+            assert all(chunk.choices[0].delta.content is None for chunk in chunks)
+            deltas = [d for chunk in chunks for d in chunk.choices[0].delta.tool_calls or []]
+            assert {d.index for d in deltas} == {0}
+            name = "".join(d.function.name or "" for d in deltas if d.function)
+            arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = cut.choices[0]
+            assert choice.message.content is None and len(choice.message.tool_calls) == 1, choice
+            function, finish = choice.message.tool_calls[0].function, choice.finish_reason
+            name, arguments = function.name, function.arguments
+        assert finish == "length" and name in SCHEMAS and arguments.startswith("{")
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(arguments)
 
     # streamed: OpenAI's tool_call deltas (index, id, type and name, then the arguments) make the stored answer
     chunks = list(client.chat.completions.create(model="laya", messages=MESSAGES, tools=TOOLS, tool_choice="required",

@@ -307,6 +307,10 @@ def test_text_json_schema_and_each_tool_choice_answer_as_openai_does(env, api, s
     single = openai_client.responses.create(model="laya", input=QUESTION, tools=TOOLS, tool_choice="required",
                                             parallel_tool_calls=False, max_output_tokens=400, temperature=0)
     assert len(valid_calls(single)) == 1 and single.parallel_tool_calls is False
+    cut = openai_client.responses.create(model="laya", input=QUESTION, tools=TOOLS, tool_choice="required",
+                                         parallel_tool_calls=False, max_output_tokens=55, temperature=0)
+    assert cut.status == "incomplete" and [(item.type, item.status) for item in cut.output] == [
+        ("function_call", "incomplete")], cut.output  # the call so far, never its wire format as a message
     none = openai_client.responses.create(model="laya", input=QUESTION, tools=TOOLS, tool_choice="none",
                                           max_output_tokens=8)
     assert [item.type for item in none.output] == ["message"] and job_of(api, none)["params"]["output"] == "decision"

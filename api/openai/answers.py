@@ -10,16 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.jobs.lookup import visible_reader
-from api.openai.chat.schemas import answer_calls, call_out, chat_answered
+from api.openai.chat.schemas import answer_calls, answer_text, call_out, chat_answered
 from api.streams.follow import Gap, StreamEvent, follow_job
 from shared.job_stream import ESCALATED, RUNNING
 from shared.models import ApiKey
 from shared.schemas import JobOut
 from shared.tools import leading_calls, may_open_call
-
-
-def _text(job: JobOut) -> str:
-    return (job.result.text if job.result else None) or ""
 
 
 @dataclass(frozen=True)
@@ -114,7 +110,7 @@ class AnswerTracker:
         if not chat_answered(job):
             return [Failed(job)]
         calls, _whole = answer_calls(job)
-        text = "" if calls else _text(job)
+        text = answer_text(job)
         if not text.startswith(self.sent) or calls[:len(self.sent_calls)] != self.sent_calls:
             return [Diverged(job)]
         rest: list[Update] = [TextDelta(text[len(self.sent):])] if len(text) > len(self.sent) else []

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, ValidationInfo, field_validator
 
 from api.jobs.prompt_budget import FieldNames
+from shared.grammar import TOOL_CALL_OPEN, TOOL_CALL_SEPARATOR
 from shared.schemas import (
     MAX_TOP_LOGPROBS,
     JobCreate,
@@ -34,7 +35,7 @@ from shared.schemas import (
     not_bool,
     only_bool,
 )
-from shared.tools import leading_calls
+from shared.tools import cut_call, leading_calls
 
 # Limits are reported under the names this request uses.
 CHAT_FIELDS = FieldNames(input="messages", max_new_tokens="max_tokens")
@@ -179,21 +180,34 @@ def chat_answered(job: JobOut) -> bool:
                                          and job.error.code == "length" and job.result is not None)
 
 
-def call_out(job: JobOut, index: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    """A call in OpenAI's shape. Its id is the job's and its place, so the answer, its stream and a batch's output
-    line agree."""
+def call_out(job: JobOut, index: int, name: str, arguments: dict[str, Any] | str) -> dict[str, Any]:
+    """A call in OpenAI's shape (`arguments` as text where max_tokens cut them). Its id is the job's and its place,
+    so the answer, its stream and a batch's output line agree."""
     return {"id": f"call_{job.id.hex}_{index}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": arguments if isinstance(arguments, str)
+                         else json.dumps(arguments, ensure_ascii=False)}}
 
 
 def answer_calls(job: JobOut) -> tuple[list[dict[str, Any]], bool]:
-    """The complete calls a tool_calls job's answer opens with (none for text), and whether they are the whole
-    answer (else max_tokens cut it after them)."""
+    """The calls a tool_calls job's answer opens with (none for text), and whether they are the whole answer.
+    Where max_tokens cut the answer inside a call, that call comes last with its arguments so far, as OpenAI
+    hands it back; a client's parser then reports it as an invalid call, never as the model's words."""
     text = (job.result.text if job.result else None) or ""
     if job.params.get("output") != "tool_calls":
         return [], False
-    calls, end = leading_calls(text)
-    return [call_out(job, i, name, arguments) for i, (name, arguments) in enumerate(calls)], end == len(text)
+    complete, end = leading_calls(text)
+    calls = [call_out(job, i, name, arguments) for i, (name, arguments) in enumerate(complete)]
+    rest = text[end:].removeprefix(TOOL_CALL_SEPARATOR) if complete else text
+    if cut := cut_call(rest):
+        calls.append(call_out(job, len(calls), *cut))
+    return calls, bool(complete) and end == len(text)
+
+
+def answer_text(job: JobOut) -> str:
+    """The answer's text as a client is given it: none where the answer is calls, or a call cut short (its wire
+    format is never shown as the model's words)."""
+    text = (job.result.text if job.result else None) or ""
+    return "" if job.params.get("output") == "tool_calls" and text.startswith(TOOL_CALL_OPEN) else text
 
 
 def completion(job: JobOut, model: str) -> ChatCompletion:
@@ -208,7 +222,7 @@ def completion(job: JobOut, model: str) -> ChatCompletion:
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": None, "tool_calls": calls} if calls else {
-                "role": "assistant", "content": result.text if result else ""},
+                "role": "assistant", "content": answer_text(job)},
             "finish_reason": "tool_calls" if calls and whole else (result.finish_reason if result else None) or "stop",
             "logprobs": {"content": result.logprobs} if result and job.params.get("logprobs") else None,
         }],

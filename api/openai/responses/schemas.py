@@ -27,7 +27,7 @@ from pydantic import (
 
 from api.http.errors import ApiError
 from api.jobs.prompt_budget import FieldNames
-from api.openai.chat.schemas import KevlayaExtra, answer_calls, chat_answered
+from api.openai.chat.schemas import KevlayaExtra, answer_calls, answer_text, chat_answered
 from api.openai.ids import parse_id
 from shared.models import Job
 from shared.schemas import (
@@ -53,6 +53,7 @@ from shared.schemas import (
     check_unique_names,
     only_bool,
 )
+from shared.tools import leading_calls
 
 # Limits are reported under the names this request uses.
 RESPONSES_FIELDS = FieldNames(input="input", max_new_tokens="max_output_tokens")
@@ -583,15 +584,18 @@ def output_text(text: str) -> dict[str, Any]:
 def answer_of(job: JobOut) -> tuple[str, list[dict[str, Any]]]:
     """A finished job's answer as a response gives it: (text, calls), the text empty where it is calls."""
     calls, _whole = answer_calls(job)
-    return ("" if calls else (job.result.text if job.result else None) or ""), calls
+    return answer_text(job), calls
 
 
 def output_items(job: JobOut, status: ResponseStatus) -> list[dict[str, Any]]:
     if status not in ("completed", "incomplete"):
         return []
-    text, calls = answer_of(job)
-    if calls:
-        return [function_call_item(job, index, call) for index, call in enumerate(calls)]
+    calls, _whole = answer_calls(job)
+    if calls:  # a call that max_output_tokens cut short comes last, incomplete
+        complete = len(leading_calls(job.result.text if job.result else "")[0])
+        return [function_call_item(job, index, call, "completed" if index < complete else "incomplete")
+                for index, call in enumerate(calls)]
+    text = answer_text(job)
     return [message_item(job.id, text, status)]
 
 
