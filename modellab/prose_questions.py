@@ -10,8 +10,24 @@ objective, or "none" when no option meets it.
 Evaluation questions come only from domains training never sees, and half of their sentence shapes, objective and
 limit phrasings are held out as well, so the figures measure reading, not recall (`split="test"`).
 
+The training split alone (`split="train"`) adds reading practice for what the trained roles misread on questions
+people wrote (models/smollm2/people_questions.jsonl), in domains other than theirs: READING_DOMAINS, whose amount
+is a rate or quantity where more is better, in many units (miles of range, weeks on a charge, hours a week, Mbps,
+seats, mAh, lumens, kWh a year, cubic metres, % interest ...), said in each domain's words ("puts out 3000
+lumens", "Longest range, please."); about 36 % of training questions have such an amount as their objective or
+limit (14 % before). A limit comes more often, and about 30 % of
+the questions have an option exactly on a price, time, rating or amount limit ("at least 4" and 4, "no more than
+300" and 300, "within 2 h" and 2 h): it meets the limit (`Facts.ok` and `feasible` compare inclusively, the answers
+write `4 >= 4 -> keep`), and it is usually, not always, the winner. Limits are said in more inclusive ways ("no less
+than", "a minimum of", "up to", "at most", "within", "max."), some ratings and amounts have decimals ("4.5 stars",
+"99.95%"), some prices have no currency ("quotes 1800") or a thousands comma ("$1,400"), and some asides name a
+figure that does not count ("Money isn't an issue."). Validation and test questions draw exactly as before, through
+the same random stream, so their files are byte-identical to the ones earlier figures were measured on
+(tests/test_prose_questions_reading.py holds their digests).
+
 Each question is stored as a `Scenario` (modellab/decision_data.py): price in `cost`, time in `days`, a rating or
-an amount in `quality` (higher is better), and the risk level in `risk`, so `kevlaya eval` scores it as any other.
+an amount in `quality` (higher is better; a figure with decimals as an integer of its smallest step, 4.5 stars as 45,
+99.95 % as 9995), and the risk level in `risk`, so `kevlaya eval` scores it as any other.
 """
 
 from __future__ import annotations
@@ -51,6 +67,12 @@ class Domain:
     risk: str | None = None  # what could go wrong: "delay", "failure"
     extra_time: str | None = None  # a time added to some options: "of airport time"
     verb: str = "takes"  # how a time is said: "takes", "arrives in", "needs"
+    # Training's reading domains (READING_DOMAINS) only: how the amount is said of an option ("prints {v}", {v} being
+    # the figure and its unit), how its objective is said ("I want the most pages a minute."), and its decimals
+    # (uptime 9995 with scale 2 is "99.95%"; the scenario's quality stays the integer).
+    says: tuple[str, ...] = ()
+    goals: tuple[str, ...] = ()
+    scale: int = 0
 
 
 TRAIN_DOMAINS = (
@@ -115,6 +137,60 @@ HELD_OUT_DOMAINS = (
            ("days", 1, 10, 1), rating=5, risk="damage", verb="needs"),
 )
 
+# Training only (split "train"): domains whose amount is a rate or quantity where more is better, in many units, some
+# of them units of time (weeks on a charge, hours a week) or percentages (interest), the figures the roles most often
+# took for a time or a price. Never in the validation or test split, and none of the topics of the questions people
+# wrote (models/smollm2/people_questions.jsonl: printers, uptime, e-bikes, laptop batteries, coffee machines, robot
+# vacuums), which stay a test of reading that training never saw.
+READING_DOMAINS = (
+    Domain("a used electric car", ("Leaf", "Zoe", "Kona", "e-Golf", "Ioniq"), ("GBP", 8000, 30000, 500), None,
+           rating=10, amount=("range", "miles", 100, 300, 10), risk="battery wear",
+           says=("goes {v} on a full charge", "has a range of {v}", "does {v} per charge"),
+           goals=("Longest range, please.", "I want to go as far as possible on one charge.",
+                  "Range is what I care about.")),
+    Domain("an internet plan for the flat", ("FastNet", "Hyperoptic", "Starlink", "Sky", "Plusnet"), ("GBP", 20, 90, 1),
+           ("days", 1, 21, 1), rating=5, amount=("download speed", "Mbps", 50, 1000, 50), verb="is installed in",
+           says=("gives {v}", "offers {v} download", "downloads at {v}", "with {v} download speed"),
+           goals=("I want the fastest download speed.", "Download speed matters most.", "Give me the most Mbps.",
+                  "The highest download speed, please.")),
+    Domain("a van for the business", ("Transit", "Sprinter", "Vivaro", "Ducato", "Master"), ("EUR", 18000, 60000, 500),
+           ("weeks", 1, 16, 1), rating=10, amount=("load space", "cubic metres", 4, 20, 1), risk="breakdown",
+           verb="arrives in", says=("carries {v}", "has {v} of load space", "with {v} of load space"),
+           goals=("I want the most load space.", "The biggest load space, please.", "Load space matters most.")),
+    Domain("a coach for the school trip", ("BlueLine", "Coachway", "Star Tours", "Redline", "Alpine Coaches"),
+           ("EUR", 400, 3000, 50), ("h", 1, 8, 1), rating=5, amount=("seats", "seats", 20, 80, 1), risk="delay",
+           says=("has {v}", "offers {v}", "comes with {v}"),
+           goals=("We need the most seats.", "Most seats wins.", "The biggest coach, please.")),
+    Domain("a phone for my mother", ("Pixel", "Moto G", "Nokia G", "Redmi", "Fairphone"), ("EUR", 150, 900, 10),
+           ("days", 1, 10, 1), rating=5, amount=("battery", "mAh", 3000, 6000, 100), verb="arrives in",
+           says=("has a {v} battery", "comes with a {v} battery", "with a {v} battery"),
+           goals=("I want the biggest battery.", "Battery size matters most.", "Pick the one with the most mAh.")),
+    Domain("an e-reader", ("Kindle", "Kobo", "PocketBook", "Tolino", "Boox"), ("EUR", 80, 400, 10), None, rating=5,
+           amount=("battery life", "weeks", 2, 12, 1),
+           says=("lasts {v} on a charge", "runs {v} per charge", "has {v} of battery life"),
+           goals=("I want the longest battery life.", "It should last as long as possible on a charge.",
+                  "Battery life matters most.")),
+    Domain("a solar installer for the roof", ("SunPower", "Enpal", "Otovo", "Solarwatt", "Svea Solar"),
+           ("EUR", 6000, 20000, 250), ("weeks", 2, 20, 1), rating=10,
+           amount=("yearly output", "kWh a year", 3000, 12000, 250), risk="delay", verb="installs in",
+           says=("produces {v}", "yields {v}", "generates {v}"),
+           goals=("I want the most kWh a year.", "The highest yearly output, please.", "Output is what counts.")),
+    Domain("a fixed-term deposit", ("Marcus", "Zopa", "Raisin", "Moneybox", "Atom"), ("EUR", 0, 0, 1), None, rating=5,
+           amount=("interest", "% a year", 50, 450, 5), risk="default", scale=2,
+           says=("pays {v}", "offers {v}", "earns {v}", "with an interest of {v}"),
+           goals=("I want the highest interest.", "Best rate, please.", "The most interest wins.",
+                  "Which pays the most?")),
+    Domain("a language course before the move", ("Babbel", "Berlitz", "Busuu", "Preply", "italki"),
+           ("EUR", 50, 3000, 50), ("months", 2, 18, 1), rating=5, amount=("tutoring", "hours a week", 1, 10, 1),
+           says=("gives {v} of tutoring", "includes {v} of tutoring", "with {v} of tutoring"),
+           goals=("I want the most tutoring hours.", "As many hours a week as possible.",
+                  "Tutoring time matters most.")),
+    Domain("a projector for the meeting room", ("Epson", "BenQ", "Optoma", "ViewSonic", "Acer"), ("USD", 300, 2000, 25),
+           ("days", 1, 10, 1), rating=10, amount=("brightness", "lumens", 2000, 6000, 100), verb="arrives in",
+           says=("gives {v}", "puts out {v}", "has a brightness of {v}"),
+           goals=("The brightest one, please.", "I want the most lumens.", "Brightness matters most.")),
+)
+
 # -- how figures are said ------------------------------------------------------------------------------------------
 
 _MONEY = {
@@ -124,8 +200,8 @@ _MONEY = {
     "kUSD": ("${v}k", "{v}k USD", "{v} thousand dollars"),
 }
 _TIME = {"min": ("{v} min", "{v} minutes"), "h": ("{v} h", "{v} hours"), "days": ("{v} days",),
-         "weeks": ("{v} weeks",)}
-_TIME_SHORT = {"min": "min", "h": "h", "days": "days", "weeks": "weeks"}
+         "weeks": ("{v} weeks",), "months": ("{v} months",)}  # months: training's reading domains only
+_TIME_SHORT = {"min": "min", "h": "h", "days": "days", "weeks": "weeks", "months": "months"}
 _RATING = {5: ("{v} stars", "{v}/5", "{v} out of 5"), 10: ("{v}/10", "{v} out of 10")}
 
 
@@ -137,6 +213,7 @@ class Wording:
     time: str
     rating: str
     extra_time_share: float
+    grouped: bool = False  # training only: thousands written "1,400"
 
     @classmethod
     def draw(cls, rng: random.Random, d: Domain) -> Wording:
@@ -160,6 +237,10 @@ class Facts:
     shown: list[str]  # the attributes the question gives, in its order
     objective: str
     limit: tuple[str, Any] | None  # (attribute, threshold): price/time at most, rating/amount at least, risk at most
+    # Training only (`_draw_reading_facts`): decimals an attribute's integers are said with (a rating of 45 with
+    # scale 1 is "4.5"), and prices said without their currency ("quotes 1800").
+    scale: dict[str, int] = field(default_factory=dict)
+    money_bare: bool = False
 
     def ok(self, name: str) -> bool:
         if self.limit is None:
@@ -183,6 +264,14 @@ class Facts:
     def label(self) -> str:
         kept = self.kept
         return min(kept, key=self.rank) if kept else NONE
+
+    @property
+    def on_bound(self) -> list[str]:
+        """The options whose figure equals the limit's threshold ("at least 4" and 4): they meet it."""
+        if self.limit is None:
+            return []
+        attribute, threshold = self.limit
+        return [n for n in self.names if self.values[attribute][n] == threshold]
 
     def scenario(self, question: str) -> Scenario:
         """As a `Scenario` whose gold is this question's (checked by `sample`)."""
@@ -270,6 +359,96 @@ def _draw_limit(rng: random.Random, attribute: str, values: dict[str, dict[str, 
     return attribute, cut
 
 
+# -- training's reading practice -----------------------------------------------------------------------------------
+# The training split alone draws its facts here (`sample`), so the validation and test splits keep every draw they
+# made before (their files are byte-identical; tests/test_prose_questions_reading.py holds their digests).
+
+READING_DOMAIN_SHARE = 0.45  # of training questions from READING_DOMAINS, the rest from TRAIN_DOMAINS
+READING_LIMIT_SHARE = 0.7  # of training questions with a limit, where a second figure is shown (validation: 0.6)
+BOUND_SHARE = 0.4  # of numeric limits set exactly on one option's figure, which meets it ("at least 4" and 4)
+BOUND_WINS_SHARE = 0.7  # of those, the option on the bound wins (else it is kept and loses to another)
+DECIMAL_RATING_SHARE = 0.3  # of rated training questions whose ratings have a decimal ("4.5 stars")
+BARE_MONEY_SHARE = 0.15  # of training questions whose prices carry no currency ("quotes 1800")
+GROUPED_SHARE = 0.3  # of training questions that write thousands with a comma ("$1,400")
+
+
+def _draw_reading_facts(rng: random.Random, d: Domain) -> Facts:
+    """`_draw_facts` for the training split: a reading domain always shows its amount (usually in place of its
+    rating), ratings sometimes have a decimal, a limit comes more often and half the time sits on an option's
+    figure (`_bound_limit`)."""
+    k = rng.choices((2, 3, 4), weights=(3, 4, 3))[0]
+    names = rng.sample(d.names, k)
+    available = [a for a in ATTRIBUTES if {"price": d.money[2] > 0, "time": d.time is not None,
+                                           "rating": d.rating is not None, "amount": d.amount is not None,
+                                           "risk": d.risk is not None}[a]]
+    if "rating" in available and "amount" in available:
+        available.remove("rating" if rng.random() < (0.8 if d.says else 0.5) else "amount")
+    shown = rng.sample(available, min(len(available), rng.choice((2, 2, 3))))
+    if d.says and "amount" in available and "amount" not in shown:
+        shown[rng.randrange(len(shown))] = "amount"
+    values: dict[str, dict[str, Any]] = {}
+    extra: dict[str, int] = {}
+    scale: dict[str, int] = {}
+    for a in shown:
+        if a == "price":
+            _, low, high, step = d.money
+            values[a] = dict(zip(names, _distinct(rng, low, high, step, k)))
+        elif a == "time":
+            unit, low, high, step = d.time
+            values[a] = dict(zip(names, _distinct(rng, low, high, step, k)))
+        elif a == "rating":
+            if rng.random() < DECIMAL_RATING_SHARE:  # tenths: 45 is "4.5"
+                scale[a] = 1
+                values[a] = dict(zip(names, _distinct(rng, 4 * d.rating, 10 * d.rating, 1, k)))
+            else:
+                values[a] = dict(zip(names, _distinct(rng, 1, d.rating, 1, k)))
+        elif a == "amount":
+            _, _, low, high, step = d.amount
+            values[a] = dict(zip(names, _distinct(rng, low, high, step, k)))
+            if d.scale:
+                scale[a] = d.scale
+        else:
+            values[a] = {n: rng.choice(RISKS) for n in names}
+    if "time" in values and d.extra_time:
+        for n in names:
+            if rng.random() < 0.35 and values["time"][n] > d.time[1]:
+                extra[n] = rng.randint(1, values["time"][n] - d.time[1])
+    objective = rng.choice(shown)
+    limit = None
+    others = [a for a in shown if a != objective]
+    if others and rng.random() < READING_LIMIT_SHARE:
+        attribute = rng.choice(others)
+        if attribute != "risk" and rng.random() < BOUND_SHARE:
+            limit = _bound_limit(rng, attribute, values, names, objective)
+        else:
+            limit = _draw_limit(rng, attribute, values, names, objective)
+    money_bare = "price" in shown and rng.random() < BARE_MONEY_SHARE
+    return Facts(d, names, values, extra, shown, objective, limit, scale, money_bare)
+
+
+def _bound_limit(rng: random.Random, attribute: str, values: dict[str, dict[str, Any]], names: list[str],
+                 objective: str) -> tuple[str, Any]:
+    """A threshold equal to one option's figure on `attribute` (inclusive: that option meets it). Most often that
+    option is then the winner and the limit rules out a better one, so reading "at least 4" with a 4 as a failure
+    gives a wrong decision."""
+    lower_is_better = attribute in _LOWER_IS_BETTER
+
+    def rank(n: str) -> int:
+        v = values[objective][n]
+        v = RISKS.index(v) if objective == "risk" else v
+        return v if objective in _LOWER_IS_BETTER else -v
+
+    def kept_at(threshold: int) -> list[str]:
+        return [n for n in names if (values[attribute][n] <= threshold if lower_is_better
+                                     else values[attribute][n] >= threshold)]
+
+    wins = [n for n in names if min(kept_at(values[attribute][n]), key=rank) == n]
+    deciding = [n for n in wins if len(kept_at(values[attribute][n])) < len(names)]
+    losing = [n for n in names if n not in wins]  # on the bound, kept, and beaten by another kept option
+    on = rng.choice(deciding or wins) if rng.random() < BOUND_WINS_SHARE or not losing else rng.choice(losing)
+    return attribute, values[attribute][on]
+
+
 # -- saying it -----------------------------------------------------------------------------------------------------
 
 
@@ -318,9 +497,56 @@ LIMITS = {
     "risk_medium": Phrasing(("High risk is not acceptable.", "Nothing with high risk."),
                             ("I can't take a high risk here.",)),
 }
+# Training only: more inclusive ways to say a limit ("no less than", "up to", "within", ...), a figure on the bound
+# meeting it. {v} is the figure with its unit; amount phrasings that name the {noun} are left out where the unit is
+# the noun ("seats").
+READING_LIMITS = {
+    "price": ("No more than {v}, please.", "I can pay up to {v}.", "It can cost at most {v}.", "{v} max.",
+              "It must not go over {v}.", "Up to {v} is fine.", "The price can be {v} at most.", "My limit is {v}."),
+    "time": ("No more than {v}.", "It has to be within {v}.", "Up to {v} is fine.", "{v} at most.",
+             "{v} or less, please.", "It can't take longer than {v}.", "Within {v} is what I need."),
+    "rating": ("No less than {v}.", "It must be rated {v} or better.", "A rating of at least {v} is a must.",
+               "Minimum rating: {v}.", "At least {v}, please."),
+    "amount": ("It needs at least {v}.", "No less than {v}, please.", "A minimum of {v} is required.",
+               "{v} or more is a must.", "Anything under {v} is not enough.", "We need at least {v}.",
+               "It has to reach at least {v}.", "{Noun} must be at least {v}.", "I need {noun} of no less than {v}.",
+               "{Noun}: {v} at the very least."),
+}
+READING_TIME_GOALS = ("I care most about time.", "Time is what counts for me.", "I need it as soon as possible.",
+                      "The sooner, the better.", "The shortest wait wins.")
 DISTRACTORS = ("My friend likes {x}.", "{x} has a nicer website.", "It might rain on Tuesday.",
                "{x} was recommended on a forum.", "I used {x} once, years ago.", "My manager has no preference.",
                "The deadline for deciding is Friday.", "{x} sends a newsletter every week.")
+
+
+def _number(f: Facts, attribute: str, value: Any) -> str:
+    """A figure's number as the question and the answers write it: the integer, or with its decimals where the
+    question has them (`Facts.scale`: 9995 is "99.95", 45 is "4.5", 40 is "4")."""
+    scale = f.scale.get(attribute, 0)
+    if not scale or not isinstance(value, int):
+        return str(value)
+    whole, part = divmod(value, 10 ** scale)
+    return f"{whole}.{part:0{scale}d}".rstrip("0").rstrip(".")
+
+
+def _with_unit(number: str, unit: str) -> str:
+    """"99.95%", "30 pages a minute": a percent sign joins its number."""
+    return f"{number}{unit}" if unit.startswith("%") else f"{number} {unit}"
+
+
+def _said(f: Facts, w: Wording, attribute: str, value: Any) -> str:
+    """A figure in the question's words: "€1,400", "4.5 stars", "99.95%", "3 h"."""
+    d = f.domain
+    if attribute == "price":
+        return w.money.format(v=f"{value:,}" if w.grouped else value)
+    if attribute == "time":
+        return w.time.format(v=value)
+    if attribute == "rating":
+        return w.rating.format(v=_number(f, attribute, value))
+    if attribute == "amount":
+        number = f"{value:,}" if w.grouped and not f.scale.get(attribute) else _number(f, attribute, value)
+        return _with_unit(number, d.amount[1]) if d.amount else number
+    return str(value)
 
 
 def _figure(f: Facts, w: Wording, attribute: str, name: str, rng: random.Random) -> str:
@@ -328,7 +554,7 @@ def _figure(f: Facts, w: Wording, attribute: str, name: str, rng: random.Random)
     d, value = f.domain, f.values[attribute][name]
     if attribute == "price":
         return rng.choice(("costs {m}", "is {m}", "for {m}", "at {m}", "priced at {m}")).format(
-            m=w.money.format(v=value)) if value else "is free"
+            m=_said(f, w, attribute, value)) if value else "is free"
     if attribute == "time":
         if name in f.extra:
             base = w.time.format(v=value - f.extra[name])
@@ -336,11 +562,14 @@ def _figure(f: Facts, w: Wording, attribute: str, name: str, rng: random.Random)
         return f"{d.verb} {w.time.format(v=value)}"
     if attribute == "rating":
         return rng.choice(("rated {r}", "has {r}", "with reviews of {r}", "scores {r}")).format(
-            r=w.rating.format(v=value))
+            r=_said(f, w, attribute, value))
     if attribute == "amount":
+        if d.says:  # training's reading domains: "prints 30 pages a minute"
+            return rng.choice(d.says).format(v=_said(f, w, attribute, value))
         noun, unit = d.amount[0], d.amount[1]
+        number = _said(f, w, attribute, value).removesuffix(f" {unit}")
         return rng.choice(("has {v} {u} of {n}", "offers {v} {u} of {n}", "with {v} {u} of {n}")).format(
-            v=value, u=unit, n=noun) if unit != noun else f"has {value} {unit}"
+            v=number, u=unit, n=noun) if unit != noun else f"has {number} {unit}"
     return rng.choice(("{l} risk", "a {l} risk of {what}", "{l} {what} risk")).format(l=value, what=d.risk)
 
 
@@ -353,20 +582,30 @@ def _join(parts: list[str]) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
-def _limit_sentence(f: Facts, w: Wording, rng: random.Random, held_out: bool) -> str:
+def _limit_sentence(f: Facts, w: Wording, rng: random.Random, held_out: bool, reading: bool = False) -> str:
     if f.limit is None:
         return ""
     attribute, threshold = f.limit
     if attribute == "risk":
         return LIMITS[f"risk_{threshold}"].pick(rng, held_out)
-    said = {"price": lambda v: w.money.format(v=v), "time": lambda v: w.time.format(v=v),
-            "rating": lambda v: w.rating.format(v=v),
-            "amount": lambda v: f"{v} {f.domain.amount[1]}" if f.domain.amount else str(v)}[attribute](threshold)
-    return LIMITS[attribute].pick(rng, held_out).format(v=said, noun=f.domain.amount[0] if f.domain.amount else "")
-
-
-def _objective_sentence(f: Facts, rng: random.Random, held_out: bool) -> str:
+    said = _said(f, w, attribute, threshold)
     noun = f.domain.amount[0] if f.domain.amount else ""
+    if reading:  # training: the inclusive phrasings too; a reading domain's amount only in its own words
+        pool = list(READING_LIMITS[attribute])
+        if attribute == "amount" and noun == f.domain.amount[1]:
+            pool = [p for p in pool if "oun}" not in p]
+        if not (attribute == "amount" and (f.domain.says or noun == f.domain.amount[1])):
+            pool += LIMITS[attribute].train
+        return rng.choice(pool).format(v=said, noun=noun, Noun=noun.capitalize())
+    return LIMITS[attribute].pick(rng, held_out).format(v=said, noun=noun)
+
+
+def _objective_sentence(f: Facts, rng: random.Random, held_out: bool, reading: bool = False) -> str:
+    noun = f.domain.amount[0] if f.domain.amount else ""
+    if reading and f.objective == "amount" and f.domain.goals:  # "I want the most pages a minute."
+        return rng.choice(f.domain.goals)
+    if reading and f.objective == "time" and f.domain.says:  # not "fastest" where the amount may be a speed
+        return rng.choice(READING_TIME_GOALS)
     return OBJECTIVES[f.objective].pick(rng, held_out).format(noun=noun, Noun=noun.capitalize())
 
 
@@ -409,16 +648,45 @@ SHAPES: tuple[Callable[[Facts, Wording, random.Random], str], ...] = (
 HELD_OUT_SHAPES = (_shape_found, _shape_then)
 
 
-def render(f: Facts, rng: random.Random, held_out: bool) -> str:
-    """The question in words: intro, options, limit, objective (sometimes first), a distractor, an Options line."""
+def _reading_distractors(f: Facts) -> tuple[str, ...]:
+    """Training only: asides about a figure the decision must ignore ("X has the best reviews, whatever."), said
+    only where that figure is neither the objective nor the limit, and naming the option they are true of when the
+    question gives the figure."""
+    limited = f.limit[0] if f.limit else None
+    v = f.values
+
+    def named(attribute: str, best: bool) -> str:  # "{x}" (any option) where the question does not say
+        if attribute not in v:
+            return "{x}"
+        return (min if best == (attribute == "price") else max)(f.names, key=lambda n: v[attribute][n]).replace(
+            "{", "{{").replace("}", "}}")
+
+    extra = []
+    if f.objective != "rating" and limited != "rating":
+        extra += [f"{named('rating', False)} has awful reviews, but that is not what I am asking.",
+                  f"{named('rating', True)} has the best reviews, whatever."]
+    if f.objective != "price" and limited != "price":
+        extra += ["Money isn't an issue.", f"{named('price', True)} is the cheapest, but that doesn't matter."]
+    return DISTRACTORS + tuple(extra)
+
+
+def render(f: Facts, rng: random.Random, held_out: bool, reading: bool = False) -> str:
+    """The question in words: intro, options, limit, objective (sometimes first), a distractor, an Options line.
+    `reading` (the training split alone) adds the training-only wordings: thousands with commas, prices without a
+    currency, inclusive limit phrasings, a reading domain's own goals, asides about figures that do not count."""
     w = Wording.draw(rng, f.domain)
+    if reading:
+        w.grouped = rng.random() < GROUPED_SHARE
+        if f.money_bare:
+            w.money = "{v}"
     shape = rng.choice(HELD_OUT_SHAPES if held_out and rng.random() < 0.5 else SHAPES)
     intro = INTROS.pick(rng, held_out and rng.random() < 0.5).format(topic=f.domain.topic)
     body = shape(f, w, rng)
     hold = held_out and rng.random() < 0.5
-    limit = _limit_sentence(f, w, rng, hold)
-    objective = _objective_sentence(f, rng, hold)
-    distractor = rng.choice(DISTRACTORS).format(x=rng.choice(f.names)) if rng.random() < 0.35 else ""
+    limit = _limit_sentence(f, w, rng, hold, reading)
+    objective = _objective_sentence(f, rng, hold, reading)
+    distractors = _reading_distractors(f) if reading else DISTRACTORS
+    distractor = rng.choice(distractors).format(x=rng.choice(f.names)) if rng.random() < 0.35 else ""
     parts = [objective, intro, body, limit] if rng.random() < 0.25 else [intro, body, limit, objective]
     if distractor:
         parts.insert(rng.randint(1, len(parts)), distractor)
@@ -446,6 +714,8 @@ def _value(f: Facts, attribute: str, name: str) -> str:
     """A figure as the answers write it: number and short unit."""
     value, d = f.values[attribute][name], f.domain
     if attribute == "price":
+        if f.money_bare:  # the question gave no currency: the answer adds none
+            return str(value)
         return f"{value} {'kUSD' if d.money[0] == 'kUSD' else d.money[0]}"
     if attribute == "time":
         unit = _TIME_SHORT[d.time[0]]
@@ -453,9 +723,9 @@ def _value(f: Facts, attribute: str, name: str) -> str:
             return f"{value - f.extra[name]} {unit} + {f.extra[name]} {unit} = {value} {unit}"
         return f"{value} {unit}"
     if attribute == "rating":
-        return f"{value}/{d.rating}"
+        return f"{_number(f, attribute, value)}/{d.rating}"
     if attribute == "amount":
-        return f"{value} {d.amount[1]}"
+        return _with_unit(_number(f, attribute, value), d.amount[1])
     return f"{value} risk"
 
 
@@ -471,17 +741,18 @@ def _limit_words(f: Facts) -> str:
     attribute, threshold = f.limit
     if attribute == "risk":
         return f"risk at most {threshold}"
-    unit = {"price": lambda: f.domain.money[0], "time": lambda: _TIME_SHORT[f.domain.time[0]],
+    unit = {"price": lambda: "" if f.money_bare else f.domain.money[0],
+            "time": lambda: _TIME_SHORT[f.domain.time[0]],
             "rating": lambda: f"/{f.domain.rating}", "amount": lambda: f.domain.amount[1]}[attribute]()
-    sep = "" if attribute == "rating" else " "
+    sep = "" if attribute == "rating" or unit.startswith("%") else " "
     word = "at most" if attribute in _LOWER_IS_BETTER else "at least"
     name = f.domain.amount[0] if attribute == "amount" else attribute
-    return f"{name} {word} {threshold}{sep}{unit}"
+    return f"{name} {word} {_number(f, attribute, threshold)}{sep}{unit}".rstrip(" ")
 
 
 def _bare(f: Facts, attribute: str, name: str) -> str:
-    """A value as the answers compare it: the number alone, or the risk level."""
-    return str(f.values[attribute][name])
+    """A value as the answers compare it: the number alone (with the question's decimals), or the risk level."""
+    return _number(f, attribute, f.values[attribute][name])
 
 
 def _sign(f: Facts, attribute: str, left: str, right: str) -> str:
@@ -514,12 +785,13 @@ def _compared(f: Facts, name: str, best: str | None) -> str:
 
 
 def _check(f: Facts, name: str) -> str:
-    """The limit checked on one option: `32 > 30 -> drop`, `medium <= medium -> keep`."""
+    """The limit checked on one option: `32 > 30 -> drop`, `medium <= medium -> keep`; a figure on the bound meets
+    the limit (`4 >= 4 -> keep`, `300 <= 300 -> keep`)."""
     attribute, threshold = f.limit
     value = _bare(f, attribute, name)
     ok = f.ok(name)
     sign = ("<=" if ok else ">") if attribute in _LOWER_IS_BETTER else (">=" if ok else "<")
-    return f"{value} {sign} {threshold} -> {'keep' if ok else 'drop'}"
+    return f"{value} {sign} {_number(f, attribute, threshold)} -> {'keep' if ok else 'drop'}"
 
 
 def laya_answer(f: Facts) -> str:
@@ -576,15 +848,20 @@ def sample(rng: random.Random, split: str, none_share: float = 0.06) -> Question
     domains, with half of its phrasings held out too. Ties on the objective are redrawn (a person could not say
     which is meant), as is "none" beyond its share."""
     held_out = split == "test"
+    reading = split == "train"  # training's reading practice; validation and test draw as they always did
     domains = HELD_OUT_DOMAINS if held_out else TRAIN_DOMAINS
     while True:
-        facts = _draw_facts(rng, rng.choice(domains))
+        if reading:
+            facts = _draw_reading_facts(rng, rng.choice(READING_DOMAINS if rng.random() < READING_DOMAIN_SHARE
+                                                        else TRAIN_DOMAINS))
+        else:
+            facts = _draw_facts(rng, rng.choice(domains))
         kept = facts.kept
         if not kept and rng.random() > none_share / 0.1:  # "none" comes up about 10 % of the time unchecked
             continue
         if kept and sum(facts.rank(n) == facts.rank(facts.label) for n in kept) > 1:
             continue
-        question = Question(facts, render(facts, rng, held_out))
+        question = Question(facts, render(facts, rng, held_out, reading))
         scenario = question.scenario
         if gold(scenario) != question.label or any(feasible(scenario, o) != facts.ok(o.name)
                                                     for o in scenario.options):
