@@ -27,6 +27,7 @@ app.command("flower")(serve.flower)
 app.command("train")(models.train)
 app.command("run")(serve.run)
 app.command("eval")(models.evaluate)
+app.command("eval-tools")(models.evaluate_tools)
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Model-lab commands (`modellab/`): `models random`, `models build-demo`, `models questions`, `models data`,
-`models prose-data`, `models calibrate`, `models prepare`, `models verify`, `train` and `eval`."""
+`models prose-data`, `models calibrate`, `models prepare`, `models verify`, `train`, `eval` and `eval-tools`."""
 
 from __future__ import annotations
 
@@ -131,22 +131,36 @@ def models_questions(
 
 @app.command("prose-data")
 def models_prose_data(
-    out: Annotated[Path, typer.Option(help="directory for kev/train.jsonl, laya/train.jsonl, val_scenarios.jsonl "
-                                           "and test_questions.jsonl")],
+    out: Annotated[Path, typer.Option(help="directory for kev/train.jsonl, laya/train.jsonl, val_scenarios.jsonl, "
+                                           "test_questions.jsonl and test_tool_questions.jsonl")],
     train: Annotated[int, typer.Option(min=1, help="plain-words training questions (training domains)")] = 6000,
     templated: Annotated[int, typer.Option(min=0, help="templated scenarios mixed in")] = 2000,
     val: Annotated[int, typer.Option(min=1, help="validation questions (for `kevlaya models calibrate`)")] = 400,
     test: Annotated[int, typer.Option(min=1, help="held-out questions: unseen domains and phrasings")] = 400,
+    tool_calls: Annotated[int, typer.Option(
+        min=0, help="tool-use requests shuffled into each role's train.jsonl: 2-5 function tools offered, the "
+        "answer the calls the request asks for in the wire format the grammar enforces (or, where no tool fits, a "
+        "plain sentence); 0: none, the decision data alone")] = 4000,
+    tool_test: Annotated[int, typer.Option(
+        min=0, help="held-out tool requests written to test_tool_questions.jsonl (tool domains and phrasings "
+        "training never sees), for `kevlaya eval-tools`; 0: none")] = 400,
     seed: Annotated[int, typer.Option()] = 0,
 ) -> None:
     """Write the roles' training data for a real base: decision questions in plain words (named options, figures in
-    any order and unit, objectives and limits said many ways) mixed with templated scenarios, and the held-out
-    questions of domains and phrasings training never sees (modellab/prose_questions.py)."""
+    any order and unit, objectives and limits said many ways) mixed with templated scenarios and tool-use requests,
+    and the held-out questions and tool requests of domains and phrasings training never sees
+    (modellab/prose_questions.py, modellab/tool_questions.py)."""
     from modellab.prose_questions import write_dataset
+    from modellab.tool_questions import add_to_training, write_tool_questions
 
-    for name, path in write_dataset(out, n_train=train, n_templated=templated, n_val=val, n_test=test,
-                                    seed=seed).items():
+    paths = write_dataset(out, n_train=train, n_templated=templated, n_val=val, n_test=test, seed=seed)
+    add_to_training(out, tool_calls, seed)  # the decision data is the same with tools or without
+    if tool_test:
+        paths["test_tool_questions"] = write_tool_questions(out / "test_tool_questions.jsonl", tool_test, seed)
+    for name, path in paths.items():
         typer.echo(f"{name}: {path}")
+    if tool_calls:
+        typer.echo(f"tool requests: {tool_calls} in each train.jsonl")
 
 
 @app.command("data")
@@ -382,3 +396,48 @@ def evaluate(
                        f"accuracy {comparison['nf4_modes'][mode]['accuracy']:.1%} vs "
                        f"{comparison['reference_modes'][mode]['accuracy']:.1%}")
     typer.echo(f"written {out / 'results.json'} and {out / 'results.png'}")
+
+
+def evaluate_tools(
+    questions: Annotated[Path, typer.Option(help="held-out tool requests (JSONL): `kevlaya models prose-data --out DIR` "
+                                                 "writes DIR/test_tool_questions.jsonl")],
+    out: Annotated[Path, typer.Option(help="directory for results.json")] = Path("models/eval/tools"),
+    roles: Annotated[str, typer.Option(help="comma-separated: laya, kev (`auto` with tools answers as Laya)")] = (
+        "laya,kev"),
+    limit: Annotated[Optional[int], typer.Option(min=1, help="evaluate only the first N requests")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="jobs per forward pass; 1 = each job served alone")] = 1,
+    max_new_tokens: Annotated[int, typer.Option(
+        min=1, help="each job's max_new_tokens, as a client's max_tokens (two calls take under 160 tokens)")] = 256,
+) -> None:
+    """Which function each role calls, with what arguments, on held-out tool requests in plain words: each request
+    run as the chat API stores it (tools in the system prompt, the tools' grammar, greedy) through the worker's slot
+    decoder. Reports per role and tool_choice the right function, exact arguments, valid arguments (jsonschema) and
+    "no call" where no offered tool fits.
+
+    Uses the configured base model and adapters (KEVLAYA_MODEL__BASE, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
+    import json
+    import logging
+    import shlex
+
+    from modellab.tool_evaluation import ROLES, load_tool_items, run_tool_evaluation, table
+    from worker.model.loading import load_model
+
+    chosen = _subset(roles, ROLES, "--roles")
+    if not questions.exists():
+        fail(f"no tool questions at {questions}: write them with `kevlaya models prose-data --out DIR` "
+             "(DIR/test_tool_questions.jsonl)")
+    try:
+        items = load_tool_items(questions, limit)
+    except ValueError as exc:
+        fail(str(exc))
+    logging.basicConfig(level=logging.WARNING)
+    settings = get_settings()
+    loaded = load_model(settings)
+    if refused := {r: loaded.refusal(r) for r in chosen if loaded.refusal(r)}:
+        fail("; ".join(refused.values()))
+    report = run_tool_evaluation(loaded, settings, items, chosen, batch_size, max_new_tokens)
+    report["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    typer.echo(table(report))
+    typer.echo(f"written {out / 'results.json'}")

@@ -91,6 +91,13 @@ def load_scenarios(path: Path, limit: int | None = None) -> list[tuple[str, Scen
     return items
 
 
+def slot_decoder(loaded: LoadedModel, settings: Settings, slots: int) -> SlotDecoder:
+    """The worker's decoder (its options from the settings, as served) with `slots` slots."""
+    window = min(settings.engine.window_tokens, loaded.context or settings.engine.window_tokens)
+    return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
+                       eos_ids=loaded.eos_ids, options=decoder_options(settings, loaded.device))
+
+
 class Evaluator:
     def __init__(self, loaded: LoadedModel, settings: Settings, batch_size: int = 1, grammar: bool = True):
         self.loaded, self.settings, self.batch_size, self.grammar = loaded, settings, batch_size, grammar
@@ -128,11 +135,7 @@ class Evaluator:
         return answers
 
     def _decoder(self) -> SlotDecoder:
-        """The worker's decoder (its options from the settings, as served) with `batch_size` slots."""
-        window = min(self.settings.engine.window_tokens, self.loaded.context or self.settings.engine.window_tokens)
-        return SlotDecoder(self.loaded.model, self.loaded.tokenizer, sorted(self.loaded.adapters),
-                           slots=self.batch_size, window=window, eos_ids=self.loaded.eos_ids,
-                           options=decoder_options(self.settings, self.loaded.device))
+        return slot_decoder(self.loaded, self.settings, self.batch_size)
 
     def _request(self, adapter: str, scenario: Scenario, constrained: bool) -> GenerationRequest:
         profile = self.settings.adapter_profile(adapter)

@@ -144,7 +144,8 @@ def test_every_comparison_says_which_way_the_objective_goes(train):
 
 def test_the_prose_data_command_writes_training_and_held_out_files(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cli", "models", "prose-data", "--out", str(tmp_path),
-                           "--train", "40", "--templated", "10", "--val", "5", "--test", "7"],
+                           "--train", "40", "--templated", "10", "--val", "5", "--test", "7",
+                           "--tool-calls", "0"],  # the decision data alone (tool requests: tests/test_tool_questions.py)
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     for adapter in ("kev", "laya"):

@@ -1,4 +1,5 @@
-"""Training data: JSONL validation with line numbers, chat-format encoding, overlong filter, label balancing."""
+"""Training data: JSONL validation with line numbers, chat-format encoding (with a record's function tools as the
+server puts them in the system prompt), overlong filter, label balancing."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from modellab.training.config import IGNORE_INDEX, DataError
 from shared.decision import offered_options
+from shared.grammar import MAX_TOOL_CALLS, TOOL_CALL_OPEN
+from shared.schemas import JobParams, model_messages
+from shared.tools import leading_calls, offered_functions
 
 log = logging.getLogger("kevlaya.training")
 
@@ -25,6 +30,57 @@ class Sample:
     completion: str
     label: str | None
     line: int
+    tools: dict[str, Any] | None = None  # the job params of a request offering tools (`tool_job_params`)
+
+
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+class ToolsFieldError(ValueError):
+    """A record's `tools` field the API would refuse, naming the part at fault (`tools.tools.0.function.name`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f'field "{field}": {message}')
+
+
+def tool_job_params(value: Any) -> dict[str, Any]:
+    """A record's `tools` field (`{"tools", "tool_choice"?, "parallel_tool_calls"?}`, a chat request's tool
+    fields) as the job params the API stores for such a request (output `tool_calls`): what the worker builds the
+    prompt and the grammar from. Checked as the API checks them; ToolsFieldError names the part at fault."""
+    if not isinstance(value, dict):
+        raise ToolsFieldError("tools", f"must be an object {{tools, tool_choice?, parallel_tool_calls?}}, not "
+                              f"{type(value).__name__}")
+    if unknown := sorted(set(value) - set(TOOL_FIELDS)):
+        raise ToolsFieldError(f"tools.{unknown[0]}", f"not a tool field (only {', '.join(TOOL_FIELDS)})")
+    if "tools" not in value:
+        raise ToolsFieldError("tools.tools", "is missing")
+    try:
+        params = JobParams.model_validate({"output": "tool_calls", **value})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise ToolsFieldError(f"tools.{where}" if where else "tools", error["msg"]) from None
+    return params.model_dump(exclude_none=True)
+
+
+def _tool_completion_problem(completion: str, params: dict[str, Any]) -> str | None:
+    """Why a completion is no answer the tools' grammar would let the model write, or None: calls naming offered
+    functions (one at most without parallel calls), calls alone where tool_choice forces one."""
+    calls, end = leading_calls(completion)
+    forced = (params.get("tool_choice") or "auto") != "auto"
+    if not calls and forced:
+        return "tool_choice forces a call: the completion must be calls in the wire format"
+    if not calls:  # text, which may not open a call
+        return "opens a call it does not complete" if completion.startswith(TOOL_CALL_OPEN.strip()) else None
+    if end != len(completion):
+        return "must be calls alone in the wire format (shared/tools.py call_text), nothing after them"
+    offered = offered_functions(params)
+    if stray := [name for name, _ in calls if name not in offered]:
+        return f"calls {stray[0]!r}, which tool_choice and tools do not offer"
+    most = MAX_TOOL_CALLS if params.get("parallel_tool_calls") is not False else 1
+    if len(calls) > most:
+        return f"makes {len(calls)} calls; at most {most} here"
+    return None
 
 
 def _field_problem(record: dict[str, Any], name: str, required: bool) -> str | None:
@@ -39,7 +95,9 @@ def _field_problem(record: dict[str, Any], name: str, required: bool) -> str | N
 
 
 def read_samples(path: Path) -> list[Sample]:
-    """Every record of a JSONL file `{"prompt", "completion", "label"?}`; raises DataError listing all problems.
+    """Every record of a JSONL file `{"prompt", "completion", "label"?, "tools"?}`; raises DataError listing all
+    problems. `tools` (a chat request's `tools`, `tool_choice` and `parallel_tool_calls`) is checked as the API
+    checks them, and the completion against it (calls of offered functions, calls alone where a call is forced).
 
     Lines are decoded one by one, so a bad byte is reported on its own line rather than failing the file."""
     path = Path(path)
@@ -72,9 +130,18 @@ def read_samples(path: Path) -> list[Sample]:
             continue
         found = [p for name, required in (("prompt", True), ("completion", True), ("label", False))
                  if (p := _field_problem(record, name, required))]
+        tools = None
+        if "tools" in record:
+            try:
+                tools = tool_job_params(record["tools"])
+            except ToolsFieldError as exc:
+                found.append(str(exc))
+            else:
+                if not found and (problem := _tool_completion_problem(record["completion"], tools)):
+                    found.append(f'field "completion": {problem}')
         problems.extend(f"{where}: {p}" for p in found)
         if not found:
-            samples.append(Sample(record["prompt"], record["completion"], record.get("label"), number))
+            samples.append(Sample(record["prompt"], record["completion"], record.get("label"), number, tools))
     if not samples and not problems:
         problems.append(f"{path}: no records")
     if problems:
@@ -82,7 +149,11 @@ def read_samples(path: Path) -> list[Sample]:
     return samples
 
 
-def chat_messages(system_prompt: str, prompt: str) -> list[dict[str, str]]:
+def chat_messages(system_prompt: str, prompt: str, tools: dict[str, Any] | None = None) -> list[dict[str, str]]:
+    """The role's system prompt, then the prompt. With `tools` (job params, `tool_job_params`) the messages the
+    worker builds for such a job (shared/schemas.py `model_messages`: the tools block after the system prompt)."""
+    if tools is not None:
+        return model_messages(prompt, tools, system_prompt)
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": prompt}]
 
 
@@ -105,12 +176,13 @@ def balance_class(prompt: str, label: str | None) -> str | None:
 
 def encode_samples(tokenizer: PreTrainedTokenizerBase, samples: Sequence[Sample], system_prompt: str,
                    chunk: int = 1024) -> list[Encoded]:
-    """Token ids exactly as served: the chat template with the generation prompt, then completion + EOS."""
+    """Token ids exactly as served: the chat template with the generation prompt (and a sample's tools in the
+    system message, as the worker puts them), then completion + EOS."""
     encoded: list[Encoded] = []
     for start in range(0, len(samples), chunk):
         part = samples[start:start + chunk]
         prompts = tokenizer.apply_chat_template(
-            [chat_messages(system_prompt, s.prompt) for s in part], add_generation_prompt=True, tokenize=True,
+            [chat_messages(system_prompt, s.prompt, s.tools) for s in part], add_generation_prompt=True, tokenize=True,
             return_dict=True, sanitize_control_tokens=True,
         )["input_ids"]
         completions = tokenizer([s.completion for s in part], add_special_tokens=False)["input_ids"]

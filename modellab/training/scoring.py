@@ -27,7 +27,7 @@ def score_decisions(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, 
         for start in range(0, len(samples), batch_size):
             part = samples[start:start + batch_size]
             encoded = tokenizer.apply_chat_template(
-                [chat_messages(system_prompt, s.prompt) for s in part], add_generation_prompt=True, tokenize=True,
+                [chat_messages(system_prompt, s.prompt, s.tools) for s in part], add_generation_prompt=True, tokenize=True,
                 return_dict=True, padding=True, return_tensors="pt", sanitize_control_tokens=True,
             ).to(device)
             with torch.inference_mode():
