@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 # Results README: the test suite. With worksteal a process that runs out of tests takes some of another's.
 TEST_WORKERS ?= 3
 
-.PHONY: run test lint install clean
+.PHONY: run test test-floors lint install clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "error: Python 3.11+ is needed (set PYTHON=...)"; exit 2; }
@@ -31,6 +31,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# The suite with every dependency at its floor (constraints/floors.txt), in a venv of its own.
+test-floors:
+	PIP_CONSTRAINT=$(CURDIR)/constraints/floors.txt $(MAKE) install VENV=.venv-floors
+	$(MAKE) test VENV=.venv-floors
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
