@@ -65,6 +65,7 @@ class JobOutcome:
     first_token_ms: float | None = None  # from the start of its batch to its first token
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    adapter_version: str | None = None  # the sha256 of the adapter whose weights wrote the answer, if any did
 
 
 def _move(session: Session, source: str, target: str, *where: ColumnElement[bool], **values: Any) -> list[Job]:
@@ -109,7 +110,7 @@ def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome)
         session, RUNNING, outcome.status, Job.id == job.id, Job.batch_id == batch_id, Job.lease_owner.is_not(None),
         answered_by=job.adapter, result_text=outcome.result_text, decision=outcome.decision,
         error_code=outcome.error_code, error_message=outcome.error_message, finish_reason=outcome.finish_reason,
-        logprobs=outcome.logprobs,
+        logprobs=outcome.logprobs, adapter_version=outcome.adapter_version,
         prefill_ms=outcome.prefill_ms, decode_ms=outcome.decode_ms,
         prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
         queue_ms=queue_ms,
@@ -191,7 +192,8 @@ def settle_parent(session: Session, parent_id: uuid.UUID) -> bool:
         session, RUNNING, status, Job.id == parent_id, Job.lease_owner.is_(None),
         answered_by=stage.adapter, result_text=stage.result_text, decision=stage.decision, error_code=error_code,
         error_message=error_message,
-        finish_reason=stage.finish_reason, logprobs=stage.logprobs, finished_at=now, total_ms=(now - parent.created_at).total_seconds() * 1000, ttft_ms=ttft_ms,
+        finish_reason=stage.finish_reason, logprobs=stage.logprobs, adapter_version=stage.adapter_version,
+        finished_at=now, total_ms=(now - parent.created_at).total_seconds() * 1000, ttft_ms=ttft_ms,
         prefill_ms=total("prefill_ms"), decode_ms=total("decode_ms"),
         prompt_tokens=total("prompt_tokens"), completion_tokens=total("completion_tokens"),
     )

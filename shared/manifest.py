@@ -6,6 +6,9 @@ import hashlib
 from pathlib import Path
 
 MANIFEST_NAME = "MANIFEST.sha256"
+# What an adapter's version covers (docs/architecture.md §10): its config and its weights, in either format PEFT saves.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 _CHUNK = 1 << 20  # weights can be several GB: never read a whole file into memory
 
 
@@ -66,3 +69,15 @@ def verify_manifest(directory: Path) -> list[str]:
             problems.append(f"checksum mismatch for {name}")
     problems.extend(f"extra file {name} (not in the manifest)" for name in sorted(present - expected.keys()))
     return problems
+
+
+def adapter_sha256(directory: Path) -> str:
+    """An adapter's version: the SHA-256 of its manifest lines (`<sha256>  <name>\\n`, names sorted) for its config
+    and its weights, so `sha256sum adapter_config.json adapter_model.safetensors | sha256sum` in its directory gives
+    the same. Its other files (BASE.json, calibration, training record) are not its weights: recorded beside it."""
+    directory = Path(directory)
+    names = sorted(name for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS) if (directory / name).is_file())
+    if ADAPTER_CONFIG not in names or len(names) < 2:
+        raise FileNotFoundError(f"{directory} holds no {ADAPTER_CONFIG} with {' or '.join(ADAPTER_WEIGHTS)}")
+    lines = "".join(f"{file_sha256(directory / name)}  {name}\n" for name in names)
+    return hashlib.sha256(lines.encode()).hexdigest()

@@ -198,6 +198,27 @@ class Job(Base):
     response_request: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     previous_response_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)
     response_store: Mapped[bool | None] = mapped_column(Boolean)
+    # The adapter version (`adapter_versions.sha256`) whose weights wrote the answer, stored with it: for an `auto`
+    # job, its answering stage's. Null while unanswered, when the model wrote nothing (a job refused before it ran),
+    # and for jobs finished before migration 0012. A plain column: versions are never deleted, but need not be
+    # recorded first on an older worker's database.
+    adapter_version: Mapped[str | None] = mapped_column(String(64))
+
+
+class AdapterVersion(Base):
+    """An adapter version a worker loaded (shared/adapter_versions.py, docs/architecture.md §10; migration 0012): one
+    row per name and weights digest, however often it is loaded again."""
+
+    __tablename__ = "adapter_versions"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)  # its version: shared/manifest.py, adapter_sha256
+    rank: Mapped[int | None] = mapped_column(Integer)  # adapter_config.json's `r`
+    target_modules: Mapped[list[str] | str | None] = mapped_column(JSON)  # adapter_config.json's: names, or a pattern
+    base: Mapped[str] = mapped_column(String(1000))  # the base it was checked against (KEVLAYA_MODEL__BASE)
+    calibrated: Mapped[bool] = mapped_column(Boolean)  # whether it has a calibration.json
+    first_loaded_at: Mapped[datetime] = mapped_column(default=utcnow)
+    loaded_at: Mapped[datetime] = mapped_column(default=utcnow)  # the last time a worker loaded it
 
 
 class StoredFile(Base):

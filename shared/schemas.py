@@ -571,6 +571,8 @@ class JobStage(BaseModel):
 
     id: uuid.UUID
     adapter: str
+    adapter_version: str | None = Field(default=None, description="the sha256 of the adapter version that wrote "
+                                        "this stage's answer")
     status: str
     result: JobResult | None
     error: JobError | None
@@ -586,6 +588,10 @@ class JobOut(BaseModel):
     answered_by: Literal["kev", "laya"] | None = Field(
         default=None, description="the adapter whose answer (or failure) the job ended with: the requested one, or "
         "for `auto` laya, kev once Laya escalated; null while queued or running, and when cancelled")
+    adapter_version: str | None = Field(
+        default=None, description="the version of `answered_by` that wrote the answer: the sha256 of its config and "
+        "weights (GET /v1/models); null until answered, when the model wrote nothing, and for jobs finished before "
+        "versions were recorded")
     input: str | dict[str, Any]
     params: dict[str, Any]
     metadata: dict[str, Any] | None

@@ -151,7 +151,7 @@ WORKER_ROOMS = {
     "worker.ledger": {"worker.generation", "shared"},
     "worker.decoder": {"worker.model.tokens", "worker.generation", "shared.grammar"},  # a row's grammar, plain data
     "worker.model": {"worker.memory", "worker.generation", "shared.manifest", "shared.base_match", "shared.base_source",
-                     "shared.calibration", "shared.schemas", "shared.settings"},
+                     "shared.calibration", "shared.schemas", "shared.settings", "shared.adapter_identity"},
     "worker.memory": {"worker.decoder"},  # type hints only (under TYPE_CHECKING)
     "worker.metrics": {"worker.generation", "worker.ledger", "shared"},
     "worker.generation": {"shared.grammar"},  # type hints only (under TYPE_CHECKING)

@@ -11,13 +11,16 @@ import sys
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from shared.logs import FIELDS
 from shared.models import JobStatus
 from shared.settings import ADAPTERS, Settings
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from shared.adapter_identity import AdapterIdentity
     from shared.lifecycle import JobOutcome
     from shared.models import ClaimGroup, Job
     from worker.generation import GenerationResult
@@ -69,6 +72,10 @@ class WorkerMetrics:
         self.up = Gauge("kevlaya_worker_up", "1 while this worker process serves", registry=r)
         self.model_loaded = Gauge("kevlaya_worker_model_loaded", "1 when the model and adapters are loaded",
                                   registry=r)
+        # The version as an info metric's labels, one series per adapter: as a label of the job metrics it would
+        # multiply their series at every new version.
+        self.adapter = Info("kevlaya_adapter", "The adapter version each adapter serves: its weights' sha256 and the "
+                            "base it was checked against", ["adapter"], registry=r)
         self.memory = {
             kind: Gauge(f"kevlaya_gpu_memory_{kind}_bytes", help_, registry=r)
             for kind, help_ in (("allocated", "GPU memory held by tensors (0 on a CPU)"),
@@ -109,6 +116,10 @@ class WorkerMetrics:
         for kind, value in figures.items():
             self.memory[kind.removesuffix("_bytes")].set(value)
         return figures
+
+    def adapters_loaded(self, adapters: Iterable[AdapterIdentity]) -> None:
+        for adapter in adapters:
+            self.adapter.labels(adapter.name).info({"sha256": adapter.sha256, "base": adapter.base})
 
     # -- jobs and claim groups ----------------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from celery.exceptions import Reject
 from celery.signals import setup_logging, worker_process_init, worker_process_shutdown
 
 from shared import lifecycle
+from shared.adapter_identity import AdapterIdentity
+from shared.adapter_versions import record_loaded
 from shared.db import reset_engine, write_scope
 from shared.heartbeat import beat
 from shared.logs import configure_logging
@@ -26,6 +28,7 @@ app = celery_app()
 
 _engine: Engine | None = None
 _load_error: str | None = None
+_unrecorded: list[AdapterIdentity] = []  # versions loaded but not in `adapter_versions` yet (the database was down)
 _stop = threading.Event()
 
 
@@ -51,6 +54,9 @@ def _load_model(sender: str | None = None, **_kwargs: object) -> None:
         log.info("engine ready: %d slot(s) of %d tokens on %s", _engine.decoder.limit, _engine.decoder.window,
                  _engine.loaded.device)
         METRICS.model_loaded.set(1)
+        METRICS.adapters_loaded(_engine.loaded.versions.values())
+        _unrecorded.extend(_engine.loaded.versions.values())
+        _record_versions()
     except Exception as exc:
         _load_error = f"{exc.__class__.__name__}: {exc}"
         log.exception("model load failed; this worker stops taking wake-ups, so workers that can serve get them")
@@ -87,10 +93,25 @@ def _stop_background(**_kwargs: object) -> None:
     _stop.set()
 
 
+def _record_versions() -> None:
+    """Record the loaded adapter versions (docs/architecture.md §10); one the database refused is tried again at the
+    next sweep. Jobs store their version meanwhile: `jobs.adapter_version` is a plain column."""
+    if not _unrecorded:
+        return
+    try:
+        with write_scope() as session:
+            record_loaded(session, list(_unrecorded))
+    except Exception as exc:  # the database may be down for a while; the sweep tries again
+        log.warning("adapter versions not recorded yet: %s", exc)
+        return
+    _unrecorded.clear()
+
+
 def sweep() -> None:
     """Repair the job ledger (expired leases, parents left waiting on a finished stage, running jobs without a
     lease) and re-publish wake-ups that were lost (e.g. Redis restarted)."""
     settings = get_settings()
+    _record_versions()
     with write_scope() as session:
         repaired = lifecycle.repair(session, settings.reliability.max_attempts)
         stale = stale_queued_adapters(session, older_than_s=settings.reliability.sweep_interval_s)

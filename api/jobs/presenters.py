@@ -50,8 +50,8 @@ def _tokens(job: Job) -> JobTokens:
 def job_out(job: Job, children: list[Job] | None = None) -> JobOut:
     stages = None
     if children:
-        stages = [JobStage(id=c.id, adapter=c.adapter, status=c.status, result=_result(c), error=_error(c),
-                           timings=_timings(c), tokens=_tokens(c))
+        stages = [JobStage(id=c.id, adapter=c.adapter, adapter_version=c.adapter_version, status=c.status,
+                           result=_result(c), error=_error(c), timings=_timings(c), tokens=_tokens(c))
                   for c in sorted(children, key=lambda c: (c.adapter != "laya", c.created_at))]
     return JobOut(
         id=job.id,
@@ -59,6 +59,7 @@ def job_out(job: Job, children: list[Job] | None = None) -> JobOut:
         adapter=job.adapter,
         requested_adapter=job.requested_adapter,
         answered_by=job.answered_by,
+        adapter_version=job.adapter_version,
         input=readable(job.input),
         params=job.params,
         metadata=readable(job.meta),

@@ -1,18 +1,33 @@
-"""`GET /v1/models`: the model names chat completions accept, in OpenAI's list format."""
+"""`GET /v1/models`: the model names chat completions accept, in OpenAI's list format; each adapter with the version
+a worker loaded last (docs/architecture.md §10)."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal, get_args
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from api.http.deps import reject_unknown_query_parameters
+from api.http.deps import SessionDep, reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, error_responses
 from api.keys.auth import CurrentKey
+from shared.adapter_versions import last_loaded
+from shared.models import AdapterVersion
 from shared.schemas import RequestedAdapter
 
 router = APIRouter(prefix="/v1/models", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])
+
+
+class ModelVersion(BaseModel):
+    """Not in OpenAI's schema (clients ignore it): the adapter version a worker loaded last."""
+
+    adapter_version: str = Field(description="the sha256 of its config and weights, as jobs record it")
+    base: str = Field(description="the base it was checked against (KEVLAYA_MODEL__BASE)")
+    rank: int | None
+    target_modules: list[str] | str | None
+    calibrated: bool
+    loaded_at: datetime
 
 
 class ModelCard(BaseModel):
@@ -20,6 +35,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "kevlaya"
+    kevlaya: ModelVersion | None = Field(
+        default=None, description="for an adapter, its version; null for `auto` (its stages' are laya's and kev's) "
+        "and for an adapter no worker has loaded yet")
 
 
 class ModelList(BaseModel):
@@ -27,6 +45,16 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+def _card(name: str, version: AdapterVersion | None) -> ModelCard:
+    if version is None:
+        return ModelCard(id=name)
+    described = ModelVersion(adapter_version=version.sha256, base=version.base, rank=version.rank,
+                             target_modules=version.target_modules, calibrated=version.calibrated,
+                             loaded_at=version.loaded_at)
+    return ModelCard(id=name, created=int(version.first_loaded_at.timestamp()), kevlaya=described)
+
+
 @router.get("", response_model=ModelList, responses=error_responses(422, *AUTH_ERRORS))
-def list_models(_key: CurrentKey) -> ModelList:
-    return ModelList(data=[ModelCard(id=name) for name in get_args(RequestedAdapter)])
+def list_models(_key: CurrentKey, session: SessionDep) -> ModelList:
+    versions = last_loaded(session)
+    return ModelList(data=[_card(name, versions.get(name)) for name in get_args(RequestedAdapter)])

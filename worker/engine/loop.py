@@ -55,7 +55,8 @@ class Engine:
         self.turns = KeyTurns()  # whom this worker's claims served last: keys take turns (docs/architecture.md §3)
         self.draining = threading.Event()
         self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes)
-        self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
+        self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream,
+                                   {name: version.sha256 for name, version in loaded.versions.items()})
         # what the decoder counted (steps launched, seconds waiting for the GPU) up to the last step's metrics
         self.counted = (0, 0.0)
         # The writer's work must not hold the decode loop at each lock hand-back (settings: engine.switch_interval_ms).

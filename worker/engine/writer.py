@@ -61,8 +61,9 @@ class ResultWriter:
     its own thread, in the order they were handed in."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: Settings,
-                 peak_vram: Callable[[], int | None], stream: TokenPublisher):
+                 peak_vram: Callable[[], int | None], stream: TokenPublisher, versions: dict[str, str]):
         self.settings, self.peak_vram, self.stream = settings, peak_vram, stream
+        self.versions = versions  # adapter -> the sha256 of the version loaded, stored with each of its answers
         # Its own tokenizer: the decode loop's changes its padding settings while it encodes, which a decode on
         # this thread must not see.
         self.tokenizer = copy.deepcopy(tokenizer)
@@ -142,7 +143,8 @@ class ResultWriter:
                                 for _progress, job_id, result in items])
             with write_scope() as session:
                 stored_at = db_now(session)
-                settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings)
+                settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings,
+                                      self.versions)
                            for progress, job_id, result in items]
                 # A group whose last jobs these are closes in the same commit: whoever sees all of a group's jobs
                 # finished also sees the group closed.

@@ -39,7 +39,7 @@ def escalate(session: Session, parent: Job, group_id: uuid.UUID, laya: JobOutcom
         attempts=parent.attempts,
         created_at=parent.created_at, started_at=parent.started_at, finished_at=now,
         result_text=laya.result_text, decision=laya.decision, error_code=laya.error_code,
-        error_message=laya.error_message, prefill_ms=laya.prefill_ms,
+        error_message=laya.error_message, adapter_version=laya.adapter_version, prefill_ms=laya.prefill_ms,
         decode_ms=laya.decode_ms, prompt_tokens=laya.prompt_tokens, completion_tokens=laya.completion_tokens,
         queue_ms=(parent.started_at - parent.created_at).total_seconds() * 1000,
         total_ms=(now - parent.created_at).total_seconds() * 1000,

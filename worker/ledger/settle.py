@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
@@ -59,14 +60,16 @@ class Settled:
 
 
 def settle_job(session: Session, job: Job, group_id: uuid.UUID, result: GenerationResult | JobOutcome,
-               settings: Settings) -> Settled:
-    """Store what became of one job of claim group `group_id`."""
+               settings: Settings, versions: Mapping[str, str]) -> Settled:
+    """Store what became of one job of claim group `group_id`; `versions`: each adapter's version (sha256) as the
+    worker loaded it, stored with an answer its weights wrote."""
     if isinstance(result, JobOutcome):
         outcome = result
     else:
         calibration = adapter_calibration(settings.adapter_profile(job.adapter).path)  # type: ignore[arg-type]
         outcome = job_outcome(result, job.params.get("output", "decision"), calibration,
                               job_choices(job.params, to_messages(job.input)))
+        outcome.adapter_version = versions.get(job.adapter)
     # Tool calls are Laya's to make (the executor): an `auto` job with tools takes her answer.
     if isinstance(result, GenerationResult) and is_cascade_head(job) and job.params.get("output") != "tool_calls" \
             and needs_escalation(outcome, settings.cascade.threshold):

@@ -8,7 +8,7 @@ import gc
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from shared.adapter_identity import AdapterIdentity, describe_adapter
 from shared.base_match import base_mismatch
 from shared.base_source import base_directory, is_gguf, locate
 from shared.calibration import CalibrationError, adapter_calibration
@@ -40,6 +41,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase  # left padding, a pad token
     device: str
     unavailable: dict[str, str]  # adapter -> why it is not served
+    versions: dict[str, AdapterIdentity] = field(default_factory=dict)  # of each adapter served
 
     @cached_property  # read on every step (reservations, refusals); what loaded does not change
     def adapters(self) -> set[str]:
@@ -157,6 +159,7 @@ def load_model(settings: Settings) -> LoadedModel:
     log.info("loaded base model %s on %s in %.1fs", base, device, time.perf_counter() - started)
 
     unavailable: dict[str, str] = {}
+    versions: dict[str, AdapterIdentity] = {}
     for name in ADAPTERS:
         path = settings.adapter_profile(name).path
         if settings.model.verify_manifests and (problems := verify_manifest(Path(path))):
@@ -171,6 +174,12 @@ def load_model(settings: Settings) -> LoadedModel:
             calibration = adapter_calibration(path)
         except CalibrationError as exc:
             unavailable[name] = f"adapter {name} ({path}) has a broken calibration: {exc}"
+            log.error("%s; it will not be served", unavailable[name])
+            continue
+        try:  # its version, which every job it answers records
+            identity = describe_adapter(name, Path(path), settings.model.base)
+        except (OSError, ValueError) as exc:
+            unavailable[name] = f"adapter {name} ({path}) cannot be identified: {exc}"
             log.error("%s; it will not be served", unavailable[name])
             continue
         adapter_started = time.perf_counter()
@@ -194,8 +203,9 @@ def load_model(settings: Settings) -> LoadedModel:
                     torch.cuda.empty_cache()
                 model = load_base(base, device, settings.engine.vram_budget_gb, settings.model.quantization)
             continue
-        log.info("loaded adapter %s from %s in %.2fs (confidence exponent %g)", name, path,
-                 time.perf_counter() - adapter_started, calibration.exponent)
+        versions[name] = identity
+        log.info("loaded adapter %s version %s (rank %s) from %s in %.2fs (confidence exponent %g)", name,
+                 identity.sha256, identity.rank, path, time.perf_counter() - adapter_started, calibration.exponent)
     adapters_to(model, compute_dtype(device))
     model.eval()
     if device == "cuda":
@@ -203,5 +213,5 @@ def load_model(settings: Settings) -> LoadedModel:
         log.info("resident after load: %.2f GiB", torch.cuda.memory_allocated() / 2**30)
     log.info("runtime ready on %s in %.1fs; unavailable adapters: %s",
              device, time.perf_counter() - started, ", ".join(unavailable) or "none")
-    return LoadedModel(model, tokenizer, device, unavailable)
+    return LoadedModel(model, tokenizer, device, unavailable, versions)
 

@@ -158,6 +158,8 @@ class KevlayaExtra(BaseModel):
     answered_by: Literal["kev", "laya"] | None = Field(
         description="the adapter whose answer this is (`model` is the one asked for): for `auto`, laya, or kev once "
         "Laya escalated")
+    adapter_version: str | None = Field(
+        default=None, description="the sha256 of the version of `answered_by` that wrote the answer (GET /v1/models)")
     decision: dict[str, Any] | None
     timings: JobTimings
 
@@ -228,7 +230,7 @@ def completion(job: JobOut, model: str) -> ChatCompletion:
         }],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         # Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it.
-        "kevlaya": {"job_id": str(job.id), "answered_by": job.answered_by,
+        "kevlaya": {"job_id": str(job.id), "answered_by": job.answered_by, "adapter_version": job.adapter_version,
                     "decision": result.decision if result else None,
                     "timings": job.timings.model_dump()},
     })

@@ -62,6 +62,7 @@ def chat_chunk_stream(key: ApiKey, job: JobOut, model: str, include_usage: bool,
                     # The log-probabilities, when asked for, come whole with the last chunk.
                     pieces.append(chunk({}, choice["finish_reason"], choice["logprobs"], kevlaya={
                         "job_id": str(update.job.id), "answered_by": completion["kevlaya"]["answered_by"],
+                        "adapter_version": completion["kevlaya"]["adapter_version"],
                         "decision": completion["kevlaya"]["decision"]}))
                     if include_usage:
                         pieces.append(sse(None, {"id": chunk_id, "object": "chat.completion.chunk", "created": created,

@@ -627,7 +627,7 @@ def response_object(job: JobOut, stored: StoredResponse) -> ResponseObject:
                   "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
         if finished and job.tokens.prompt is not None else None,
         "user": request.get("user"),
-        "kevlaya": {"job_id": str(job.id), "answered_by": job.answered_by,
+        "kevlaya": {"job_id": str(job.id), "answered_by": job.answered_by, "adapter_version": job.adapter_version,
                     "decision": job.result.decision if job.result else None, "timings": job.timings.model_dump()},
     })
 
