@@ -64,3 +64,10 @@ def db_now(session: Session) -> datetime:
                     reading = _Reading(carried, now)
             _readings[database] = reading
     return reading.at + timedelta(seconds=now - reading.monotonic)
+
+
+def elapsed_ms(later: datetime, earlier: datetime) -> float:
+    """Milliseconds from `earlier` to `later`, never below 0: two processes' readings of the database's clock
+    can differ by its resolution or by a resync that kept a carried time (up to a second), so a time stamped
+    by one (a job's creation in the API) can lie just after one stamped by another (its start in a worker)."""
+    return max(0.0, (later - earlier).total_seconds() * 1000)

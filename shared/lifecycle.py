@@ -27,7 +27,7 @@ from sqlalchemy import ColumnElement, and_, event, exists, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
 from shared import usage
-from shared.clock import db_now
+from shared.clock import db_now, elapsed_ms
 from shared.models import Job, JobStatus
 from shared.notify import publish_finished
 
@@ -105,7 +105,7 @@ def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome)
     if outcome.status not in (SUCCEEDED, FAILED):
         raise IllegalTransition(f"a job cannot finish as {outcome.status}")
     now = db_now(session)
-    queue_ms = (job.started_at - job.created_at).total_seconds() * 1000
+    queue_ms = elapsed_ms(job.started_at, job.created_at)
     return bool(_move(
         session, RUNNING, outcome.status, Job.id == job.id, Job.batch_id == batch_id, Job.lease_owner.is_not(None),
         answered_by=job.adapter, result_text=outcome.result_text, decision=outcome.decision,
@@ -115,7 +115,7 @@ def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome)
         prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens,
         queue_ms=queue_ms,
         ttft_ms=None if outcome.first_token_ms is None else queue_ms + outcome.first_token_ms,
-        total_ms=(now - job.created_at).total_seconds() * 1000,
+        total_ms=elapsed_ms(now, job.created_at),
         finished_at=now, lease_owner=None, lease_expires_at=None,
     ))
 
@@ -187,13 +187,13 @@ def settle_parent(session: Session, parent_id: uuid.UUID) -> bool:
     now = db_now(session)
     # The caller's first token of the answer it gets is the Kev stage's: count from the parent's creation.
     ttft_ms = (None if stage.ttft_ms is None
-               else (stage.created_at - parent.created_at).total_seconds() * 1000 + stage.ttft_ms)
+               else elapsed_ms(stage.created_at, parent.created_at) + stage.ttft_ms)
     settled = _move(
         session, RUNNING, status, Job.id == parent_id, Job.lease_owner.is_(None),
         answered_by=stage.adapter, result_text=stage.result_text, decision=stage.decision, error_code=error_code,
         error_message=error_message,
         finish_reason=stage.finish_reason, logprobs=stage.logprobs, adapter_version=stage.adapter_version,
-        finished_at=now, total_ms=(now - parent.created_at).total_seconds() * 1000, ttft_ms=ttft_ms,
+        finished_at=now, total_ms=elapsed_ms(now, parent.created_at), ttft_ms=ttft_ms,
         prefill_ms=total("prefill_ms"), decode_ms=total("decode_ms"),
         prompt_tokens=total("prompt_tokens"), completion_tokens=total("completion_tokens"),
     )

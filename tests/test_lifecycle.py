@@ -145,6 +145,31 @@ def test_only_allowed_transitions_happen(service_env, notices):
     assert notices.collect() == Counter({str(queued): 1, str(running): 1})
 
 
+def test_times_stamped_by_two_processes_never_give_a_negative_duration(service_env, notices):
+    """The API stamps a job's creation and the worker its start and end, each on its own carried reading of the
+    database's clock; the readings can differ by a resync's tolerance, so creation can lie just after the start.
+    Every duration the worker writes is then 0, never negative (a probe's job_total of -99 ms was seen)."""
+    ahead = datetime.now(timezone.utc) + timedelta(milliseconds=400)
+    with session_scope() as session:
+        parent = Job(adapter="laya", requested_adapter="auto", input="x", params={}, created_at=ahead)
+        session.add(parent)
+    plain = parent.id
+    with session_scope() as session:
+        batch, [claimed] = claim_group(session, "laya", 100, "w1", lease_s=30)
+        kev = escalate(session, claimed, batch.id, JobOutcome(status="succeeded", result_text="unsure"))
+    with session_scope() as session:
+        stage = session.scalar(select(Job).where(Job.parent_job_id == plain, Job.adapter == "laya"))
+        assert stage.queue_ms >= 0 and stage.total_ms >= 0
+        batch, [kev_job] = claim_group(session, "kev", 100, "w1", lease_s=30)
+    with session_scope() as session:
+        assert lifecycle.finish(session, kev_job, batch.id, JobOutcome(status="succeeded", result_text="A",
+                                                                      first_token_ms=5.0))
+    for job in (row(kev.id), row(plain)):
+        assert job.status == "succeeded", job.status
+        assert job.queue_ms is None or job.queue_ms >= 0
+        assert job.total_ms >= 0 and (job.ttft_ms is None or job.ttft_ms >= 0), (job.total_ms, job.ttft_ms)
+
+
 def test_a_rolled_back_finish_announces_nothing(service_env, notices):
     add_jobs(["kev"])
     with session_scope() as session:

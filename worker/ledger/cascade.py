@@ -11,7 +11,7 @@ import uuid
 from sqlalchemy.orm import Session
 
 from shared import lifecycle, usage
-from shared.clock import db_now
+from shared.clock import db_now, elapsed_ms
 from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus
 
@@ -41,8 +41,8 @@ def escalate(session: Session, parent: Job, group_id: uuid.UUID, laya: JobOutcom
         result_text=laya.result_text, decision=laya.decision, error_code=laya.error_code,
         error_message=laya.error_message, adapter_version=laya.adapter_version, prefill_ms=laya.prefill_ms,
         decode_ms=laya.decode_ms, prompt_tokens=laya.prompt_tokens, completion_tokens=laya.completion_tokens,
-        queue_ms=(parent.started_at - parent.created_at).total_seconds() * 1000,
-        total_ms=(now - parent.created_at).total_seconds() * 1000,
+        queue_ms=elapsed_ms(parent.started_at, parent.created_at),
+        total_ms=elapsed_ms(now, parent.created_at),
     )
     # Kev writes long analyses: a token limit chosen for Laya's short answer would cut it off.
     kev = Job(

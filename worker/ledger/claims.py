@@ -14,7 +14,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from shared import lifecycle
-from shared.clock import db_now
+from shared.clock import db_now, elapsed_ms
 from shared.models import ApiKey, ClaimGroup, Job, JobStatus, Priority
 from worker.ledger.fair_share import KeyQueue, KeyTurns, share_slots
 
@@ -64,7 +64,7 @@ def queue_snapshot(session: Session, now: datetime | None = None) -> QueueSnapsh
         if priority != Priority.INTERACTIVE:
             batch_lines[adapter] = batch_lines.get(adapter, 0) + count
             continue
-        queued[adapter], oldest[adapter] = count, (now - _aware(first)).total_seconds() * 1000
+        queued[adapter], oldest[adapter] = count, elapsed_ms(now, _aware(first))
     return QueueSnapshot(queued=queued, oldest_wait_ms=oldest, batch_lines=batch_lines)
 
 
