@@ -164,8 +164,12 @@ def test_an_upgrade_in_place_keeps_and_finishes_everything_the_previous_release_
     ids = [e["id"] for e in resumed if "id" in e]
     assert len(ids) == len(set(ids))  # nothing repeated
     assert resumed[-1]["event"] == "done" and resumed[-1]["data"]["status"] == "succeeded"
-    streamed = "".join(e["data"]["text"] for e in resumed if e["event"] == "delta")
-    assert streamed == done[watched]["result"]["text"]  # nothing missing
+    deltas = [e["data"]["text"] for e in resumed if e["event"] == "delta"]
+    if deltas:  # followed while it ran: its deltas are its whole text, nothing missing
+        assert "".join(deltas) == done[watched]["result"]["text"], resumed
+    else:  # it ended before the client came back (a loaded machine): `done` alone is its whole story (docs/api.md)
+        assert [e["event"] for e in resumed] == ["done"], resumed
+        assert resumed[-1]["data"]["result"]["text"] == done[watched]["result"]["text"]
     for process in (api_process, worker):
         process.log.flush()
         assert "KEVLAYA_DATABASE_URL is deprecated; use KEVLAYA_DATABASE__URL" in process.log_path.read_text()
