@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import socket
-import sqlite3
 import threading
 import time
 import uuid
@@ -21,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from sqlalchemy import create_engine, func, select, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import func, select
 
+from modellab.bench.chaos import DatabaseOutage
 from shared.db import session_scope
 from shared.heartbeat import live_workers
 from shared.models import ApiKey, ClaimGroup, Job, JobStatus
@@ -245,37 +244,6 @@ def test_redis_restarted_with_jobs_submitted_before_and_during_the_outage(env, s
     finally:
         notices.close()
         api.close()
-
-
-class DatabaseOutage:
-    """The database unreachable for a while. PostgreSQL: new connections refused and open ones terminated, as
-    when the server restarts or fails over. SQLite has no server to lose; its real counterpart is another
-    process holding the write lock (a backup, a long migration, `sqlite3` at a prompt): writers wait on it."""
-
-    def __init__(self, database_url: str, admin_url: str | None):
-        self.url = make_url(database_url)
-        self.admin = create_engine(admin_url, isolation_level="AUTOCOMMIT") if admin_url else None
-        self.holder: sqlite3.Connection | None = None
-
-    def begin(self) -> None:
-        if self.admin is None:
-            self.holder = sqlite3.connect(self.url.database, isolation_level=None, timeout=30)
-            self.holder.execute("BEGIN EXCLUSIVE")
-            return
-        name = self.url.database
-        with self.admin.connect() as connection:
-            connection.execute(text(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false'))
-            connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                    "WHERE datname = :name AND pid <> pg_backend_pid()"), {"name": name})
-
-    def end(self) -> None:
-        if self.admin is None:
-            self.holder.execute("ROLLBACK")
-            self.holder.close()
-            return
-        with self.admin.connect() as connection:
-            connection.execute(text(f'ALTER DATABASE "{self.url.database}" WITH ALLOW_CONNECTIONS true'))
-        self.admin.dispose()
 
 
 def stored_keys(keys: list[str]) -> dict[str, str]:

@@ -285,11 +285,21 @@ def soak(
     out: Annotated[Optional[Path], typer.Option(
         help="write the figures and every sample as JSON here, and the memory curve beside it (.png); without "
              "it the curve goes to --workdir")] = None,
+    chaos: Annotated[bool, typer.Option(
+        "--chaos", help="faults at random while the load runs: worker main process or pool child SIGKILL, Redis "
+                        "restarted with and without its data (a private Redis only), the database unreachable for "
+                        "5-20 s, the API SIGKILLed, two at once; clients resend and resume streams as real ones do")]
+    = False,
+    fault_every: Annotated[tuple[float, float], typer.Option(
+        help="with --chaos: seconds between two faults, drawn uniformly between these two")] = (30.0, 90.0),
+    seed: Annotated[int, typer.Option(help="seeds the workload and the faults' schedule")] = 0,
 ) -> None:
     """A bounded soak with the shipped demo model on the CPU worker: short laya, kev and auto jobs at a steady
     rate while the API's and the worker's processes' resident memory and the backlog are sampled; then every job
-    checked to have ended exactly once, and memory growth after the warm-up (at the end, at most, slope). Exit
-    code 1 when a job did not end exactly once. Prints a table last."""
+    checked to have ended exactly once, and memory growth after the warm-up (at the end, at most, slope). With
+    --chaos, faults arrive at random meanwhile and the check is that none lost or doubled a job or a stream's
+    text. Exit code 1 when a job did not end exactly once (with --chaos: a chaos target missed). Prints a table
+    last."""
     import logging
 
     from modellab.bench.load import new_workdir
@@ -297,7 +307,10 @@ def soak(
 
     config = SoakConfig(workdir=workdir or Path(), minutes=minutes, jobs=jobs, rate=rate or DEFAULT_RATE,
                         sample_every_s=sample_every, warmup_minutes=warmup_minutes, database_url=database_url,
-                        redis_url=redis_url, drain_timeout_s=drain_timeout)
+                        redis_url=redis_url, drain_timeout_s=drain_timeout, chaos=chaos, fault_every_s=fault_every,
+                        seed=seed)
+    if not 0 < fault_every[0] <= fault_every[1]:
+        raise typer.BadParameter("--fault-every: two numbers of seconds, 0 < the first <= the second")
     if min(minutes, config.rate, sample_every, drain_timeout) <= 0 or (warmup_minutes or 0) < 0:
         raise typer.BadParameter("--minutes, --rate, --sample-every and --drain-timeout > 0, --warmup-minutes >= 0")
     if config.warmup_s + 2 * sample_every > config.run_s:
@@ -313,7 +326,7 @@ def soak(
     _keep(result, out)
     plot(result, png)
     typer.echo(table(result))
-    if not result["exactly_once"]:
+    if not (all(result["chaos"]["targets"].values()) if chaos else result["exactly_once"]):
         raise typer.Exit(1)
 
 

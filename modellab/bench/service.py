@@ -76,6 +76,7 @@ class Processes:
         self.workdir, self.database_url, self.redis_url = workdir, database_url, redis_url
         self.env = {**os.environ, **settings, "KEVLAYA_DATABASE__URL": database_url, "KEVLAYA_REDIS__URL": redis_url}
         self.running: dict[str, subprocess.Popen] = {}
+        self.redis_persistent = False  # an append-only file, for a Redis restarted "with its data"
 
     def prepare(self) -> None:
         """The database migrated, and a Redis answering (a private server if none does)."""
@@ -83,10 +84,10 @@ class Processes:
         upgrade(self.database_url)
         if not answers(self.redis_url):
             port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
-            self.running["redis"] = start_redis_server(port, self.workdir / "redis", persistent=False)
+            self.running["redis"] = start_redis_server(port, self.workdir / "redis", persistent=self.redis_persistent)
 
     def start(self, kind: str, extra: dict[str, str] | None = None) -> None:
-        log_file = open(self.workdir / f"{kind}.log", "wb")
+        log_file = open(self.workdir / f"{kind}.log", "ab")  # a restarted process logs after its predecessor
         self.running[kind] = subprocess.Popen([sys.executable, "-m", "cli", kind],
                                               env={**self.env, **(extra or {})}, stdout=log_file,
                                               stderr=subprocess.STDOUT, start_new_session=True)

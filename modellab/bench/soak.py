@@ -29,7 +29,8 @@ from typing import Any
 import aiohttp
 
 from modellab.bench.batch_load import decision_prompt, service_settings
-from modellab.bench.load import Announcements, check_drain, make_kind
+from modellab.bench.chaos import FOLLOW_EVERY, FOLLOWERS, Chaos, StreamWatch, fault_figures, follow
+from modellab.bench.load import Announcements, check_drain, make_kind, percentile
 from modellab.bench.service import API_KEY, Service
 from modellab.bench.stream_load import cpu_seconds, resident_bytes
 
@@ -58,6 +59,8 @@ class SoakConfig:
     concurrency: int = 32  # requests in flight at most
     drain_timeout_s: float = 600.0
     seed: int = 0
+    chaos: bool = False  # faults at random while the load runs (modellab/bench/chaos.py)
+    fault_every_s: tuple[float, float] = (30.0, 90.0)
 
     @property
     def run_s(self) -> float:
@@ -94,31 +97,59 @@ class Submits:
     errors: Counter = field(default_factory=Counter)
     max_lag_s: float = 0.0  # the most a request went out after it was due (connections all busy)
     seconds: float = 0.0
+    latencies: list[tuple[float, float]] = field(default_factory=list)  # (sent at, s since the start; answer ms)
+    resent: int = 0  # requests sent again after no answer or a 5xx (chaos: same idempotency keys)
+    given_up: int = 0  # requests never accepted within RESEND_FOR_S
 
 
-async def post(client: aiohttp.ClientSession, bodies: list[dict[str, Any]], submits: Submits) -> None:
+RESEND_FOR_S = 300.0
+
+
+async def post(client: aiohttp.ClientSession, bodies: list[dict[str, Any]], submits: Submits, t0: float,
+               resend: bool) -> list[str]:
+    """The ids accepted. With `resend`, as a client of a service that can fail: a request that got no answer, or a
+    5xx or 429, goes again with the same idempotency keys, so a job stored before its answer was lost is
+    answered, not stored twice. Without, a refusal is counted and the jobs are not sent again."""
     path, body = ("/v1/jobs", bodies[0]) if len(bodies) == 1 else ("/v1/jobs/batch", {"jobs": bodies})
-    try:
-        async with client.post(path, json=body) as response:
-            answer = await response.json() if response.status == 202 else None
-            status = response.status
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        submits.errors[exc.__class__.__name__] += 1
-        return
-    if answer is None:
+    deadline = time.monotonic() + RESEND_FOR_S
+    while True:
+        sent = time.perf_counter()
+        try:
+            async with client.post(path, json=body) as response:
+                answer = await response.json() if response.status == 202 else None
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            answer, status = None, exc.__class__.__name__
+        if answer is not None:
+            submits.latencies.append((round(sent - t0, 3), round((time.perf_counter() - sent) * 1000, 2)))
+            return [answer["id"]] if len(bodies) == 1 else [job["id"] for job in answer["jobs"]]
         submits.errors[str(status)] += 1
-        return
-    submits.ids += [answer["id"]] if len(bodies) == 1 else [job["id"] for job in answer["jobs"]]
+        if not resend:
+            return []
+        if isinstance(status, int) and status < 500 and status != 429 or time.monotonic() > deadline:
+            submits.given_up += 1
+            return []
+        submits.resent += 1
+        await asyncio.sleep(1.0)
 
 
-async def submit_open_loop(config: SoakConfig, base_url: str, submits: Submits, alive: Callable[[], None]) -> None:
+async def submit_open_loop(config: SoakConfig, base_url: str, submits: Submits, alive: Callable[[], None],
+                           t0: float, streams: StreamWatch | None = None) -> None:
     """Job k is due k / rate seconds after the start, whatever the answers take (at most `concurrency` requests in
-    flight): a service that slows down meets the same arrivals, and its backlog shows it."""
+    flight): a service that slows down meets the same arrivals, and its backlog shows it. With `streams` (chaos),
+    requests are sent again until accepted and one single job in FOLLOW_EVERY is followed by a stream client."""
     rng = random.Random(config.seed)
-    connector = aiohttp.TCPConnector(limit=config.concurrency)
+    connector = aiohttp.TCPConnector(limit=config.concurrency + (FOLLOWERS if streams else 0))
     async with aiohttp.ClientSession(base_url, headers={"Authorization": f"Bearer {API_KEY}"}, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=60)) as client:
-        in_flight, tasks = asyncio.Semaphore(config.concurrency), set()
+        in_flight, tasks, followers = asyncio.Semaphore(config.concurrency), set(), set()
+
+        async def send(bodies: list[dict[str, Any]], followed: bool) -> None:
+            ids = await post(client, bodies, submits, t0, resend=streams is not None)
+            submits.ids += ids
+            if followed and ids:
+                followers.add(asyncio.create_task(follow(client, ids[0], streams)))
+
         started, jobs = time.perf_counter(), 0
         while jobs < config.jobs and jobs / config.rate < config.minutes * 60:
             alive()
@@ -127,7 +158,12 @@ async def submit_open_loop(config: SoakConfig, base_url: str, submits: Submits, 
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             await in_flight.acquire()
             submits.max_lag_s = max(submits.max_lag_s, time.perf_counter() - due)
-            task = asyncio.create_task(post(client, [job_body(rng, jobs + i) for i in range(size)], submits))
+            bodies = [job_body(rng, jobs + i) for i in range(size)]
+            if streams is not None:  # the same key on every resend of these jobs
+                for i, body in enumerate(bodies):
+                    body["idempotency_key"] = f"soak-{config.seed}-{jobs + i}"
+            task = asyncio.create_task(send(bodies, streams is not None and size == 1
+                                            and submits.requests % FOLLOW_EVERY == 0))
             tasks.add(task)
             task.add_done_callback(lambda done: (tasks.discard(done), in_flight.release()))
             jobs += size
@@ -136,6 +172,7 @@ async def submit_open_loop(config: SoakConfig, base_url: str, submits: Submits, 
             submits.batch_requests += size > 1
         await asyncio.gather(*tasks)
         submits.seconds = time.perf_counter() - started
+        await asyncio.gather(*followers)  # each ends at its job's `done`, during the drain
 
 
 # -- sampling -------------------------------------------------------------------------------------------------
@@ -331,6 +368,7 @@ def figures(config: SoakConfig, submits: Submits, samples: list[dict[str, Any]],
                  "failed": last.get("failed"), "submit_errors": dict(submits.errors), "requests": submits.requests,
                  "batch_requests": submits.batch_requests,
                  "submit_s": round(submits.seconds, 2), "submit_max_lag_s": round(submits.max_lag_s, 3),
+                 "api_p99_ms": _ms(percentile([ms for _, ms in submits.latencies], 99)),
                  "accepted_per_s": round(len(submits.ids) / submits.seconds, 2) if submits.seconds else None,
                  "finished_per_s": round((last.get("succeeded", 0) + last.get("failed", 0)) / wall_s, 2)
                  if wall_s else None},
@@ -341,6 +379,10 @@ def figures(config: SoakConfig, submits: Submits, samples: list[dict[str, Any]],
                     "memory_flat": bool(grown) and len(grown) == len(memory)
                     and max(grown) <= GROWTH_TARGET_PCT},
     }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 # -- the run --------------------------------------------------------------------------------------------------
@@ -370,31 +412,43 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"load_average": {"start": os.getloadavg()}}
     database_url = config.database_url or f"sqlite:///{config.workdir / 'service' / 'soak.db'}"
     require_fresh(database_url)
-    with Service(config.workdir / "service", settings, config.redis_url, database_url) as service:
+    service = Service(config.workdir / "service", settings, config.redis_url, database_url)
+    service.processes.redis_persistent = config.chaos  # a restart "with its data" keeps it
+    with service:
         processes = service.processes
         roots = {kind: processes.running[kind].pid for kind in ("api", "worker")}
         announcements = Announcements(processes.redis_url)
         counts, submits = QueueCounts(processes.database_url), Submits()
+        streams = StreamWatch() if config.chaos else None
 
         def alive() -> None:
-            processes.check_alive("api")
-            processes.check_alive("worker")
+            if not config.chaos:  # under chaos a process is down between its kill and its start
+                processes.check_alive("api")
+                processes.check_alive("worker")
 
         sampler = Sampler(roots, counts, lambda: len(submits.ids), announcements, config.sample_every_s,
                           config.warmup_s).start()
+        chaos = Chaos(processes, roots, config.seed, config.fault_every_s, sampler.started,
+                      own_redis="redis" in processes.running).start() if config.chaos else None
         try:
-            log.info("submitting %.1f jobs/s for at most %.1f min or %d jobs on %s", config.rate, config.minutes,
-                     config.jobs, make_kind(processes.database_url))
-            asyncio.run(submit_open_loop(config, str(service.client.base_url).rstrip("/"), submits, alive))
+            log.info("submitting %.1f jobs/s for at most %.1f min or %d jobs on %s%s", config.rate, config.minutes,
+                     config.jobs, make_kind(processes.database_url), ", faults at random" if chaos else "")
+            asyncio.run(submit_open_loop(config, str(service.client.base_url).rstrip("/"), submits, alive,
+                                         sampler.started, streams))
+            faults = chaos.stop() if chaos else []
             log.info("%d jobs accepted in %.0f s; waiting for the drain", len(submits.ids), submits.seconds)
             drain = check_drain(processes.database_url, processes.redis_url, submits.ids, config.drain_timeout_s,
                                 alive=alive, announcements=announcements)
             samples = sampler.stop()
             wall_s = time.perf_counter() - sampler.started
         finally:
+            if chaos:
+                chaos.stop()
             sampler.halt()
             announcements.close()
             counts.close()
+        if chaos:
+            result["chaos"] = chaos_figures(config, service, faults, drain, submits, streams, announcements)
     result["load_average"]["end"] = os.getloadavg()
     return {"database": make_kind(processes.database_url), "wall_s": round(wall_s, 2),
             **figures(config, submits, samples, drain, wall_s),
@@ -404,8 +458,46 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
             "config": {"minutes": config.minutes, "jobs": config.jobs, "rate": config.rate,
                        "sample_every_s": config.sample_every_s, "warmup_s": round(config.warmup_s, 2),
                        "concurrency": config.concurrency, "drain_timeout_s": config.drain_timeout_s,
-                       "seed": config.seed, "workdir": str(config.workdir)},
+                       "seed": config.seed, "workdir": str(config.workdir), "chaos": config.chaos,
+                       "fault_every_s": list(config.fault_every_s)},
             "service_settings": {k: v for k, v in settings.items() if k != "KEVLAYA_BATCH__FILES_DIR"}}
+
+
+# Under faults these are expected and judged otherwise: a job whose worker died runs again (matched to its fault
+# below), its claim group never finishes, and "finished" notices published while Redis was away are lost (the
+# row, not the notice, is the truth).
+EXPECTED_UNDER_FAULTS = {"attempts_not_1", "in_no_finished_batch", "runs_minus_jobs", "announced_not_once"}
+
+
+def chaos_figures(config: SoakConfig, service: Service, faults: list, drain: dict[str, Any], submits: Submits,
+                  streams: StreamWatch, announcements: Announcements) -> dict[str, Any]:
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from shared.models import Job
+
+    with Session(service.engine) as session:
+        rows = session.execute(select(Job.attempts, Job.created_at, Job.started_at, Job.finished_at)).all()
+    from shared.settings import Settings
+
+    reliability = Settings().reliability  # the service's: the soak sets none of these
+    by_fault = fault_figures(faults, rows, reliability.lease_seconds, reliability.sweep_interval_s)
+    windows = [(f.start_s, f.end_s + reliability.sweep_interval_s) for f in faults]
+    quiet = [ms for t, ms in submits.latencies if not any(a <= t <= b for a, b in windows)]
+    stream = streams.figures()
+    lost = {k: v for k, v in drain["problems"].items() if k not in EXPECTED_UNDER_FAULTS}
+    return {
+        "faults": [f.__dict__ for f in faults], "by_fault": by_fault, "streams": stream,
+        "submits": {"resent": submits.resent, "given_up": submits.given_up},
+        "notice_outages": announcements.outages,
+        "api_p99_ms_outside_faults": _ms(percentile(quiet, 99)),
+        "targets": {
+            "nothing_lost_or_twice": drain["pending"] == 0 and not any(lost.values()) and submits.given_up == 0,
+            "no_rerun_outside_a_fault": by_fault["run_more_than_once_outside_a_fault"] == 0,
+            "streams_whole": stream["missing"] == stream["repeated"] == stream["unfinished"] == 0,
+            "faults_applied": bool(faults) and not any(f.error for f in faults),
+        },
+    }
 
 
 # -- the report -----------------------------------------------------------------------------------------------
@@ -437,7 +529,32 @@ def table(result: dict[str, Any]) -> str:
                      + ("  (restarted)" if m["restarted_after_warmup"] else f"  {m['cpu_share_after_warmup']:>5.0%}"))
     lines.append(f"memory flat (growth between the medians <= {GROWTH_TARGET_PCT:g} % for every process): "
                  f"{'yes' if result['targets']['memory_flat'] else 'NO'}")
+    if "chaos" in result:
+        lines += chaos_table(result["chaos"])
     return "\n".join(lines)
+
+
+def chaos_table(chaos: dict[str, Any]) -> list[str]:
+    by_fault, streams, submits = chaos["by_fault"], chaos["streams"], chaos["submits"]
+    kinds = Counter(f["kind"] for f in chaos["faults"])
+    lines = [f"faults: {len(chaos['faults'])} ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}); "
+             f"submits resent {submits['resent']}, given up {submits['given_up']}"]
+    for fault, applied in zip(by_fault["faults"], chaos["faults"]):
+        last, again = fault["in_flight_finished_within_s"], fault["first_finish_after_end_s"]
+        lines.append(f"  {fault['start_s']:>7.1f} s {fault['kind']:<20} lasted {fault['lasted_s']:>5.1f} s"
+                     f"{' (one of two at once)' if 'two at once' in applied['detail'] else ''}; "
+                     f"{fault['in_flight']} in flight" + (f", the last finished {last} s after its start" if last
+                                                          else "")
+                     + (f"; jobs finished again {again} s after its end" if again is not None else "")
+                     + (f"; NOT APPLIED: {applied['error']}" if applied["error"] else ""))
+    lines.append(f"run more than once: {by_fault['run_more_than_once']} (outside a fault: "
+                 f"{by_fault['run_more_than_once_outside_a_fault']}); streams followed {streams['followed']}: "
+                 f"{streams['matched']} matched, {streams['resynced']} resynced, {streams['missing']} missing, "
+                 f"{streams['repeated']} repeated, {streams['unfinished']} unfinished, {streams['reconnects']} "
+                 f"reconnects; API p99 outside faults {chaos['api_p99_ms_outside_faults']} ms")
+    lines.append("chaos: " + ", ".join(f"{name.replace('_', ' ')} {'yes' if ok else 'NO'}"
+                                       for name, ok in chaos["targets"].items()))
+    return lines
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -471,10 +588,21 @@ def plot(result: dict[str, Any], path: Path) -> None:
     backlog.plot(minutes, [s["running"] for s in samples], label="running")
     backlog.set_title("backlog", fontsize="small", loc="left")
     backlog.set_ylabel("jobs")
-    backlog.set_xlabel("minutes since the first submit (shaded: warm-up; dashed: the last submit; green band: "
-                       f"±{GROWTH_TARGET_PCT:g} % of the RSS at the end of the warm-up)")
+    backlog.set_xlabel("minutes since the first submit (grey: warm-up; red: a fault; dashed: the last submit; green "
+                       f"band: ±{GROWTH_TARGET_PCT:g} % of the RSS at the end of the warm-up)")
     backlog.legend(fontsize="small")
+    finished = [s["succeeded"] + s["failed"] for s in samples]
+    rate = backlog.twinx()
+    rate.plot(minutes[1:], [(b - a) / max(1e-9, (t1 - t0) * 60) for a, b, t0, t1
+                            in zip(finished, finished[1:], minutes, minutes[1:])], color="#aa3377", linewidth=0.8)
+    rate.set_ylabel("finished/s", color="#aa3377")
     for panel in axes:
+        for fault in result.get("chaos", {}).get("faults", []):
+            panel.axvspan(fault["start_s"] / 60, (fault["end_s"] or fault["start_s"]) / 60 + 0.05, color="#dd3333",
+                          alpha=0.25)
+            if panel is axes[0]:
+                panel.annotate(fault["kind"], (fault["start_s"] / 60, 1), xycoords=("data", "axes fraction"),
+                               fontsize="x-small", rotation=90, va="top", color="#aa0000")
         panel.axvspan(0, config["warmup_s"] / 60, color="#dddddd")
         panel.axvline(result["jobs"]["submit_s"] / 60, color="#888888", linestyle="--")
         panel.grid(alpha=0.3)
