@@ -47,7 +47,7 @@ class AdapterProfile(BaseModel):
 
     path: str = Field(description="the role's PEFT LoRA adapter directory")
     max_new_tokens: int = Field(ge=1, description="the most new tokens a job generates, unless it sets its own "
-                                "`max_new_tokens`")
+                                "`max_new_tokens`; fewer where its prompt leaves less of the window")
     temperature: float = Field(ge=0, description="sampling temperature, unless the job sets its own: `0` (greedy) "
                                "or at least `0.01`")
     top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling's top-p, unless the job sets its "

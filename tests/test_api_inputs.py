@@ -200,15 +200,19 @@ def test_max_new_tokens_counts_against_the_context(client):
     assert_refused(over, "input")
     assert "params.max_new_tokens" in over.json()["error"]["message"]
     assert f"at most {room} new tokens" in over.json()["error"]["message"]
-    # `auto` may escalate to Kev with Kev's default max_new_tokens: that stage must fit too.
-    kev_default = settings.kev.max_new_tokens
+    # A role's default is no choice of the job's: it shrinks to what the window leaves (as vLLM's max_tokens
+    # does), so a prompt too long for Kev's default beside it is taken, by Kev and by `auto`'s Kev stage alike.
     long_prompt = "Options: A cost 40; B cost 25. Objective: lowest cost. " * 30
     kev_prompt = budget.prompt_tokens([{"role": "system", "content": settings.kev.system_prompt},
                                        {"role": "user", "content": long_prompt}])
-    assert kev_prompt + kev_default > context_tokens()
-    auto = client.post("/v1/jobs", headers=AUTH, json={"adapter": "auto", "input": long_prompt})
-    assert_refused(auto, "input")
-    assert "Kev's default max_new_tokens" in auto.json()["error"]["message"]
+    assert kev_prompt + settings.kev.max_new_tokens > context_tokens() > kev_prompt
+    for adapter in ("kev", "auto"):
+        taken = client.post("/v1/jobs", headers=AUTH, json={"adapter": adapter, "input": long_prompt})
+        assert taken.status_code == 202, taken.text
+    # Only a prompt that leaves no room at all is refused, saying so.
+    full = client.post("/v1/jobs", headers=AUTH, json={"adapter": "kev", "input": long_prompt * 3})
+    assert_refused(full, "input")
+    assert "leaves no room for an answer" in full.json()["error"]["message"]
 
 
 def test_the_limit_is_the_workers_window(service_env, monkeypatch):

@@ -184,6 +184,11 @@ def test_out_of_memory_in_a_step_puts_the_newest_jobs_back_and_every_job_still_r
     assert sum(b.size for b in batches) == 6 and all(b.finished_at is not None for b in batches)
 
 
+def row_of(job_id: uuid.UUID) -> Job:
+    with session_scope() as session:
+        return session.get(Job, job_id)
+
+
 def _engine_with_jobs(tiny_model, count: int):  # noqa: ANN001, ANN202
     from shared.settings import Settings
     from worker.engine.loop import Engine
@@ -393,6 +398,34 @@ def test_a_job_the_engine_cannot_run_fails_alone_and_its_batch_mates_finish(serv
     bad = stored.pop(poisoned)
     assert (bad.status, bad.error_code) == ("failed", "invalid_input") and "TypeError" in bad.error_message
     assert [j.status for j in stored.values()] == ["succeeded", "succeeded"]
+
+
+def test_a_roles_default_shrinks_to_what_the_window_leaves_and_a_chosen_length_does_not(service_env, tiny_model):
+    """A job that sets no max_new_tokens takes its role's default, at most what the window leaves after its prompt:
+    it runs and stops at the window's end (finish_reason length). One that chose too many fails, naming why."""
+    from shared.settings import Settings
+    from worker.engine.loop import Engine
+    from worker.model.loading import load_model
+
+    settings = Settings(_env_file=None, model={"base": str(tiny_model["base"]), "device": "cpu"},
+                        engine={"max_batch": 2, "ignore_eos": True, "window_tokens": 320},
+                        kev={"path": str(tiny_model["kev"]), "max_new_tokens": 512},
+                        laya={"path": str(tiny_model["laya"])})
+    question = "Which of the two options is cheaper over a year of use? " * 2
+    with session_scope() as session:
+        defaulted = Job(adapter="kev", requested_adapter="kev", input=question, params=dict(TEXT))
+        chosen = Job(adapter="kev", requested_adapter="kev", input=question, params={**TEXT, "max_new_tokens": 512})
+        session.add_all([defaulted, chosen])
+    engine = Engine(load_model(settings), settings)
+    try:
+        assert engine.drain(120) == 2
+    finally:
+        engine.decoder.close()
+    ran, refused = row_of(defaulted.id), row_of(chosen.id)
+    assert ran.status == "succeeded" and ran.finish_reason == "length", (ran.status, ran.error_message)
+    assert 0 < ran.completion_tokens and ran.prompt_tokens + ran.completion_tokens == 320
+    assert (refused.status, refused.error_code) == ("failed", "invalid_input")
+    assert "max_new_tokens 512" in refused.error_message and "window of 320" in refused.error_message
 
 
 def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_stored_alone(

@@ -28,6 +28,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)  # the answer ends before the first of these strings
     top_logprobs: int | None = None  # None: no log-probabilities asked for; else the alternatives per token
     background: bool = False  # a line of a file batch: never in a reserved slot, never paces other prefills
+    # False: max_new_tokens is the role's default, which shrinks to what the window leaves after the prompt
+    chose_max_new_tokens: bool = True
 
 
 @dataclass

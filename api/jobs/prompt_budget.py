@@ -145,23 +145,25 @@ class PromptBudget:
         return [(adapter, chosen or self.settings.adapter_profile(adapter).max_new_tokens, chosen is not None)]
 
     def check(self, request: JobCreate, field_prefix: str = "", names: FieldNames = JOB_FIELDS) -> None:
+        """A max_new_tokens the job chose must fit beside its prompt; a role's default shrinks to what is left
+        (the worker does the same, worker/engine/loop.py), so only a prompt that leaves no room is refused."""
         for adapter, new_tokens, chosen in self.stages(request):
             profile = self.settings.adapter_profile(adapter)
             stored_input = request.input if isinstance(request.input, str) else request.input.model_dump()
             messages = model_messages(stored_input, request.params.model_dump(exclude_none=True),
                                       profile.system_prompt)
-            if self.surely_within(messages, self.context_tokens - new_tokens):
+            needed = new_tokens if chosen else 1
+            if self.surely_within(messages, self.context_tokens - needed):
                 continue
             prompt = self.prompt_tokens(messages)
-            if prompt + new_tokens <= self.context_tokens:
+            if prompt + needed <= self.context_tokens:
                 continue
-            where = (f"{names.max_new_tokens} {new_tokens}" if chosen
-                     else f"{adapter.capitalize()}'s default max_new_tokens {new_tokens}")
             room = self.context_tokens - prompt
+            over = (f"with {names.max_new_tokens} {new_tokens} that is {prompt + new_tokens}, over" if chosen
+                    else "that leaves no room for an answer within")
             raise ApiError(
                 422, "invalid_request",
                 f"{field_prefix}{names.input}: the prompt is {prompt} tokens with {adapter.capitalize()}'s system "
-                f"prompt; with {where} that is {prompt + new_tokens}, over {self.limit_name} "
-                f"{self.context_tokens} tokens"
+                f"prompt; {over} {self.limit_name} {self.context_tokens} tokens"
                 + (f" (at most {room} new tokens would fit)" if room > 0 else ""),
             )

@@ -147,6 +147,9 @@ class Engine:
         tokens, problem = self.loaded.check(request)
         if problem is not None:
             return tokens, ("invalid_input", problem)
+        if not request.chose_max_new_tokens and tokens < self.decoder.window:
+            # as the API counted it: a role's default is at most what the window leaves after the prompt
+            request.max_new_tokens = min(request.max_new_tokens, self.decoder.window - tokens)
         if not self.decoder.fits(tokens, request.max_new_tokens):
             return tokens, ("invalid_input", f"the prompt is {tokens} tokens; with max_new_tokens "
                             f"{request.max_new_tokens} that is over this worker's window of {self.decoder.window} "

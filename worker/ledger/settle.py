@@ -39,6 +39,7 @@ def generation_request(job: Job, settings: Settings) -> GenerationRequest:
         stop=stop_strings(params.get("stop")),
         top_logprobs=params.get("top_logprobs", 0) if params.get("logprobs") else None,
         background=job.priority == Priority.BATCH,
+        chose_max_new_tokens="max_new_tokens" in params,
     )
 
 
