@@ -41,6 +41,8 @@ def test_three_minutes_of_faults_lose_and_double_nothing(tmp_path: Path) -> None
     assert chaos["by_fault"]["run_more_than_once_outside_a_fault"] == 0
     streams = chaos["streams"]
     assert streams["followed"] > 0 and streams["matched"] + streams["resynced"] >= streams["followed"]
+    files = chaos["batch_files"]
+    assert files["files"] >= 3 and files["lines_once"] == files["lines"] == files["files"] * 20
     assert result["plot"] and Path(result["plot"]).read_bytes()[:4] == b"\x89PNG"
     assert done.stdout.strip().splitlines()[-1].startswith("chaos: nothing lost or twice yes")
 

@@ -27,6 +27,7 @@ import signal
 import sqlite3
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -49,6 +50,9 @@ RERUN_FAULTS = {"worker_kill", "child_kill", "database_outage"}
 OUTAGE_S = (5.0, 20.0)
 FOLLOW_EVERY = 20  # one accepted single job in this many is followed by a stream client
 FOLLOWERS = 8  # stream clients at once at most
+FOLLOWED_NEW_TOKENS = 48  # a followed job writes this many tokens, so streams are open when faults come
+BATCH_FILE_EVERY_S = 45.0  # a Batch API file uploaded and its batch created this often
+BATCH_FILE_LINES = 20
 
 
 class DatabaseOutage:
@@ -287,6 +291,93 @@ async def follow(client: aiohttp.ClientSession, job_id: str, watch: StreamWatch,
             watch.reconnects += 1
             await asyncio.sleep(1.0)
         watch.unfinished += 1
+
+
+# -- Batch API files -----------------------------------------------------------------------------------------
+
+@dataclass
+class BatchFiles:
+    """Batch API files sent through the faults, as a careful client sends them: an upload that got no answer is
+    sent again; a batch whose creation got no answer is looked for before it is created again (the Batch API has
+    no idempotency key). At the end every batch's output is accounted for line by line."""
+
+    workdir: Path
+    uploads_resent: int = 0
+    creates_resent: int = 0
+    batches: dict[str, list[str]] = field(default_factory=dict)  # batch id -> the custom ids of its lines
+    not_created: int = 0
+    figures: dict[str, Any] = field(default_factory=dict)  # account()'s, once the run is over
+
+    async def send(self, client: aiohttp.ClientSession, n: int, seed: int, deadline_s: float = 300) -> None:
+        from modellab.bench.batch_load import write_batch_file
+
+        path = self.workdir / f"batch-file-{n}.jsonl"
+        custom_ids = write_batch_file(path, BATCH_FILE_LINES, ("laya", "kev"), (4, 8), seed + n)
+        deadline = time.monotonic() + deadline_s
+        file_id = None
+        while file_id is None and time.monotonic() < deadline:
+            form = aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", path.read_bytes(), filename=path.name, content_type="application/jsonl")
+            file_id = await _answer(client.post("/v1/files", data=form), "id")
+            if file_id is None:
+                self.uploads_resent += 1
+                await asyncio.sleep(1.0)
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        while file_id is not None and time.monotonic() < deadline:
+            if batch_id := await _answer(client.post("/v1/batches", json=body), "id"):
+                self.batches[batch_id] = custom_ids
+                return
+            await asyncio.sleep(1.0)
+            listed = await _answer(client.get("/v1/batches", params={"limit": "100"}), "data") or []
+            if found := [b["id"] for b in listed if b["input_file_id"] == file_id]:
+                self.batches[found[0]] = custom_ids
+                return
+            self.creates_resent += 1
+        self.not_created += 1
+
+    async def account(self, client: aiohttp.ClientSession, timeout_s: float = 600) -> dict[str, Any]:
+        """Each batch completed, each of its lines in its output exactly once and answered."""
+        figures = {"files": len(self.batches) + self.not_created, "not_created": self.not_created,
+                   "uploads_resent": self.uploads_resent, "creates_resent": self.creates_resent,
+                   "completed": 0, "lines": 0, "lines_once": 0, "missing": 0, "more_than_once": 0, "errors": 0}
+        deadline = time.monotonic() + timeout_s
+        for batch_id, custom_ids in self.batches.items():
+            figures["lines"] += len(custom_ids)
+            batch = None
+            while time.monotonic() < deadline:
+                batch = await _answer(client.get(f"/v1/batches/{batch_id}"), None)
+                if batch and batch["status"] in ("completed", "failed", "expired", "cancelled"):
+                    break
+                await asyncio.sleep(1.0)
+            if not batch or batch["status"] != "completed" or not batch.get("output_file_id"):
+                figures["missing"] += len(custom_ids)
+                continue
+            figures["completed"] += 1
+            async with client.get(f"/v1/files/{batch['output_file_id']}/content") as response:
+                lines = [json.loads(line) for line in (await response.text()).splitlines() if line.strip()]
+            seen = Counter(line["custom_id"] for line in lines)
+            figures["lines_once"] += sum(seen[c] == 1 for c in custom_ids)
+            figures["missing"] += sum(seen[c] == 0 for c in custom_ids)
+            figures["more_than_once"] += sum(n > 1 for n in seen.values())
+            figures["errors"] += sum(1 for line in lines if line.get("error") or
+                                     (line.get("response") or {}).get("status_code") != 200)
+            if batch.get("error_file_id"):
+                async with client.get(f"/v1/files/{batch['error_file_id']}/content") as response:
+                    figures["errors"] += sum(1 for line in (await response.text()).splitlines() if line.strip())
+        return figures
+
+
+async def _answer(request: Any, key: str | None) -> Any:
+    """The JSON answer's `key` (or the whole answer) when the request got a 2xx; None when it got no answer."""
+    try:
+        async with request as response:
+            if response.status >= 300:
+                return None
+            answer = await response.json()
+    except (aiohttp.ClientError, TimeoutError, ConnectionError, json.JSONDecodeError):
+        return None
+    return answer if key is None else answer.get(key)
 
 
 # -- figures --------------------------------------------------------------------------------------------------

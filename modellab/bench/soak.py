@@ -29,7 +29,17 @@ from typing import Any
 import aiohttp
 
 from modellab.bench.batch_load import decision_prompt, service_settings
-from modellab.bench.chaos import FOLLOW_EVERY, FOLLOWERS, Chaos, StreamWatch, fault_figures, follow
+from modellab.bench.chaos import (
+    BATCH_FILE_EVERY_S,
+    FOLLOW_EVERY,
+    FOLLOWED_NEW_TOKENS,
+    FOLLOWERS,
+    BatchFiles,
+    Chaos,
+    StreamWatch,
+    fault_figures,
+    follow,
+)
 from modellab.bench.load import Announcements, check_drain, make_kind, percentile
 from modellab.bench.service import API_KEY, Service
 from modellab.bench.stream_load import cpu_seconds, resident_bytes
@@ -134,15 +144,17 @@ async def post(client: aiohttp.ClientSession, bodies: list[dict[str, Any]], subm
 
 
 async def submit_open_loop(config: SoakConfig, base_url: str, submits: Submits, alive: Callable[[], None],
-                           t0: float, streams: StreamWatch | None = None) -> None:
+                           t0: float, streams: StreamWatch | None = None, batch_files: BatchFiles | None = None,
+                           ) -> None:
     """Job k is due k / rate seconds after the start, whatever the answers take (at most `concurrency` requests in
-    flight): a service that slows down meets the same arrivals, and its backlog shows it. With `streams` (chaos),
-    requests are sent again until accepted and one single job in FOLLOW_EVERY is followed by a stream client."""
+    flight): a service that slows down meets the same arrivals, and its backlog shows it. Under chaos (`streams`),
+    requests are sent again until accepted, one single job in FOLLOW_EVERY is followed by a stream client, and a
+    Batch API file goes in every BATCH_FILE_EVERY_S, accounted for line by line at the end."""
     rng = random.Random(config.seed)
     connector = aiohttp.TCPConnector(limit=config.concurrency + (FOLLOWERS if streams else 0))
     async with aiohttp.ClientSession(base_url, headers={"Authorization": f"Bearer {API_KEY}"}, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=60)) as client:
-        in_flight, tasks, followers = asyncio.Semaphore(config.concurrency), set(), set()
+        in_flight, tasks, followers, files = asyncio.Semaphore(config.concurrency), set(), set(), []
 
         async def send(bodies: list[dict[str, Any]], followed: bool) -> None:
             ids = await post(client, bodies, submits, t0, resend=streams is not None)
@@ -153,6 +165,8 @@ async def submit_open_loop(config: SoakConfig, base_url: str, submits: Submits, 
         started, jobs = time.perf_counter(), 0
         while jobs < config.jobs and jobs / config.rate < config.minutes * 60:
             alive()
+            if batch_files is not None and time.perf_counter() - started >= len(files) * BATCH_FILE_EVERY_S:
+                files.append(asyncio.create_task(batch_files.send(client, len(files), config.seed)))
             size = min(BATCH_SIZE if submits.requests % BATCH_EVERY == BATCH_EVERY - 1 else 1, config.jobs - jobs)
             due = started + jobs / config.rate
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
@@ -162,8 +176,10 @@ async def submit_open_loop(config: SoakConfig, base_url: str, submits: Submits, 
             if streams is not None:  # the same key on every resend of these jobs
                 for i, body in enumerate(bodies):
                     body["idempotency_key"] = f"soak-{config.seed}-{jobs + i}"
-            task = asyncio.create_task(send(bodies, streams is not None and size == 1
-                                            and submits.requests % FOLLOW_EVERY == 0))
+            followed = streams is not None and size == 1 and submits.requests % FOLLOW_EVERY == 0
+            if followed:  # long enough that a fault finds streams open
+                bodies[0]["params"]["max_new_tokens"] = FOLLOWED_NEW_TOKENS
+            task = asyncio.create_task(send(bodies, followed))
             tasks.add(task)
             task.add_done_callback(lambda done: (tasks.discard(done), in_flight.release()))
             jobs += size
@@ -173,6 +189,9 @@ async def submit_open_loop(config: SoakConfig, base_url: str, submits: Submits, 
         await asyncio.gather(*tasks)
         submits.seconds = time.perf_counter() - started
         await asyncio.gather(*followers)  # each ends at its job's `done`, during the drain
+        await asyncio.gather(*files)
+        if batch_files is not None:
+            batch_files.figures = await batch_files.account(client)
 
 
 # -- sampling -------------------------------------------------------------------------------------------------
@@ -233,7 +252,8 @@ class QueueCounts:
 
         from shared.models import Job, JobStatus
 
-        top = Job.parent_job_id.is_(None)
+        # Finished: the soak's own submits, not a Batch API file's lines (a chaos soak's; accounted for apart).
+        top = Job.parent_job_id.is_(None) & Job.file_batch_id.is_(None)
         with Session(self.engine) as session:
             rows = session.execute(select(Job.status, top, func.count()).group_by(Job.status, top)).all()
         counts = dict.fromkeys((JobStatus.QUEUED, JobStatus.RUNNING, *JobStatus.FINISHED), 0)
@@ -420,6 +440,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
         announcements = Announcements(processes.redis_url)
         counts, submits = QueueCounts(processes.database_url), Submits()
         streams = StreamWatch() if config.chaos else None
+        batch_files = BatchFiles(config.workdir / "batch-files") if config.chaos else None
 
         def alive() -> None:
             if not config.chaos:  # under chaos a process is down between its kill and its start
@@ -434,7 +455,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
             log.info("submitting %.1f jobs/s for at most %.1f min or %d jobs on %s%s", config.rate, config.minutes,
                      config.jobs, make_kind(processes.database_url), ", faults at random" if chaos else "")
             asyncio.run(submit_open_loop(config, str(service.client.base_url).rstrip("/"), submits, alive,
-                                         sampler.started, streams))
+                                         sampler.started, streams, batch_files))
             faults = chaos.stop() if chaos else []
             log.info("%d jobs accepted in %.0f s; waiting for the drain", len(submits.ids), submits.seconds)
             drain = check_drain(processes.database_url, processes.redis_url, submits.ids, config.drain_timeout_s,
@@ -448,7 +469,8 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
             announcements.close()
             counts.close()
         if chaos:
-            result["chaos"] = chaos_figures(config, service, faults, drain, submits, streams, announcements)
+            result["chaos"] = chaos_figures(config, service, faults, drain, submits, streams, announcements,
+                                            batch_files.figures)
     result["load_average"]["end"] = os.getloadavg()
     return {"database": make_kind(processes.database_url), "wall_s": round(wall_s, 2),
             **figures(config, submits, samples, drain, wall_s),
@@ -470,7 +492,7 @@ EXPECTED_UNDER_FAULTS = {"attempts_not_1", "in_no_finished_batch", "runs_minus_j
 
 
 def chaos_figures(config: SoakConfig, service: Service, faults: list, drain: dict[str, Any], submits: Submits,
-                  streams: StreamWatch, announcements: Announcements) -> dict[str, Any]:
+                  streams: StreamWatch, announcements: Announcements, files: dict[str, Any]) -> dict[str, Any]:
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
@@ -487,7 +509,7 @@ def chaos_figures(config: SoakConfig, service: Service, faults: list, drain: dic
     stream = streams.figures()
     lost = {k: v for k, v in drain["problems"].items() if k not in EXPECTED_UNDER_FAULTS}
     return {
-        "faults": [f.__dict__ for f in faults], "by_fault": by_fault, "streams": stream,
+        "faults": [f.__dict__ for f in faults], "by_fault": by_fault, "streams": stream, "batch_files": files,
         "submits": {"resent": submits.resent, "given_up": submits.given_up},
         "notice_outages": announcements.outages,
         "api_p99_ms_outside_faults": _ms(percentile(quiet, 99)),
@@ -495,6 +517,9 @@ def chaos_figures(config: SoakConfig, service: Service, faults: list, drain: dic
             "nothing_lost_or_twice": drain["pending"] == 0 and not any(lost.values()) and submits.given_up == 0,
             "no_rerun_outside_a_fault": by_fault["run_more_than_once_outside_a_fault"] == 0,
             "streams_whole": stream["missing"] == stream["repeated"] == stream["unfinished"] == 0,
+            "batch_files_whole": files["files"] > 0 and files["not_created"] == files["missing"]
+            == files["more_than_once"] == files["errors"] == 0 and files["lines_once"] == files["lines"],
+            "jobs_of_each_fault_within_lease_and_sweep": by_fault["faults_whose_jobs_finished_late"] == 0,
             "faults_applied": bool(faults) and not any(f.error for f in faults),
         },
     }
@@ -552,6 +577,11 @@ def chaos_table(chaos: dict[str, Any]) -> list[str]:
                  f"{streams['matched']} matched, {streams['resynced']} resynced, {streams['missing']} missing, "
                  f"{streams['repeated']} repeated, {streams['unfinished']} unfinished, {streams['reconnects']} "
                  f"reconnects; API p99 outside faults {chaos['api_p99_ms_outside_faults']} ms")
+    files = chaos["batch_files"]
+    lines.append(f"Batch API files: {files['files']} ({files['uploads_resent']} uploads and {files['creates_resent']} "
+                 f"creates sent again), {files['completed']} completed; lines {files['lines_once']} of "
+                 f"{files['lines']} once, {files['missing']} missing, {files['more_than_once']} more than once, "
+                 f"{files['errors']} errors")
     lines.append("chaos: " + ", ".join(f"{name.replace('_', ' ')} {'yes' if ok else 'NO'}"
                                        for name, ok in chaos["targets"].items()))
     return lines
