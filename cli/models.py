@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
-from cli.common import fail
+from cli.common import fail, require_database
 from modellab.presets import LORA_PRESETS
 from shared.settings import ADAPTERS, get_settings
 
@@ -245,6 +245,42 @@ def models_prepare() -> None:
         typer.echo(f"base: {prepare_base(get_settings())}")
     except BaseSourceError as exc:
         fail(str(exc))
+
+
+@app.command("list")
+def models_list() -> None:
+    """The adapters: each role's configured directory and the version it holds (the SHA-256 of its config and
+    weights), and every version a worker loaded (`adapter_versions`) with when and how many jobs it answered."""
+    from sqlalchemy import func, select
+
+    from shared.adapter_identity import describe_adapter
+    from shared.db import session_scope
+    from shared.models import AdapterVersion, Job
+
+    settings = get_settings()
+    require_database()
+    with session_scope() as session:
+        versions = session.scalars(select(AdapterVersion).order_by(AdapterVersion.name,
+                                                                   AdapterVersion.loaded_at.desc())).all()
+        answered = dict(session.execute(select(Job.adapter_version, func.count())
+                                        .where(Job.adapter_version.is_not(None)).group_by(Job.adapter_version)).all())
+    for name in ADAPTERS:
+        path = settings.adapter_profile(name).path
+        try:
+            configured = describe_adapter(name, Path(path), settings.model.base).sha256
+        except (OSError, ValueError) as exc:
+            configured, problem = None, f"unreadable: {exc}"
+        else:
+            problem = ""
+        typer.echo(f"{name}: {path} {problem or f'version {configured[:16]}'}")
+        loaded = [v for v in versions if v.name == name]
+        for i, version in enumerate(loaded):
+            marks = [m for m, on in (("loaded last", i == 0), ("configured", version.sha256 == configured)) if on]
+            typer.echo(f"  {version.sha256[:16]}  rank {version.rank}  loaded {version.loaded_at:%Y-%m-%d %H:%M:%S} "
+                       f"(first {version.first_loaded_at:%Y-%m-%d %H:%M:%S})  {answered.get(version.sha256, 0)} "
+                       f"job(s) answered{'  ' + ', '.join(marks) if marks else ''}")
+        if not loaded:
+            typer.echo("  no worker has loaded it yet")
 
 
 @app.command("verify")

@@ -197,3 +197,30 @@ def test_each_job_records_the_version_of_the_adapter_that_answered_it(env, api, 
     info = adapter_info(f"http://127.0.0.1:{env['KEVLAYA_MONITORING__METRICS_PORT']}/metrics")
     assert {name: labels["sha256"] for name, labels in info.items()} == version
     assert {labels["base"] for labels in info.values()} == {env["KEVLAYA_MODEL__BASE"]}
+
+
+def test_models_list_shows_each_roles_configured_version_and_every_version_loaded(service_env, adapter_copy):
+    """`kevlaya models list`: per role, the directory configured and its version; below it each version workers
+    loaded, the one loaded last and the configured one marked, with the jobs each answered."""
+    from tests.test_cli_and_migrations import kevlaya
+
+    env = {**service_env, "KEVLAYA_LAYA__PATH": str(adapter_copy)}
+    base = str(DEMO_MODEL_DIR / "base")
+    older = describe_adapter("laya", adapter_copy, base)
+    flip_a_byte(adapter_copy / "adapter_model.safetensors", 100)
+    configured = describe_adapter("laya", adapter_copy, base)
+    with db.write_scope() as session:
+        record_loaded(session, [older])
+    with db.write_scope() as session:
+        record_loaded(session, [configured])
+        session.add_all([Job(adapter="laya", requested_adapter="laya", input="x", params={}, status="succeeded",
+                             adapter_version=older.sha256) for _ in range(3)])
+    listed = kevlaya("models", "list", env=env)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    laya = lines.index(f"laya: {adapter_copy} version {configured.sha256[:16]}")
+    assert lines[laya + 1].startswith(f"  {configured.sha256[:16]}  rank {configured.rank}")
+    assert lines[laya + 1].endswith("0 job(s) answered  loaded last, configured")
+    assert lines[laya + 2].startswith(f"  {older.sha256[:16]}") and lines[laya + 2].endswith("3 job(s) answered")
+    assert any(line.startswith("kev: ") for line in lines)
+    assert "  no worker has loaded it yet" in lines  # kev: nothing recorded
