@@ -90,6 +90,12 @@ def test_an_escalated_auto_job_is_one_job_and_its_kev_stage_one_run() -> None:
     twice = drain_problems([*rows, row("kev-again", "kev", kev_group, "auto")], batches, ["plain", "auto"], once)
     assert twice["exactly_once"] is False
     assert twice["problems"]["stage_more_than_once"] == 1 and twice["problems"]["runs_minus_jobs"] == -1
+    # A Batch API file's line, run in a group of its own, is a run but no submit: neither stored-not-accepted nor
+    # a run unaccounted for (a chaos soak sends both).
+    batches["g3"] = SimpleNamespace(size=1, finished_at=1)
+    line = SimpleNamespace(**vars(row("line-1", "laya", "g3")), file_batch_id="file-batch")
+    with_line = drain_problems([*rows, line], batches, ["plain", "auto"], once)
+    assert with_line["exactly_once"] is True and with_line["stage_rows"] == 2, with_line["problems"]
 
 
 def test_a_soak_with_no_room_for_its_warm_up_and_two_samples_is_refused(tmp_path: Path) -> None:
