@@ -469,6 +469,38 @@ def test_rows_finished_by_one_step_are_stored_together_and_one_that_cannot_be_st
     with session_scope() as session:
         stored = {j.id: j.status for j in session.scalars(select(Job)).all()}
     assert [stored[j.id] for j in jobs] == ["succeeded", "succeeded", "running", "succeeded"]
+    # Its group is not held any more: nothing renews the unstored job's lease, so it lapses and the job runs again
+    # (it was held, and renewed by every later drain, until the worker died: minutes on a database outage).
+    assert engine.writer.live_groups() == []
+
+
+def test_a_result_waits_for_a_database_that_went_away_and_is_stored_once_it_is_back(
+        service_env, tiny_model, monkeypatch):
+    """Storing a finished job's result while the database is unreachable (connections refused or dropped)
+    is tried again until it is back: the job is stored once, on its first attempt, not run again."""
+    from sqlalchemy.exc import OperationalError
+
+    from worker.engine import writer
+
+    monkeypatch.setattr(writer, "STORE_RETRY_PAUSE_S", 0.05)
+    engine = _engine_with_jobs(tiny_model, 2)
+    settle, refusals = writer.settle_job, []
+
+    def settle_while_away(session, job, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if len(refusals) < 5:
+            refusals.append(job.id)
+            raise OperationalError("SELECT 1", {}, Exception("connection refused (injected by the test)"))
+        return settle(session, job, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "settle_job", settle_while_away)
+    try:
+        assert engine.drain(60) == 2
+    finally:
+        engine.decoder.close()
+    assert len(refusals) == 5 and engine.writer.live_groups() == []
+    with session_scope() as session:
+        rows = session.scalars(select(Job)).all()
+    assert [(j.status, j.attempts) for j in rows] == [("succeeded", 1)] * 2
 
 
 def test_a_claim_group_is_closed_in_the_commit_that_finishes_its_last_job(service_env, tiny_model):

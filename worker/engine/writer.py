@@ -12,7 +12,10 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING
+
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from shared import lifecycle
 from shared.clock import db_now
@@ -22,7 +25,7 @@ from shared.models import ClaimGroup, Job
 from shared.settings import Settings
 from worker.generation import GenerationResult
 from worker.ledger.claims import GroupFigures, close_group
-from worker.ledger.settle import announce_escalations, settle_job
+from worker.ledger.settle import Settled, announce_escalations, settle_job
 from worker.metrics import METRICS
 from worker.model.tokens import result_text
 
@@ -33,6 +36,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kevlaya.worker")
 Result = GenerationResult | JobOutcome
+STORE_RETRY_S = 600.0  # how long a result waits for an unreachable database before it is given up
+STORE_RETRY_PAUSE_S = 1.0
+
+
+def _unreachable(exc: Exception) -> bool:
+    """Whether the database could not be reached or dropped the connection (worth trying again), as opposed to
+    refusing the write itself."""
+    return isinstance(exc, (OperationalError, InterfaceError)) or (
+        isinstance(exc, DBAPIError) and exc.connection_invalidated)
 
 
 @dataclass(eq=False)  # one per group: compared and hashed as itself
@@ -46,14 +58,16 @@ class GroupProgress:
     escalated: int = 0
     lost: int = 0
     released: int = 0
+    unstored: int = 0  # results the database refused for good: their leases lapse and the sweeper re-queues them
 
     @property
     def done(self) -> bool:
         return self.completed_by(0)
 
     def completed_by(self, arriving: int) -> bool:
-        """Whether every job is stored or given back once `arriving` more are."""
-        return self.stored + self.released + arriving == len(self.jobs)
+        """Whether every job is stored, given back or given up once `arriving` more are: only then does the group
+        stop being live, so a job that could not be stored is not held (its lease renewed) for ever."""
+        return self.stored + self.released + self.unstored + arriving == len(self.jobs)
 
 
 class ResultWriter:
@@ -131,33 +145,28 @@ class ResultWriter:
     def _write(self, items: list[tuple[GroupProgress, uuid.UUID, Result]]) -> None:
         """One transaction for all of `items` (one commit for a whole step's rows, so this thread holds the
         interpreter lock for less of the decode loop's time); if that fails, each alone, so one job that cannot be
-        stored does not take the others with it."""
+        stored does not take the others with it; one alone that the database could not be reached for, again
+        until it can (for STORE_RETRY_S at most)."""
         started = time.perf_counter()
-        try:
-            for _progress, _job_id, result in items:
-                if isinstance(result, GenerationResult) and result.text is None:  # the decoder left it to us
-                    result_text(self.tokenizer, result)
-            # Streams hold every character before the commit announces the jobs finished.
-            self.stream.finish([(job_id, result.text, result.completion_tokens, result.first_token_at)
-                                if isinstance(result, GenerationResult) else (job_id, None, 0, None)
-                                for _progress, job_id, result in items])
-            with write_scope() as session:
-                stored_at = db_now(session)
-                settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings,
-                                      self.versions)
-                           for progress, job_id, result in items]
-                # A group whose last jobs these are closes in the same commit: whoever sees all of a group's jobs
-                # finished also sees the group closed.
-                closing = self._completed_by(items)
-                for progress, figures in closing.items():
-                    close_group(session, progress.group.id, figures)
-        except Exception:
-            if len(items) == 1:
+        while True:
+            try:
+                stored_at, settled, closing = self._store(items)
+                break
+            except Exception as exc:
+                if len(items) > 1:
+                    log.exception("storing %d results together failed; storing them one by one", len(items))
+                    for item in items:
+                        self._write([item])
+                    return
+                if _unreachable(exc) and time.perf_counter() - started < STORE_RETRY_S:
+                    # The database is away (restarting, failing over): the result waits here, not lost and not
+                    # re-run; if it comes back after the lease lapsed, the fence discards it and the job runs again.
+                    log.warning("storing job %s's result failed (%s); trying again", items[0][1],
+                                exc.__class__.__name__)
+                    time.sleep(STORE_RETRY_PAUSE_S)
+                    continue
+                self._give_up(items[0][0], items[0][1])
                 raise
-            log.exception("storing %d results together failed; storing them one by one", len(items))
-            for item in items:
-                self._write([item])
-            return
         for (progress, job_id, result), done in zip(items, settled):
             job = progress.jobs[job_id]
             METRICS.job_finished(job, done.outcome, result if isinstance(result, GenerationResult) else None, stored_at)
@@ -176,6 +185,40 @@ class ResultWriter:
             if finished:  # out of the lock: the close may write
                 self._close(progress, closing.get(progress))
         METRICS.engine_phase.labels("store").observe(time.perf_counter() - started)
+
+    def _store(self, items: list[tuple[GroupProgress, uuid.UUID, Result]],
+               ) -> tuple[datetime, list[Settled], dict[GroupProgress, GroupFigures]]:
+        for _progress, _job_id, result in items:
+            if isinstance(result, GenerationResult) and result.text is None:  # the decoder left it to us
+                result_text(self.tokenizer, result)
+        # Streams hold every character before the commit announces the jobs finished.
+        self.stream.finish([(job_id, result.text, result.completion_tokens, result.first_token_at)
+                            if isinstance(result, GenerationResult) else (job_id, None, 0, None)
+                            for _progress, job_id, result in items])
+        with write_scope() as session:
+            stored_at = db_now(session)
+            settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings,
+                                  self.versions)
+                       for progress, job_id, result in items]
+            # A group whose last jobs these are closes in the same commit: whoever sees all of a group's jobs
+            # finished also sees the group closed.
+            closing = self._completed_by(items)
+            for progress, figures in closing.items():
+                close_group(session, progress.group.id, figures)
+        return stored_at, settled, closing
+
+    def _give_up(self, progress: GroupProgress, job_id: uuid.UUID) -> None:
+        """A result the database refused for good: its group no longer waits for it, so once the rest are done
+        the group is not live and nothing renews the job's lease; the sweeper re-queues it when that lapses."""
+        log.error("job %s: its result could not be stored; its lease will lapse and it will run again", job_id)
+        with self._lock:
+            progress.unstored += 1
+            finished = progress.done
+        if finished:
+            try:
+                self._close(progress)
+            except Exception:  # its row stays open; the group is no longer held here either way
+                log.exception("claim group %s could not be closed", progress.group.id)
 
     def _completed_by(self, items: list[tuple[GroupProgress, uuid.UUID, Result]]) -> dict[GroupProgress, GroupFigures]:
         """The groups whose every job is stored or given back once `items` are, with their row's figures."""
