@@ -149,12 +149,21 @@ def cancel_many(session: Session, ids: Iterable[uuid.UUID], error_code: str, err
 def expire_leases(session: Session, max_attempts: int) -> list[uuid.UUID]:
     """Jobs whose worker stopped renewing their lease (killed mid-batch) go back to the queue, unless they
     were tried `max_attempts` times already: a job that kills its worker must not loop. Returns the re-queued."""
-    expired = (Job.lease_expires_at < db_now(session),)
-    failed = _fail_orphans(session, max_attempts, *expired)
+    return _requeue_orphans(session, max_attempts, Job.lease_expires_at < db_now(session))
+
+
+def requeue_dead_owners(session: Session, owners: list[str], max_attempts: int) -> list[uuid.UUID]:
+    """The running jobs of lease owners known to be dead (a worker process that is gone) go back to the queue at
+    once, as an expired lease would later. Returns the re-queued."""
+    return _requeue_orphans(session, max_attempts, Job.lease_owner.in_(owners)) if owners else []
+
+
+def _requeue_orphans(session: Session, max_attempts: int, orphaned: ColumnElement[bool]) -> list[uuid.UUID]:
+    failed = _fail_orphans(session, max_attempts, orphaned)
     if failed:
         log.warning("failed %d job(s) whose worker stopped %d times: %s", len(failed), max_attempts,
                     ", ".join(str(j.id) for j in failed))
-    return [job.id for job in _move(session, RUNNING, QUEUED, *expired, lease_owner=None, lease_expires_at=None)]
+    return [job.id for job in _move(session, RUNNING, QUEUED, orphaned, lease_owner=None, lease_expires_at=None)]
 
 
 def _fail_orphans(session: Session, max_attempts: int, *where: ColumnElement[bool]) -> list[Job]:

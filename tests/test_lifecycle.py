@@ -207,3 +207,33 @@ def test_concurrent_settlers_settle_a_parent_once(service_env, notices):
     assert notices.collect() == Counter({str(kev_id): 1, str(parent_id): 1})
     with session_scope() as session:
         assert session.scalars(select(Job.status).where(Job.status == "running")).all() == []
+
+
+def test_the_jobs_of_a_dead_process_of_this_host_are_queued_again_without_waiting_out_their_leases(service_env):
+    """A pool child that starts after a killed one gives the dead child's jobs back at once; a live process's jobs,
+    and another host's (whose processes cannot be seen from here), keep their leases."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from worker.ledger.claims import dead_owners_here
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    owners = {"dead": f"{host}:{int(gone.stdout)}", "alive": f"{host}:{os.getpid()}", "elsewhere": "elsewhere:1"}
+    ids = {}
+    with session_scope() as session:
+        for name, owner in owners.items():
+            job = Job(adapter="laya", requested_adapter="laya", input="x", params={}, status="running", attempts=1,
+                      lease_owner=owner, lease_expires_at=datetime.now(timezone.utc) + timedelta(minutes=5))
+            session.add(job)
+            session.flush()
+            ids[name] = job.id
+    with session_scope() as session:
+        assert dead_owners_here(session) == [owners["dead"]]
+        requeued = lifecycle.requeue_dead_owners(session, dead_owners_here(session), max_attempts=3)
+    assert requeued == [ids["dead"]]
+    assert {name: row(job_id).status for name, job_id in ids.items()} == {
+        "dead": "queued", "alive": "running", "elsewhere": "running"}
+    assert row(ids["dead"]).lease_owner is None and row(ids["dead"]).attempts == 1  # the next claim counts it

@@ -20,7 +20,7 @@ from shared.logs import configure_logging
 from shared.queue import RUN_TASK, celery_app, publish_wakeup
 from shared.settings import ADAPTERS, Settings, get_settings
 from worker.engine.loop import Engine
-from worker.ledger.claims import stale_queued_adapters, worker_name
+from worker.ledger.claims import dead_owners_here, stale_queued_adapters, worker_name
 from worker.metrics import METRICS, serve_metrics
 
 log = logging.getLogger("kevlaya.worker")
@@ -46,6 +46,7 @@ def _load_model(sender: str | None = None, **_kwargs: object) -> None:
     global _engine, _load_error
     reset_engine()
     settings = get_settings()
+    _requeue_predecessors(settings)
     threading.Thread(target=_background_loop, name="heartbeat-sweeper", daemon=True).start()
     try:
         from worker.model.loading import load_model  # torch is imported only in the worker child
@@ -65,6 +66,22 @@ def _load_model(sender: str | None = None, **_kwargs: object) -> None:
     if sender:
         threading.Thread(target=_consume_jobs, args=(sender, _engine is not None), name="consumer-control",
                          daemon=True).start()
+
+
+def _requeue_predecessors(settings: Settings) -> None:
+    """A child that starts after a killed one (or a worker restarted after a crash) gives the jobs the dead
+    process held back to the queue at once, instead of leaving them to wait out their leases."""
+    try:
+        with write_scope() as session:
+            requeued = lifecycle.requeue_dead_owners(session, dead_owners_here(session),
+                                                     settings.reliability.max_attempts)
+    except Exception as exc:  # the database may be down: their leases lapse and the sweeper re-queues them
+        log.warning("could not look for jobs of dead processes: %s", exc)
+        return
+    if requeued:
+        log.warning("re-queued %d job(s) that a process of this host held when it died", len(requeued))
+        for adapter in ADAPTERS:
+            publish_wakeup(None, adapter)
 
 
 def _consume_jobs(node: str, consume: bool) -> None:

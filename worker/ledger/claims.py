@@ -26,6 +26,26 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def dead_owners_here(session: Session) -> list[str]:
+    """Lease owners of running jobs that were processes of this host and are gone (a killed worker or pool child):
+    their leases need not be waited out. A pid taken again by another process reads as alive: its jobs wait for
+    their leases, as before."""
+    prefix = f"{socket.gethostname()}:"
+    owners = session.scalars(select(Job.lease_owner).where(Job.status == JobStatus.RUNNING,
+                                                           Job.lease_owner.startswith(prefix)).distinct()).all()
+    return [owner for owner in owners if not _alive(int(owner.removeprefix(prefix)))]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @dataclass(frozen=True)
 class QueueSnapshot:
     """What is waiting, per adapter: how many interactive jobs and how long the oldest has waited, and how many
