@@ -55,6 +55,9 @@ def valid_calls(response, names: set[str] = set(SCHEMAS)) -> list:  # noqa: ANN0
     assert calls and all(item.type == "function_call" for item in response.output), response.output
     for call in calls:
         assert call.name in names and call.call_id.startswith("call_") and call.id.startswith("fc_")
+        if call.status == "incomplete":  # cut by max_output_tokens: its arguments end where the tokens did
+            assert call is calls[-1] and response.status == "incomplete"
+            continue
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     return calls
 
@@ -298,7 +301,10 @@ def test_text_json_schema_and_each_tool_choice_answer_as_openai_does(env, api, s
     for model, seed_choice in (("laya", "required"), ("kev", "required")):
         required = openai_client.responses.create(model=model, input=QUESTION, tools=TOOLS, tool_choice=seed_choice,
                                                   max_output_tokens=400, temperature=1)
-        assert 1 <= len(valid_calls(required)) <= grammar.MAX_TOOL_CALLS and required.status == "completed"
+        # sampled at temperature 1 (its draws depend on the rows beside it): the calls may fill max_output_tokens,
+        # and then the last one is cut and the response incomplete, as OpenAI's is
+        assert 1 <= len(valid_calls(required)) <= grammar.MAX_TOOL_CALLS
+        assert required.status == "completed" or required.incomplete_details.reason == "max_output_tokens", required
         assert job_of(api, required)["params"]["tool_choice"] == "required"
     named = openai_client.responses.create(model="kev", input=QUESTION, tools=TOOLS, max_output_tokens=400,
                                            temperature=0, tool_choice={"type": "function", "name": "get_time"})

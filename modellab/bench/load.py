@@ -340,7 +340,9 @@ def drain_problems(rows: list[Any], batches: dict[Any, Any], accepted: list[str]
         "accepted_twice": len(accepted) - len(wanted),
         "accepted_not_stored": len(wanted - set(top)),
         "stored_not_accepted": len(set(top) - wanted),
-        "not_succeeded": sum(1 for r in rows if r.status != "succeeded"),
+        # a Batch API line's status is its answer's (a decision cut by max_tokens is `failed`, its output line a
+        # 200 with finish_reason length): the file's output accounts for it
+        "not_succeeded": sum(1 for r in rows if r.status != "succeeded" and getattr(r, "file_batch_id", None) is None),
         "attempts_not_1": sum(1 for r in rows if r.attempts != 1),
         "in_no_finished_batch": sum(1 for r in rows if r.batch_id not in batches
                                     or batches[r.batch_id].finished_at is None),
