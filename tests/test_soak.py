@@ -102,3 +102,30 @@ def test_a_soak_with_no_room_for_its_warm_up_and_two_samples_is_refused(tmp_path
     done = subprocess.run([os.sys.executable, "-m", "cli", "soak", "--minutes", "0.1", "--sample-every", "10",
                            "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "two samples after it" in " ".join(done.stderr.replace("│", " ").split())
+
+
+def test_the_sampler_skips_a_sample_while_the_database_is_away_and_goes_on() -> None:
+    """A chaos soak takes the database away: the sample of that moment is skipped, not the rest of the run's
+    (the sampler stopped at the first outage, and the memory figures of a PostgreSQL chaos run had one sample)."""
+    from sqlalchemy.exc import OperationalError
+
+    from modellab.bench.soak import Sampler
+
+    class Counts:
+        calls = 0
+
+        def read(self) -> dict[str, int]:
+            Counts.calls += 1
+            if Counts.calls == 2:
+                raise OperationalError("SELECT", {}, Exception("terminating connection (injected by the test)"))
+            return {"queued": 0, "running": 0, "succeeded": Counts.calls, "failed": 0}
+
+    announcements = SimpleNamespace(collect=lambda: None)
+    sampler = Sampler({"api": os.getpid()}, Counts(), lambda: 0, announcements, every_s=0.05, warmup_s=0).start()
+    import time
+
+    deadline = time.monotonic() + 10
+    while len(sampler.samples) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sampler.halt()
+    assert sampler.error is None and sampler.missed == 1 and len(sampler.samples) >= 3

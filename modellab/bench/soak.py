@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from sqlalchemy.exc import OperationalError
 
 from modellab.bench.batch_load import decision_prompt, service_settings
 from modellab.bench.chaos import (
@@ -275,6 +276,7 @@ class Sampler:
         self.roots, self.counts, self.submitted, self.announcements = roots, counts, submitted, announcements
         self.every_s, self.warmup_s = every_s, warmup_s
         self.samples: list[dict[str, Any]] = []
+        self.missed = 0  # samples skipped while the database was unreachable
         self.error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
@@ -312,7 +314,11 @@ class Sampler:
                     if self._stop.wait(min(1.0, left)):
                         return
                     self.announcements.collect()
-                self.sample()
+                try:
+                    self.sample()
+                except OperationalError as exc:  # the database away (a chaos soak's fault): this sample is skipped
+                    self.missed += 1
+                    log.warning("sample skipped: the database is unreachable (%s)", exc.__class__.__name__)
                 warmup_pending = warmup_pending and due < self.warmup_s
                 tick += self.every_s if due == tick else 0.0
         except Exception as exc:  # reported in the result; the run goes on without samples
@@ -474,7 +480,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
     result["load_average"]["end"] = os.getloadavg()
     return {"database": make_kind(processes.database_url), "wall_s": round(wall_s, 2),
             **figures(config, submits, samples, drain, wall_s),
-            "sampler_error": sampler.error, "samples": samples, **result,
+            "sampler_error": sampler.error, "samples_missed": sampler.missed, "samples": samples, **result,
             "workload": {"adapters": ROLES, "new_tokens": NEW_TOKENS, "output": "text",
                          "batch_every": BATCH_EVERY, "batch_size": BATCH_SIZE},
             "config": {"minutes": config.minutes, "jobs": config.jobs, "rate": config.rate,
