@@ -18,6 +18,7 @@ each fault, how long until the service finished jobs again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -260,7 +261,8 @@ async def follow(client: aiohttp.ClientSession, job_id: str, watch: StreamWatch,
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             headers = {"Last-Event-ID": last_id} if last_id else {}
-            try:
+            # a stream that broke (the API killed, a socket dropped) or ended without `done`: resumed below
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError):
                 async with client.get(f"/v1/jobs/{job_id}/events", headers=headers,
                                       timeout=aiohttp.ClientTimeout(total=None, sock_read=120)) as response:
                     if response.status != 200:
@@ -286,8 +288,6 @@ async def follow(client: aiohttp.ClientSession, job_id: str, watch: StreamWatch,
                             watch.resynced += resynced
                             watch.repeated += repeated
                             return
-            except (aiohttp.ClientError, TimeoutError, ConnectionError):
-                pass
             watch.reconnects += 1
             await asyncio.sleep(1.0)
         watch.unfinished += 1
