@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modellab.model_factory import build_random_model
+from modellab.training.data import example_batches
+from modellab.training.loop import completion_loss
 from modellab.training import (
     IGNORE_INDEX,
     OUTPUT_FILES,
@@ -173,6 +175,34 @@ def test_overlong_samples_are_filtered_and_counted(base: Path, tmp_path: Path) -
     report = train_adapter(config(base, tmp_path, [*RECORDS, long, long], max_seq_tokens=limit, max_steps=2))
     assert report.filtered == 2
     assert sum(report.labels_before.values()) == len(RECORDS)
+
+
+def test_completion_loss_is_the_models_own_loss_with_and_without_an_adapter(base: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    encoded = encode_samples(tokenizer, read_samples(write_jsonl(Path(base).parent / "loss.jsonl", RECORDS)), SYSTEM)
+    batch = next(example_batches(encoded, len(encoded), tokenizer.pad_token_id, torch.Generator().manual_seed(0)))
+    model = AutoModelForCausalLM.from_pretrained(base)
+    torch.testing.assert_close(completion_loss(model, batch), model(**batch).loss)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    expected = peft_model(**batch).loss
+    torch.testing.assert_close(completion_loss(peft_model, batch), expected)
+    completion_loss(peft_model, batch).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in peft_model.parameters() if p.requires_grad)
+
+
+def test_batches_hold_every_example_once_an_epoch_among_similar_lengths() -> None:
+    lengths = [(i * 37) % 300 + 1 for i in range(640)]  # shuffled lengths 1..300
+    examples = [Encoded([i] * n, [i] * n, None) for i, n in enumerate(lengths)]
+    batches = example_batches(examples, 8, 0, torch.Generator().manual_seed(0))
+    epoch = [next(batches) for _ in range(80)]
+    firsts = sorted(int(b["input_ids"][row, 0]) for b in epoch for row in range(len(b["input_ids"])))
+    assert firsts == list(range(640))
+    padded = sum(b["input_ids"].numel() for b in epoch)
+    assert padded < 1.15 * sum(lengths)  # random batches of 8 pad to about 1.7x here
+    widths = [b["input_ids"].shape[1] for b in epoch]
+    assert widths != sorted(widths) and widths != sorted(widths, reverse=True)
 
 
 def test_balancing_oversamples_minorities_deterministically() -> None:

@@ -232,13 +232,26 @@ def _collate(examples: Sequence[Encoded], pad_id: int) -> dict[str, torch.Tensor
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
+# Batches are formed among this many batches' worth of shuffled examples, each of similar lengths.
+LENGTH_GROUP_BATCHES = 32
+
+
 def example_batches(examples: list[Encoded], batch_size: int, pad_id: int,
-                     generator: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless batches, reshuffled every epoch by the seeded generator."""
+                    generator: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless batches, every example once an epoch, reshuffled every epoch by the seeded generator.
+
+    A batch is padded to its longest sample, so each is cut from examples of similar length: the epoch's
+    shuffled order is sorted by length within groups of LENGTH_GROUP_BATCHES batches, and the batches are then
+    shuffled again, so lengths do not follow one another through the epoch."""
     while True:
         order = torch.randperm(len(examples), generator=generator).tolist()
-        for start in range(0, len(order), batch_size):
-            yield _collate([examples[i] for i in order[start:start + batch_size]], pad_id)
+        group = batch_size * LENGTH_GROUP_BATCHES
+        batches: list[list[int]] = []
+        for start in range(0, len(order), group):
+            by_length = sorted(order[start:start + group], key=lambda i: len(examples[i].input_ids))
+            batches.extend(by_length[at:at + batch_size] for at in range(0, len(by_length), batch_size))
+        for index in torch.randperm(len(batches), generator=generator).tolist():
+            yield _collate([examples[i] for i in batches[index]], pad_id)
 
 
 def block_batches(blocks: torch.Tensor, batch_size: int,
