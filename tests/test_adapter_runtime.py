@@ -272,3 +272,21 @@ def test_a_reload_under_load_loses_and_mixes_nothing(runtime_env, adapter_root, 
     [restarted] = wait_finished(api, answers(api, "laya", 1, 8), timeout=60)
     assert restarted["adapter_version"] == v2 and restarted["result"]["text"] == reference[v2][PROMPTS[0]]
     api.close()
+
+
+def test_the_migration_adds_the_assignments_and_takes_them_away(database_url):
+    """Migration 0013 on both databases."""
+    from sqlalchemy import create_engine, inspect
+
+    from shared.migrate import downgrade, upgrade
+
+    engine = create_engine(database_url)
+    try:
+        downgrade(database_url, "0012")
+        assert "adapter_assignments" not in inspect(engine).get_table_names()
+        upgrade(database_url)
+        engine.dispose()
+        assert {c["name"] for c in inspect(engine).get_columns("adapter_assignments")} == {
+            "role", "path", "sha256", "unloaded", "generation", "requested_at"}
+    finally:
+        engine.dispose()

@@ -22,7 +22,7 @@ from shared.queue import QueueUnavailable, publish_wakeup
 
 log = logging.getLogger("kevlaya.api")
 router = APIRouter(prefix="/v1", tags=["adapters"], dependencies=[Depends(reject_unknown_query_parameters)])
-_TEXT = {200: {"content": {"text/plain": {}}, "description": "vLLM's short success message"}}
+_TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "vLLM's short success message"}}
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -55,7 +55,7 @@ def _wake(role: str) -> None:
                     role)
 
 
-@router.post("/load_lora_adapter", response_class=PlainTextResponse, responses={**_TEXT, **error_responses(
+@router.post("/load_lora_adapter", responses={**_TEXT, **error_responses(
     400, 403, 422, *AUTH_ERRORS)})
 def load_lora_adapter(body: LoadLoRAAdapterRequest, _key: AdminKey, settings: SettingsDep) -> PlainTextResponse:
     """Load the adapter at `lora_path` as the role `lora_name`, replacing the role's adapter in place (a reload
@@ -75,7 +75,7 @@ def load_lora_adapter(body: LoadLoRAAdapterRequest, _key: AdminKey, settings: Se
     return PlainTextResponse(f"Success: LoRA adapter '{checked.role}' added successfully.")
 
 
-@router.post("/unload_lora_adapter", response_class=PlainTextResponse, responses={**_TEXT, **error_responses(
+@router.post("/unload_lora_adapter", responses={**_TEXT, **error_responses(
     400, 403, 404, 422, *AUTH_ERRORS)})
 def unload_lora_adapter(body: UnloadLoRAAdapterRequest, _key: AdminKey) -> PlainTextResponse:
     """Stop the role `lora_name` taking jobs: new submits to it are refused (503 `adapter_unloaded`), its queued
