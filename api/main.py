@@ -32,7 +32,7 @@ from api.keys.throttle import AuthThrottle
 from api.openai import models
 from api.openai.chat import routes as chat
 from api.openai.responses import routes as responses
-from api.ops import health, metrics, stats, status_page
+from api.ops import adapters, health, metrics, stats, status_page
 from api.ops.metrics import ApiMetrics, RequestMetrics
 from api.streams.follow import reader
 from api.streams.notices import notices
@@ -109,7 +109,7 @@ def create_app() -> FastAPI:
     install_docs(app)
     install_error_handlers(app)
     routers = [health.router, jobs.router, chat.router, responses.router, files.router, batches.router,
-               models.router, stats.router, metrics.router, status_page.router]
+               models.router, adapters.router, stats.router, metrics.router, status_page.router]
     for router in routers:
         app.include_router(router)
     # Uploads are streamed to disk by their route, so they get a limit of their own (their form's few fields

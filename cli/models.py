@@ -1,5 +1,6 @@
 """Model-lab commands (`modellab/`): `models random`, `models build-demo`, `models questions`, `models data`,
-`models prose-data`, `models calibrate`, `models prepare`, `models verify`, `train`, `eval` and `eval-tools`."""
+`models prose-data`, `models calibrate`, `models prepare`, `models verify`, `train`, `eval` and `eval-tools`; and the
+service's adapters: `models list`, `models load`, `models unload`."""
 
 from __future__ import annotations
 
@@ -281,6 +282,76 @@ def models_list() -> None:
                        f"job(s) answered{'  ' + ', '.join(marks) if marks else ''}")
         if not loaded:
             typer.echo("  no worker has loaded it yet")
+
+
+def _wake(role: str) -> None:
+    from shared.queue import QueueUnavailable, publish_wakeup
+
+    try:
+        publish_wakeup(None, role)
+    except QueueUnavailable:
+        typer.echo("Redis did not answer: workers follow the change at their next sweep", err=True)
+
+
+@app.command("load")
+def models_load(
+    name: Annotated[str, typer.Argument(help="the role: kev or laya (new roles are not supported yet)")],
+    path: Annotated[Path, typer.Argument(help="the adapter's directory (adapter_config.json, "
+                                         "adapter_model.safetensors, MANIFEST.sha256), under "
+                                         "KEVLAYA_MODEL__ADAPTER_ROOT")],
+) -> None:
+    """Load the adapter at PATH as role NAME while the service runs, replacing the role's adapter in place (a
+    reload when it serves one already), as POST /v1/load_lora_adapter does.
+
+    The adapter is checked first, with the API's own checks, and nothing is recorded if it is refused: its path
+    must lie under KEVLAYA_MODEL__ADAPTER_ROOT, its files be there and verify, its base be the running one, its
+    rank at most KEVLAYA_MODEL__ADAPTER_MAX_RANK, its target modules those the worker holds and its weights
+    finite. Then it becomes the role's desired state in the database and every worker switches at a safe point:
+    jobs claimed before finish on the old version, jobs claimed after run on the new one and record its version.
+    `kevlaya models list` shows the version once a worker loaded it.
+
+    Through the database rather than the API: like `kevlaya keys` and `kevlaya quotas`, it needs only the
+    settings a deployment already has (the database URL; no admin key, no running API), and the checks and the
+    record are the same shared code the API runs (shared/adapter_check.py, shared/adapter_assignments.py)."""
+    from shared.adapter_assignments import assign
+    from shared.adapter_check import AdapterRefused, check_adapter
+    from shared.db import write_scope
+
+    settings = get_settings()
+    require_database()
+    try:
+        checked = check_adapter(name, str(path), settings)
+    except AdapterRefused as refusal:
+        fail(f"refused, nothing recorded: {refusal}")
+    with write_scope() as session:
+        assign(session, checked)
+    _wake(checked.role)
+    typer.echo(f"{checked.role}: {checked.path} version {checked.sha256[:16]} asked for; workers switch once its "
+               "rows in flight finish")
+
+
+@app.command("unload")
+def models_unload(
+    name: Annotated[str, typer.Argument(help="the role: kev or laya")],
+) -> None:
+    """Stop role NAME taking jobs while the service runs, as POST /v1/unload_lora_adapter does: submits to it are
+    refused (503 adapter_unloaded), its queued jobs wait until it is loaded again (`kevlaya models load`), its rows in
+    flight finish, and /v1/models no longer lists it. Through the database, as `models load` (see there why)."""
+    from shared.adapter_assignments import unload
+    from shared.adapter_check import AdapterRefused, check_role
+    from shared.db import write_scope
+
+    require_database()
+    try:
+        role = check_role(name)
+    except AdapterRefused as refusal:
+        fail(f"refused: {refusal}")
+    with write_scope() as session:
+        changed = unload(session, role)
+    if not changed:
+        fail(f"{role} is unloaded already")
+    _wake(role)
+    typer.echo(f"{role}: unloaded; its queued jobs wait until it is loaded again")
 
 
 @app.command("verify")

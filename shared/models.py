@@ -221,6 +221,21 @@ class AdapterVersion(Base):
     loaded_at: Mapped[datetime] = mapped_column(default=utcnow)  # the last time a worker loaded it
 
 
+class AdapterAssignment(Base):
+    """What a role should serve, as an admin last asked (POST /v1/load_lora_adapter, /v1/unload_lora_adapter,
+    `kevlaya models load|unload`; shared/adapter_assignments.py, docs/architecture.md §10; migration 0013). Workers
+    follow it at a safe point and read it at start; a role without a row serves its configured adapter."""
+
+    __tablename__ = "adapter_assignments"
+
+    role: Mapped[str] = mapped_column(String(64), primary_key=True)
+    path: Mapped[str | None] = mapped_column(String(4096))  # the adapter's directory (None: the configured one)
+    sha256: Mapped[str | None] = mapped_column(String(64))  # its version as checked when it was asked for
+    unloaded: Mapped[bool] = mapped_column(Boolean, default=False)  # the role takes no jobs
+    generation: Mapped[int] = mapped_column(Integer, default=1)  # +1 at every request: a worker sees a change
+    requested_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class StoredFile(Base):
     """A file of the Files API: its bytes live in KEVLAYA_BATCH__FILES_DIR under this id, never under a client's
     name."""

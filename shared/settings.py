@@ -245,6 +245,17 @@ class ModelSettings(BaseModel):
     )
     verify_manifests: bool = Field(default=True, description="refuse model directories whose `MANIFEST.sha256` "
                                    "does not match")
+    adapter_root: Path = Field(
+        default=Path("models"), description="the directory adapters loaded at run time must lie under "
+        "(`POST /v1/load_lora_adapter`, `kevlaya models load`); a path that resolves outside it, through `..` or a "
+        "symbolic link, is refused")
+    adapter_max_rank: int = Field(
+        default=16, ge=1, description="the largest LoRA rank an adapter loaded at run time may have: each role's "
+        "rank block in the worker's per-row LoRA is sized at start to this or to its configured adapter's rank, "
+        "whichever is larger, so any adapter up to it is copied in place")
+    adapter_poll_s: float = Field(
+        default=1.0, gt=0, description="how often a worker that is serving jobs reads the adapters it should serve "
+        "(an idle worker is woken by the load's wake-up message)")
 
 
 class CascadeSettings(BaseModel):

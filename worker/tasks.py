@@ -12,6 +12,7 @@ from celery.exceptions import Reject
 from celery.signals import setup_logging, worker_process_init, worker_process_shutdown
 
 from shared import lifecycle
+from shared.adapter_assignments import desired
 from shared.adapter_identity import AdapterIdentity
 from shared.adapter_versions import record_loaded
 from shared.db import reset_engine, write_scope
@@ -132,10 +133,15 @@ def sweep() -> None:
     with write_scope() as session:
         repaired = lifecycle.repair(session, settings.reliability.max_attempts)
         stale = stale_queued_adapters(session, older_than_s=settings.reliability.sweep_interval_s)
+        wanted = desired(session)
     if repaired.requeued:
         log.warning("re-queued %d job(s) whose lease expired or that held none", len(repaired.requeued))
     if _engine is not None and not _engine.draining.is_set():
-        for adapter in set(stale) | {a for a in ADAPTERS if repaired.requeued}:
+        # an idle engine follows an adapter change at its next drain: one whose wake-up was lost gets one here
+        following = dict(_engine.adapters.generations)
+        changed = {role for role, state in wanted.items() if state.generation != following.get(role, 0)}
+        held = _engine.adapters.held()
+        for adapter in (set(stale) - held) | {a for a in ADAPTERS if repaired.requeued} | changed:
             publish_wakeup(None, adapter)
 
 
@@ -168,7 +174,8 @@ def _status() -> dict[str, object]:
         "model_loaded": True,
         "memory": memory,
         "device": _engine.loaded.device,
-        "unavailable_adapters": _engine.loaded.unavailable,
+        "unavailable_adapters": {**_engine.loaded.unavailable, **_engine.adapters.blocked},
+        "unloaded_adapters": sorted(_engine.adapters.unloaded),
         "draining": _engine.draining.is_set(),
         "slots": _engine.decoder.limit,  # every adapter is served at once; what counts is the slots
         "window_tokens": _engine.decoder.window,

@@ -20,13 +20,15 @@ RETRY_AFTER_S = "5"
 
 
 class ApiError(Exception):
-    def __init__(self, status_code: int, code: str, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, status_code: int, code: str, message: str, headers: dict[str, str] | None = None,
+                 fields: list[dict[str, str]] | None = None):
         super().__init__(message)
         self.status_code, self.code, self.message, self.headers = status_code, code, message, headers
+        self.fields = fields  # [{field, message}]: the request's fields the error is about, as a 422's
 
-    def __reduce__(self) -> tuple[type[ApiError], tuple[int, str, str, dict[str, str] | None]]:
+    def __reduce__(self) -> tuple[type[ApiError], tuple[Any, ...]]:
         # pickled whole: the job writer's process sends its errors to the API (api/jobs/writer_process.py)
-        return ApiError, (self.status_code, self.code, self.message, self.headers)
+        return ApiError, (self.status_code, self.code, self.message, self.headers, self.fields)
 
 
 def unauthorized(message: str) -> ApiError:
@@ -112,7 +114,9 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
 
 
 async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(status_code=exc.status_code, content=error_body(exc.code, exc.message), headers=exc.headers)
+    extra = {"fields": exc.fields} if exc.fields else {}
+    return JSONResponse(status_code=exc.status_code, content=error_body(exc.code, exc.message, **extra),
+                        headers=exc.headers)
 
 
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")

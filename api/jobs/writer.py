@@ -32,6 +32,7 @@ from api.http.errors import RETRY_AFTER_S, ApiError, unauthorized
 from api.jobs.submission import Accepted, Stored, check_queue, insert_rows, resolve, store_jobs
 from api.jobs.wakeups import WakeupPublisher
 from api.keys.quotas import Admission
+from shared.adapter_assignments import unloaded_roles
 from shared.db import new_session, one_writer
 from shared.keys import is_revoked_at
 from shared.models import ApiKey, Job
@@ -163,6 +164,7 @@ class JobWriter:
         # The quotas are checked against the keys' usage rows, locked in this transaction (api/keys/quotas.py).
         with one_writer(session):
             admission = Admission(session, checked, get_settings())
+            unloaded = unloaded_roles(session)  # read in the unit's transaction: an unload is exact from its commit
             refused: dict[uuid.UUID, ApiError] = {}  # new jobs of a refused submit, by id: never stored
             for index, submission in enumerate(unit):
                 answer = answers[index]
@@ -170,7 +172,8 @@ class JobWriter:
                     continue
                 # a repeat of an idempotency key whose submit was refused earlier in this unit is refused with it
                 error = next((refused[job.id] for job, _ in answer if job.id in refused), None)
-                error = error or admission.take_jobs(submission.key.id, created[index])
+                error = error or _unloaded(created[index], unloaded) or admission.take_jobs(submission.key.id,
+                                                                                           created[index])
                 if error is not None:
                     refused.update((job.id, error) for job in created[index])
                     answers[index] = error
@@ -192,6 +195,15 @@ class JobWriter:
         except Exception as exc:
             session.rollback()
             submission.future.set_exception(exc)
+
+
+def _unloaded(jobs: list[Job], unloaded: set[str]) -> ApiError | None:
+    """A submit to a role unloaded at run time is refused whole (an `auto` job runs on Laya first)."""
+    roles = sorted({job.adapter for job in jobs} & unloaded)
+    if not roles:
+        return None
+    return ApiError(503, "adapter_unloaded", f"adapter {roles[0]} is unloaded (POST /v1/load_lora_adapter loads it "
+                    "again); nothing was stored", headers={"Retry-After": RETRY_AFTER_S})
 
 
 def _valid_keys(session: Session, key_ids: set[uuid.UUID]) -> set[uuid.UUID]:

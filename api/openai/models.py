@@ -1,5 +1,6 @@
 """`GET /v1/models`: the model names chat completions accept, in OpenAI's list format; each adapter with the version
-a worker loaded last (docs/architecture.md §10)."""
+a worker loaded last (docs/architecture.md §10). An unloaded role is not listed, and neither is `auto` while Laya,
+its first stage, is unloaded."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pydantic import BaseModel, Field
 from api.http.deps import SessionDep, reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, error_responses
 from api.keys.auth import CurrentKey
+from shared.adapter_assignments import unloaded_roles
 from shared.adapter_versions import last_loaded
 from shared.models import AdapterVersion
 from shared.schemas import RequestedAdapter
@@ -56,5 +58,8 @@ def _card(name: str, version: AdapterVersion | None) -> ModelCard:
 
 @router.get("", response_model=ModelList, responses=error_responses(422, *AUTH_ERRORS))
 def list_models(_key: CurrentKey, session: SessionDep) -> ModelList:
-    versions = last_loaded(session)
-    return ModelList(data=[_card(name, versions.get(name)) for name in get_args(RequestedAdapter)])
+    versions, unloaded = last_loaded(session), unloaded_roles(session)
+    if "laya" in unloaded:
+        unloaded.add("auto")
+    return ModelList(data=[_card(name, versions.get(name)) for name in get_args(RequestedAdapter)
+                           if name not in unloaded])

@@ -42,3 +42,6 @@ class DecoderOptions:
     launch_ahead: bool = True  # each step launched before the host reads the one before
     column_buckets: int | None = None  # static steps also read the window's first half, quarter...; None: 3 on CUDA
     lora_dtype: torch.dtype | None = None  # the LoRA products' dtype (None: the compute dtype)
+    # each adapter's rank block at least this wide, so a version up to that rank is copied in place at run time
+    # (KEVLAYA_MODEL__ADAPTER_MAX_RANK; 0: each adapter's own rank)
+    lora_min_rank: int = 0

@@ -102,7 +102,8 @@ class SlotDecoder:
         # The LoRA products in the compute dtype, like the rest of the step; on CUDA each product's row mask and
         # expand as one kernel
         masked_expand = _served(options.fused_lora, self.device, lora_expand.runs_on)
-        self.lora = RowLoRA(model, self.adapters, options.lora_dtype or dtype, masked_expand=masked_expand)
+        self.lora = RowLoRA(model, self.adapters, options.lora_dtype or dtype, masked_expand=masked_expand,
+                            min_rank=options.lora_min_rank)
         self.state = ModelState(model, self.kv, self.lora, self.device)  # what the captured step and prefill run on
         self.fused: FusedProjections | None = None
         # RMSNorm as PyTorch's one operator where that was measured (on CUDA); the CPU keeps transformers'

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 from shared.db import session_scope, write_scope
 from shared.models import ClaimGroup, Job, Priority
 from shared.settings import Settings
+from worker.engine.adapters import AdapterSwitcher
 from worker.engine.build import build_decoder
 from worker.engine.scheduler import Claimed, Decoding, Plan, Scheduler
 from worker.engine.token_stream import TokenPublisher
 from worker.engine.writer import ResultWriter
 from worker.generation import GenerationRequest, GenerationResult
-from worker.ledger.claims import claim_group, claimable, queue_snapshot, worker_name
+from worker.ledger.claims import QueueSnapshot, claim_group, claimable, queue_snapshot, worker_name
 from worker.ledger.fair_share import KeyTurns
 from worker.ledger.leases import leases_kept
 from worker.ledger.settle import failed, generation_request, unreadable
@@ -55,8 +56,10 @@ class Engine:
         self.turns = KeyTurns()  # whom this worker's claims served last: keys take turns (docs/architecture.md §3)
         self.draining = threading.Event()
         self.stream = TokenPublisher(settings, lambda: list(self.decoder.rows), self.decoder.grammars.token_bytes)
-        self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream,
-                                   {name: version.sha256 for name, version in loaded.versions.items()})
+        self.writer = ResultWriter(loaded.tokenizer, settings, self._peak, self.stream)
+        # the adapters asked for at run time (docs/architecture.md §10): followed now, then while draining
+        self.adapters = AdapterSwitcher(loaded, settings)
+        self._follow_adapters(force=True)
         # what the decoder counted (steps launched, seconds waiting for the GPU) up to the last step's metrics
         self.counted = (0, 0.0)
         # The writer's work must not hold the decode loop at each lock hand-back (settings: engine.switch_interval_ms).
@@ -78,8 +81,10 @@ class Engine:
         """Plan, claim, run, store, until the plan says the drain is over: the scheduler decides, this loop does
         (each prefill, pass and step stores the rows it finished). Returns the jobs claimed."""
         self.scheduler.start(deadline)
+        self._follow_adapters(force=True)
         claimed = 0
         while True:
+            self._follow_adapters()
             plan = self.scheduler.plan(self._decoding(), time.monotonic(), self._queued)
             if plan.done:
                 return claimed
@@ -97,7 +102,35 @@ class Engine:
 
     def _queued(self) -> bool:
         with session_scope() as session:
-            return queue_snapshot(session).has_work()
+            return self._claimable_roles(queue_snapshot(session)).has_work()
+
+    # -- adapters switched at run time -------------------------------------------------------------------------
+
+    def _follow_adapters(self, force: bool = False) -> None:
+        """Notice a role asked to change (at most every KEVLAYA_MODEL__ADAPTER_POLL_S) and switch each changed
+        role at its safe point: when none of its rows is decoding, prefilling or waiting for its prefill. Its jobs
+        are not claimed meanwhile, so the rows claimed before finish on the version they started with."""
+        try:
+            self.adapters.poll(force)
+        except Exception as exc:  # the database may be away: the roles keep what they serve
+            log.warning("could not read the adapters asked for: %s", exc)
+        for role in list(self.adapters.pending):
+            if not self._runs(role):
+                self.adapters.switch(role, self.decoder.lora)
+
+    def _runs(self, role: str) -> bool:
+        """Whether a job of `role` holds a slot: decoding, in the prefill under way, or claimed and waiting."""
+        return (any(self.decoder.adapters[row.adapter] == role for row in self.decoder.rows)
+                or any(c.request.adapter == role for c in self.scheduler.waiting + self.scheduler.prefilling))
+
+    def _claimable_roles(self, snapshot: QueueSnapshot) -> QueueSnapshot:
+        """The queue without the roles held (unloaded, switching, or blocked): their jobs wait."""
+        held = self.adapters.held()
+        if not held:
+            return snapshot
+        return QueueSnapshot({a: n for a, n in snapshot.queued.items() if a not in held},
+                             {a: w for a, w in snapshot.oldest_wait_ms.items() if a not in held},
+                             {a: n for a, n in snapshot.batch_lines.items() if a not in held})
 
     # -- claiming ----------------------------------------------------------------------------------------------
 
@@ -105,7 +138,8 @@ class Engine:
         """Claim as many jobs for each adapter as the scheduler says for the free slots; returns how many."""
         with METRICS.engine_phase.labels("claim").time():
             with session_scope() as session:
-                claims = self.scheduler.claims(queue_snapshot(session), self._decoding(), time.monotonic())
+                claims = self.scheduler.claims(self._claimable_roles(queue_snapshot(session)), self._decoding(),
+                                               time.monotonic())
                 groups = [(a, count) for a, count in claims.groups
                           if claimable(session, a, count, self.turns, claims.spare)]
             took = 0
@@ -122,7 +156,8 @@ class Engine:
     def _start(self, group: ClaimGroup, jobs: list[Job]) -> None:
         """A claim group's jobs: each checked alone (one that cannot run fails at once), the rest wait for their
         prefill."""
-        self.writer.add(group, jobs)
+        # each job records the version its claim found: a switch waits for these rows (`_follow_adapters`)
+        self.writer.add(group, jobs, self.adapters.versions(), dict(self.adapters.paths))
         self.stream.started(jobs)
         METRICS.rows_in_flight.set(len(self.decoder.rows) + len(jobs))
         log.info("claim group %s: %d job(s) on %s take free slots", group.id, len(jobs), group.adapters)

@@ -53,6 +53,8 @@ class GroupProgress:
 
     group: ClaimGroup
     jobs: dict[uuid.UUID, Job]
+    versions: dict[str, str] = field(default_factory=dict)  # adapter -> the version its jobs run on (sha256)
+    paths: dict[str, str] = field(default_factory=dict)  # adapter -> that version's directory (its calibration)
     results: list[GenerationResult] = field(default_factory=list)  # of the jobs that reached the model
     stored: int = 0
     escalated: int = 0
@@ -75,9 +77,8 @@ class ResultWriter:
     its own thread, in the order they were handed in."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, settings: Settings,
-                 peak_vram: Callable[[], int | None], stream: TokenPublisher, versions: dict[str, str]):
+                 peak_vram: Callable[[], int | None], stream: TokenPublisher):
         self.settings, self.peak_vram, self.stream = settings, peak_vram, stream
-        self.versions = versions  # adapter -> the sha256 of the version loaded, stored with each of its answers
         # Its own tokenizer: the decode loop's changes its padding settings while it encodes, which a decode on
         # this thread must not see.
         self.tokenizer = copy.deepcopy(tokenizer)
@@ -89,8 +90,12 @@ class ResultWriter:
         # (shared/db.py: write_scope), which may wait for another writer, nor around `_close`.
         self._lock = threading.Lock()
 
-    def add(self, group: ClaimGroup, jobs: list[Job]) -> None:
-        progress = GroupProgress(group=group, jobs={job.id: job for job in jobs})
+    def add(self, group: ClaimGroup, jobs: list[Job], versions: dict[str, str] | None = None,
+            paths: dict[str, str] | None = None) -> None:
+        """A claim group taken: `versions` (adapter -> sha256) and `paths` (adapter -> directory) of the adapter
+        versions its jobs run on, as the claim found them; stored with each answer."""
+        progress = GroupProgress(group=group, jobs={job.id: job for job in jobs}, versions=versions or {},
+                                 paths=paths or {})
         with self._lock:
             self.groups[group.id] = progress
         for job in jobs:
@@ -198,7 +203,7 @@ class ResultWriter:
         with write_scope() as session:
             stored_at = db_now(session)
             settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings,
-                                  self.versions)
+                                  progress.versions, progress.paths)
                        for progress, job_id, result in items]
             # A group whose last jobs these are closes in the same commit: whoever sees all of a group's jobs
             # finished also sees the group closed.

@@ -61,13 +61,15 @@ class Settled:
 
 
 def settle_job(session: Session, job: Job, group_id: uuid.UUID, result: GenerationResult | JobOutcome,
-               settings: Settings, versions: Mapping[str, str]) -> Settled:
-    """Store what became of one job of claim group `group_id`; `versions`: each adapter's version (sha256) as the
-    worker loaded it, stored with an answer its weights wrote."""
+               settings: Settings, versions: Mapping[str, str], paths: Mapping[str, str] | None = None) -> Settled:
+    """Store what became of one job of claim group `group_id`; `versions`: each adapter's version (sha256) its
+    group ran on, stored with an answer its weights wrote; `paths`: that version's directory, whose calibration
+    settles it (else the configured one)."""
     if isinstance(result, JobOutcome):
         outcome = result
     else:
-        calibration = adapter_calibration(settings.adapter_profile(job.adapter).path)  # type: ignore[arg-type]
+        path = (paths or {}).get(job.adapter) or settings.adapter_profile(job.adapter).path  # type: ignore[arg-type]
+        calibration = adapter_calibration(path)
         outcome = job_outcome(result, job.params.get("output", "decision"), calibration,
                               job_choices(job.params, to_messages(job.input)))
         outcome.adapter_version = versions.get(job.adapter)

@@ -46,15 +46,18 @@ class RowLoRA:
     profile_label: str | None = None
 
     def __init__(self, model: PeftModel, adapters: list[str], dtype: torch.dtype | None = None,
-                 masked_expand: bool = False):
+                 masked_expand: bool = False, min_rank: int = 0):
         """`dtype`: the LoRA products' dtype, by default the dtype the base layers compute in. PEFT keeps adapter
         weights in fp32 beside a 4-bit base, which costs a cast each way and fp32 (SIMT) matmuls per layer.
-        `masked_expand`: the mask and the expand as one kernel where it applies (worker/decoder/kernels/lora_expand.py)."""
+        `masked_expand`: the mask and the expand as one kernel where it applies (worker/decoder/kernels/lora_expand.py).
+        `min_rank`: each adapter's rank block is at least this wide (zeros past its own rank), so an adapter of up
+        to that rank can later `replace` it in place."""
         if getattr(model, "_row_lora", None) is not None:  # its hooks and the other's would both add a delta
             raise RuntimeError("this model already serves a decoder: close that decoder first")
         self.model, self.adapters = model, list(adapters)
         self.dtype, self.masked_expand = dtype, masked_expand
-        self.layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        self.names = {m: name for name, m in model.named_modules() if isinstance(m, LoraLayer)}  # as PEFT saves them
+        self.layers = list(self.names)
         if not self.layers:
             raise ValueError("the model has no LoRA layers")
         for layer in self.layers:
@@ -62,7 +65,7 @@ class RowLoRA:
             if unsupported:  # DoRA and the like change the base output, not just add to it
                 raise ValueError(f"adapters {unsupported} use a LoRA variant this engine does not apply per row")
         # Widest rank block of each adapter over all layers, so one mask fits every layer.
-        self.ranks = [max((layer.r.get(n, 0) for layer in self.layers), default=0) for n in adapters]
+        self.ranks = [max([min_rank, *(layer.r.get(n, 0) for layer in self.layers)]) for n in adapters]
         self.offsets = [sum(self.ranks[:i]) for i in range(len(adapters))]
         self.width = sum(self.ranks)
         # An adapter whose scaling is the same in every layer (the usual case) has it in its mask row, so its B
@@ -116,6 +119,36 @@ class RowLoRA:
             if own_a.dtype == a.dtype and own_a.device == a.device:
                 rank = own_a.shape[0]
                 own_a.data, own_b.data = a[offset:offset + rank], b[:, offset:offset + rank]
+
+    def replace(self, name: str, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        """Copy a new version of adapter `name` into its rank block of every layer, in place: the same storage, so
+        the captured graphs, the joined projections' stacks and PEFT's views all read the new weights; a layer
+        it does not change gets zeros, and so do the columns past its rank (B·A is the same with zero rows of A
+        and zero columns of B). `weights`: (A, B) by module name, as PEFT saves them; `scaling`: its alpha / r.
+        Rows of `name` must not run meanwhile (the engine switches at a safe point, docs/architecture.md §10).
+        ValueError, with nothing copied, when a matrix does not fit."""
+        index = self.adapters.index(name)
+        offset, rank = self.offsets[index], self.ranks[index]
+        # the mask row holds the scaling it was built with (or 1 where it is folded into B): fold the difference
+        factor = scaling / (self.scales[index] if self.scales[index] is not None else 1.0)
+        by_name = {module: layer for layer, module in self.names.items()}
+        if unknown := sorted(set(weights) - set(by_name)):
+            raise ValueError(f"it changes modules this decoder holds no LoRA for: {', '.join(unknown[:3])}")
+        for module, (a, b) in weights.items():
+            a_all, b_all = self.stacked[by_name[module]]
+            if a.shape[0] > rank or a.shape[1] != a_all.shape[1] or tuple(b.shape) != (b_all.shape[0], a.shape[0]):
+                raise ValueError(f"{module}: A {list(a.shape)} and B {list(b.shape)} do not fit its rank block "
+                                 f"({rank} wide, {a_all.shape[1]} in, {b_all.shape[0]} out)")
+        with torch.no_grad():
+            for layer in self.layers:
+                a_all, b_all = self.stacked[layer]
+                block_a, block_b = a_all[offset:offset + rank], b_all[:, offset:offset + rank]
+                block_a.zero_()
+                block_b.zero_()
+                if (new := weights.get(self.names[layer])) is not None:
+                    a, b = new
+                    block_a[:a.shape[0]].copy_(a)
+                    block_b[:, :a.shape[0]].copy_(b if factor == 1.0 else b * factor)
 
     def _rows(self, adapter_of_row: torch.Tensor) -> torch.Tensor:
         """Each row's mask (rows × 1 × width), gathered from the per-adapter table on its device."""
