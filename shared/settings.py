@@ -250,9 +250,10 @@ class ModelSettings(BaseModel):
         "(`POST /v1/load_lora_adapter`, `kevlaya models load`); a path that resolves outside it, through `..` or a "
         "symbolic link, is refused")
     adapter_max_rank: int = Field(
-        default=16, ge=1, description="the largest LoRA rank an adapter loaded at run time may have: each role's "
+        default=0, ge=0, description="the largest LoRA rank an adapter loaded at run time may have: each role's "
         "rank block in the worker's per-row LoRA is sized at start to this or to its configured adapter's rank, "
-        "whichever is larger, so any adapter up to it is copied in place")
+        "whichever is larger, so any adapter up to it is copied in place; 0: the configured adapter's rank (a "
+        "wider block costs every step of the role the work of its zero columns)")
     adapter_poll_s: float = Field(
         default=1.0, gt=0, description="how often a worker that is serving jobs reads the adapters it should serve "
         "(an idle worker is woken by the load's wake-up message)")
