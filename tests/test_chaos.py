@@ -21,7 +21,7 @@ from modellab.bench.chaos import SINGLE_FAULTS, Fault, fault_figures
 def test_three_minutes_of_faults_lose_and_double_nothing(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     command = [os.sys.executable, "-m", "cli", "soak", "--chaos", "--minutes", "3", "--rate", "6",
-               "--fault-every", "14", "22", "--sample-every", "2", "--warmup-minutes", "0.1", "--seed", "7",
+               "--fault-every", "12", "18", "--sample-every", "2", "--warmup-minutes", "0.1", "--seed", "7",
                "--workdir", str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -33,6 +33,8 @@ def test_three_minutes_of_faults_lose_and_double_nothing(tmp_path: Path) -> None
     assert {f["kind"] for f in faults} == set(SINGLE_FAULTS)  # the deck deals every kind
     assert any("two at once" in f["detail"] for f in faults)
     assert all(f["error"] is None and f["end_s"] >= f["start_s"] for f in faults)
+    [cut] = [f for f in faults if f["kind"] == "api_kill_mid_upload"][:1]
+    assert cut["detail"].endswith("the cut upload left no file")
 
     jobs = result["jobs"]
     assert jobs["accepted"] == jobs["succeeded"] > 0 and jobs["failed"] == 0

@@ -4,7 +4,8 @@ A seeded schedule deals a fault every `--fault-every` seconds (30 to 90 by defau
 worker's main
 process SIGKILLed (its pool child dies with it) and started again, the pool child alone SIGKILLed (Celery forks
 another, which loads the model again), Redis restarted with its data and without it, the database unreachable for
-5 to 20 s, the API (and its job writer) SIGKILLed and started again, and two of these at once. Each fault is logged
+5 to 20 s, the API (and its job writer) SIGKILLed and started again, the API SIGKILLed halfway through a Batch API
+file's upload (after its restart no file may have come of the cut upload), and two of these at once. Each fault is logged
 with its start and end. Meanwhile clients do what a client of a service that can fail does: a submit that got no
 answer is sent again with the same idempotency keys, and a stream that broke is resumed from its last event id.
 A sample of the jobs is followed by such stream clients, each checking that it saw no delta twice and none
@@ -29,13 +30,14 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -44,7 +46,8 @@ from shared.redis_server import start_redis_server
 
 log = logging.getLogger("kevlaya.chaos")
 
-SINGLE_FAULTS = ("worker_kill", "child_kill", "redis_restart", "redis_restart_empty", "database_outage", "api_kill")
+SINGLE_FAULTS = ("worker_kill", "child_kill", "redis_restart", "redis_restart_empty", "database_outage", "api_kill",
+                 "api_kill_mid_upload")
 FAULTS = (*SINGLE_FAULTS, "two_at_once")
 # Faults after which a running job may rightly run again: its worker died, or could not write its end.
 RERUN_FAULTS = {"worker_kill", "child_kill", "database_outage"}
@@ -54,6 +57,7 @@ FOLLOWERS = 8  # stream clients at once at most
 FOLLOWED_NEW_TOKENS = 48  # a followed job writes this many tokens, so streams are open when faults come
 BATCH_FILE_EVERY_S = 45.0  # a Batch API file uploaded and its batch created this often
 BATCH_FILE_LINES = 20
+CUT_UPLOAD_LINES = 2000  # a Batch API file the API is killed halfway through (about 0.5 MB)
 
 
 class DatabaseOutage:
@@ -108,8 +112,10 @@ class Chaos:
     sampler's: a restarted process is sampled under its new pid."""
 
     def __init__(self, processes: Processes, roots: dict[str, int], seed: int, every_s: tuple[float, float],
-                 started: float, own_redis: bool):
+                 started: float, own_redis: bool, api: httpx.Client):
         self.processes, self.roots, self.every_s, self.started = processes, roots, every_s, started
+        self.api = api  # the service's address and key, for the cut upload
+        self.cut_uploads_stored: list[str] = []  # cut uploads that became a file anyway: none may
         self.rng = random.Random(seed)
         self.kinds = [k for k in SINGLE_FAULTS if own_redis or not k.startswith("redis")]
         self.faults: list[Fault] = []
@@ -124,6 +130,7 @@ class Chaos:
     def stop(self) -> list[Fault]:
         self._stop.set()
         self._thread.join(120)
+        self.api.close()
         return self.faults
 
     def _run(self) -> None:
@@ -133,7 +140,8 @@ class Chaos:
                 deck = self.rng.sample([*self.kinds, "two_at_once"], len(self.kinds) + 1)
             kind = deck.pop()
             if kind == "two_at_once":
-                pair = self.rng.sample(self.kinds, 2)
+                # the cut upload kills the API itself: not beside another kill of it
+                pair = self.rng.sample([k for k in self.kinds if k != "api_kill_mid_upload"], 2)
                 threads = [threading.Thread(target=self.apply, args=(k, "one of two at once")) for k in pair]
                 for thread in threads:
                     thread.start()
@@ -185,6 +193,59 @@ class Chaos:
         api.wait(30)
         self._restart("api")
         return f"pid {api.pid}"
+
+    def api_kill_mid_upload(self) -> str:
+        """The API SIGKILLed while a Batch API file's upload is half received. Uploads are written under the files
+        directory's tmp/ and the row committed only once the file is whole (api/files/store.py), so no file may come
+        of it: after the restart none is listed under the cut upload's name."""
+        from modellab.bench.batch_load import write_batch_file
+
+        name = f"cut-upload-{len(self.faults)}.jsonl"
+        path = self.processes.workdir / name
+        write_batch_file(path, CUT_UPLOAD_LINES, ("laya", "kev"), (4, 8), len(self.faults))
+        content = path.read_bytes()
+        boundary = "kevlaya-chaos-cut-upload"
+        head = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}\r\n'
+                f'Content-Disposition: form-data; name="file"; filename="{name}"\r\n'
+                "Content-Type: application/jsonl\r\n\r\n").encode()
+        halfway, killed = threading.Event(), threading.Event()
+
+        def body() -> Iterator[bytes]:
+            yield head + content[:len(content) // 2]
+            halfway.set()
+            killed.wait(60)  # the rest is never sent to the API that read the first half
+            yield content[len(content) // 2:] + f"\r\n--{boundary}--\r\n".encode()
+
+        def send() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                self.api.post("/v1/files", content=body(), timeout=90,
+                              headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+
+        sender = threading.Thread(target=send, name="cut-upload", daemon=True)
+        sender.start()
+        if not halfway.wait(30):
+            killed.set()
+            return "the upload did not start"
+        time.sleep(0.5)  # the API reads the first half
+        try:
+            detail = self.api_kill()
+        finally:
+            killed.set()
+        sender.join(30)
+        listed = None
+        for _ in range(120):  # the restarted API answers within a minute
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                answer = self.api.get("/v1/files", params={"purpose": "batch"}, timeout=10)
+                if answer.status_code == 200:
+                    listed = answer.json()["data"]
+                    break
+            time.sleep(0.5)
+        if listed is None:
+            raise RuntimeError("the API did not list its files after its restart")
+        if any(f["filename"] == name for f in listed):
+            self.cut_uploads_stored.append(name)
+            return f"{detail}; the cut upload became a file"
+        return f"{detail}; the cut upload left no file"
 
     def _redis(self, keep_data: bool) -> str:
         server = self.processes.running["redis"]

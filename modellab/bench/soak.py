@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 from sqlalchemy.exc import OperationalError
 
 from modellab.bench.batch_load import decision_prompt, service_settings
@@ -456,7 +457,9 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
         sampler = Sampler(roots, counts, lambda: len(submits.ids), announcements, config.sample_every_s,
                           config.warmup_s).start()
         chaos = Chaos(processes, roots, config.seed, config.fault_every_s, sampler.started,
-                      own_redis="redis" in processes.running).start() if config.chaos else None
+                      own_redis="redis" in processes.running,
+                      api=httpx.Client(base_url=service.client.base_url, headers=service.client.headers),
+                      ).start() if config.chaos else None
         try:
             log.info("submitting %.1f jobs/s for at most %.1f min or %d jobs on %s%s", config.rate, config.minutes,
                      config.jobs, make_kind(processes.database_url), ", faults at random" if chaos else "")
@@ -476,7 +479,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
             counts.close()
         if chaos:
             result["chaos"] = chaos_figures(config, service, faults, drain, submits, streams, announcements,
-                                            batch_files.figures)
+                                            batch_files.figures, chaos.cut_uploads_stored)
     result["load_average"]["end"] = os.getloadavg()
     return {"database": make_kind(processes.database_url), "wall_s": round(wall_s, 2),
             **figures(config, submits, samples, drain, wall_s),
@@ -498,7 +501,8 @@ EXPECTED_UNDER_FAULTS = {"attempts_not_1", "in_no_finished_batch", "runs_minus_j
 
 
 def chaos_figures(config: SoakConfig, service: Service, faults: list, drain: dict[str, Any], submits: Submits,
-                  streams: StreamWatch, announcements: Announcements, files: dict[str, Any]) -> dict[str, Any]:
+                  streams: StreamWatch, announcements: Announcements, files: dict[str, Any],
+                  cut_uploads_stored: list[str]) -> dict[str, Any]:
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
@@ -526,6 +530,7 @@ def chaos_figures(config: SoakConfig, service: Service, faults: list, drain: dic
             "batch_files_whole": files["files"] > 0 and files["not_created"] == files["missing"]
             == files["more_than_once"] == files["errors"] == 0 and files["lines_once"] == files["lines"],
             "faults_applied": bool(faults) and not any(f.error for f in faults),
+            "cut_uploads_stored_nothing": not cut_uploads_stored,
         },
         # how soon, not whether: a loaded machine (the suite beside it) can miss it with nothing wrong
         "timing_targets": {
