@@ -235,3 +235,18 @@ def test_the_queue_look_bench_times_the_engines_look_on_a_filled_database(tmp_pa
     result = json.loads((tmp_path / "l.json").read_text())
     assert (result["database"], result["jobs"], result["queued"], len(result["rounds_ms"])) == ("sqlite", 50, 7, 2)
     assert result["ms_per_look"] > 0
+
+
+def test_a_run_shorter_than_the_gap_between_two_processes_clocks_still_takes_positive_time() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from modellab.bench.run import _seconds
+    from modellab.bench.service import JobRow
+
+    created = datetime(2026, 12, 7, 12, tzinfo=timezone.utc)  # the API's reading: a little after the worker's
+    started, finished = created - timedelta(milliseconds=80), created - timedelta(milliseconds=20)
+    rows = [JobRow(str(i), "laya", "succeeded", None, created, started, finished + timedelta(milliseconds=i),
+                   None, None, None, None) for i in range(3)]
+    assert _seconds(rows) == pytest.approx(0.062)  # the worker's own first start to its last end
+    rows[0].created_at = started - timedelta(seconds=1)  # clocks agreeing: from the first creation, as before
+    assert _seconds(rows) == pytest.approx(1.062)

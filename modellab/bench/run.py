@@ -84,7 +84,11 @@ class BenchConfig:
 
 
 def _seconds(rows: list[JobRow]) -> float:
-    return (max(r.finished_at for r in rows) - min(r.created_at for r in rows)).total_seconds()
+    """From the first job's creation to the last one's end; at least from the first start, which the worker
+    stamped as it did the ends: creation is the API's reading of the database's clock, which may lie a little
+    after the worker's (shared/clock.py), and a short run could otherwise come out negative."""
+    end = max(r.finished_at for r in rows)
+    return max(end - min(r.created_at for r in rows), end - min(r.started_at or end for r in rows)).total_seconds()
 
 
 def most_in_flight(rows: list[JobRow]) -> int:
