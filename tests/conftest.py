@@ -52,6 +52,10 @@ POSTGRES_ADMIN_URL = os.environ.get("KEVLAYA_TEST_POSTGRES_URL", "postgresql+psy
 
 
 PORTS_PER_TEST_PROCESS = 2000
+PORT_RANGES = 3  # test processes with a range of their own (make test's TEST_WORKERS); more share them
+# A test run inside another (the newcomer's `make test`, tests/test_local_run.py) is given the ranges above the
+# outer run's: their test processes share names (gw0, gw1...), so they would otherwise hand out the same ports.
+PORTS_FROM = int(os.environ.get("KEVLAYA_TEST_PORTS_FROM", "20000"))
 _handed_out = itertools.count()
 
 
@@ -61,7 +65,7 @@ def free_port() -> int:
     draw theirs. Asking the kernel for a free port each time could hand out a port given to a server that had not
     bound it yet (a Redis and an API once got the same one)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    base = 20000 + int(worker or 0) % 6 * PORTS_PER_TEST_PROCESS
+    base = PORTS_FROM + int(worker or 0) % PORT_RANGES * PORTS_PER_TEST_PROCESS
     while True:
         port = base + next(_handed_out) % PORTS_PER_TEST_PROCESS
         with socket.socket() as s:

@@ -30,7 +30,7 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import free_port, wait_until
+from tests.conftest import PORT_RANGES, PORTS_FROM, PORTS_PER_TEST_PROCESS, free_port, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.newcomer]
 REPO = Path(__file__).resolve().parents[1]
@@ -163,7 +163,9 @@ def test_make_test_subset_passes_without_redis_or_postgresql_installed(fresh_clo
                                                                        tmp_path: Path):
     env = {**bare_env,
            # nothing listens there: the tests must start their own PostgreSQL (from the wheel) on a free port
-           "KEVLAYA_TEST_POSTGRES_URL": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test"}
+           "KEVLAYA_TEST_POSTGRES_URL": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test",
+           # the inner run's test processes hand out ports above this run's (they once took the URL's port above)
+           "KEVLAYA_TEST_PORTS_FROM": str(PORTS_FROM + PORT_RANGES * PORTS_PER_TEST_PROCESS)}
     args = ["-v", "-p", "no:cacheprovider", "-m", "not newcomer", *SUBSET]
     started = time.monotonic()
     run = make("test", fresh_clone, env, "PYTEST_ARGS=" + " ".join(_quote(a) for a in args),
