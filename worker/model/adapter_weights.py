@@ -36,7 +36,10 @@ def read_adapter(name: str, path: str, base_dir: str, base_setting: str, verify:
         raise ValueError(f"it failed verification: {'; '.join(problems)}")
     if reason := base_mismatch(directory, Path(base_dir)):
         raise ValueError(f"it is for another base: {reason}")
-    adapter_calibration(path)  # read now: a broken one refuses the switch, not each job at settle
+    # Read now, so a broken one refuses the switch, not each job at settle; and read afresh: the cache is keyed by
+    # directory, and a new version may come in the same directory with its own calibration.
+    adapter_calibration.cache_clear()
+    adapter_calibration(path)
     config = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     rank, alpha = config["r"], config["lora_alpha"]
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
