@@ -55,10 +55,12 @@ def test_bench_runs_the_recipe_and_the_service_and_writes_its_results(redis_serv
     assert result["engine_settings"]["prefill_share"] == 0.5  # from the environment, as the worker reads it
     assert service["slots"] >= 1
     # the same workload with every row under the decision grammar, with its steps' cost beside the free run's
-    pairs = service["decision_grammar"]
-    assert [len(runs) for runs in pairs["runs"].values()] == [2, 2]  # free and constrained, alternately
-    assert pairs["jobs_per_s_vs_free"] == pairs["grammar"]["jobs_per_s"] / pairs["free"]["jobs_per_s"]
-    assert pairs["grammar"]["step_ms"] > 0 and pairs["step_ms_vs_free"] > 0
+    # and with every row forced to call the workload's tool, against free runs from the same prompts
+    for name in ("decision_grammar", "tool_call_grammar"):
+        pairs = service[name]
+        assert [len(runs) for runs in pairs["runs"].values()] == [2, 2]  # free and constrained, in turn
+        assert pairs["jobs_per_s_vs_free"] == pairs["grammar"]["jobs_per_s"] / pairs["free"]["jobs_per_s"]
+        assert pairs["grammar"]["step_ms"] > 0 and pairs["step_ms_vs_free"] > 0
     # the peer on the same model and jobs, and the service against it
     peer = result["peer"]
     assert peer["jobs"] == 6 and peer["generated_tokens"] == 3 * 12 + 3 * 4  # every job wrote all its tokens

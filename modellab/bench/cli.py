@@ -63,8 +63,9 @@ def bench(
     stream_jobs: Annotated[int, typer.Option(
         min=0, help="Kev jobs run with no client and with an SSE client each, alternately (0: no streaming "
                     "phase)")] = 32,
-    pair_rounds: Annotated[int, typer.Option(min=1, help="runs of each side, alternately, of the free / decision "
-                                                         "grammar and no client / SSE client comparisons")] = 4,
+    pair_rounds: Annotated[int, typer.Option(min=1, help="runs of each side, in turn, of the free / grammar "
+                                                         "(decision, forced tool call) and no client / SSE client "
+                                                         "comparisons")] = 4,
     seed: Annotated[int, typer.Option(help="the seed of the model weights and the workload")] = 0,
     workdir: Annotated[Optional[Path], typer.Option(help="scratch directory (model, database, logs)")] = None,
     redis_url: Annotated[Optional[str], typer.Option(

@@ -16,8 +16,8 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
 
 
-def _grammar(engine: dict[str, Any], key: str, spec: str) -> str:
-    pairs = engine.get("decision_grammar")
+def _grammar(engine: dict[str, Any], key: str, spec: str, name: str = "decision_grammar") -> str:
+    pairs = engine.get(name)
     if not pairs:
         return "—"
     return f"{pairs['free'][key]:{spec}} / {pairs['grammar'][key]:{spec}} ({pairs[key + '_vs_free']:.2f}×)"
@@ -96,6 +96,8 @@ def table(result: dict[str, Any]) -> str:
         row("claim groups / mean size", "", lambda e: f"{e['claim_groups']} / {e['mean_group_size']:.1f}"),
         row("decode step ms, free / decision grammar", "", lambda e: _grammar(e, "step_ms", ".2f")),
         row("jobs/s, free / decision grammar", "", lambda e: _grammar(e, "jobs_per_s", ".2f")),
+        row("decode step ms, free / a forced tool call", "",
+            lambda e: _grammar(e, "step_ms", ".2f", "tool_call_grammar")),
         row("SSE client per job vs none: jobs/s, step ms", "", _streaming),
         row("first delta after first token ms p50 / p95 / max", "", _first_delta),
         row("  of first deltas carrying the first token alone", "",

@@ -286,23 +286,32 @@ def _memory(service: Service, since: datetime) -> list[dict[str, Any]]:
             for b in service.batches(since=since) if b.peak_vram_bytes is not None]
 
 
-def grammar_pairs(service: Service, jobs: list[BenchJob], rounds: int = 2) -> dict[str, Any]:
-    """The workload again, free and with every row under the decision grammar, alternately (`rounds` of each, so a
-    warm-up or a drift favours neither). Lengths stay exact: a completed grammar starts over while end-of-sequence
-    is ignored. Random weights close few decision objects in that time, so most constrained jobs end `length`."""
-    runs: dict[str, list[dict[str, Any]]] = {"text": [], "decision": []}
+GRAMMAR_RUNS: dict[str, Callable[[BenchJob], dict[str, Any]]] = {
+    "text": BenchJob.body, "decision": lambda job: job.body("decision"),
+    "text_beside_tools": BenchJob.body_beside_tools, "tool_calls": lambda job: job.body("tool_calls")}
+
+
+def grammar_pairs(service: Service, jobs: list[BenchJob], rounds: int = 2) -> dict[str, dict[str, Any]]:
+    """The workload again, free and with every row under the decision grammar; then free and with every row forced
+    to call the workload's tool, from the same prompt (the tools in it); in turn, `rounds` of each, so a warm-up or
+    a drift favours none. Lengths stay exact: a completed grammar starts over while end-of-sequence is ignored.
+    Random weights close few decision objects or calls in that time, so most constrained jobs end `length`."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in GRAMMAR_RUNS}
     for _ in range(rounds):
-        for output in runs:
+        for name, body in GRAMMAR_RUNS.items():
             phases = service.engine_phases()
-            rows = service.wait(service.submit([j.body(output) for j in jobs]))
-            runs[output].append({"jobs_per_s": len(rows) / _seconds(rows),
-                                 "step_ms": engine_phases(phases, service.engine_phases())["step"]["mean_ms"],
-                                 "length_failures": sum(r.error_code == "length" for r in rows)})
-    mean = {output: {key: statistics.fmean(run[key] for run in done) for key in ("jobs_per_s", "step_ms")}
-            for output, done in runs.items()}
-    return {"free": mean["text"], "grammar": mean["decision"], "runs": runs,
-            "jobs_per_s_vs_free": mean["decision"]["jobs_per_s"] / mean["text"]["jobs_per_s"],
-            "step_ms_vs_free": mean["decision"]["step_ms"] / mean["text"]["step_ms"]}
+            rows = service.wait(service.submit([body(j) for j in jobs]))
+            runs[name].append({"jobs_per_s": len(rows) / _seconds(rows),
+                               "step_ms": engine_phases(phases, service.engine_phases())["step"]["mean_ms"],
+                               "length_failures": sum(r.error_code == "length" for r in rows)})
+    mean = {name: {key: statistics.fmean(run[key] for run in done) for key in ("jobs_per_s", "step_ms")}
+            for name, done in runs.items()}
+    return {pair: {"free": mean[free], "grammar": mean[constrained],
+                   "runs": {free: runs[free], constrained: runs[constrained]},
+                   "jobs_per_s_vs_free": mean[constrained]["jobs_per_s"] / mean[free]["jobs_per_s"],
+                   "step_ms_vs_free": mean[constrained]["step_ms"] / mean[free]["step_ms"]}
+            for pair, free, constrained in (("decision_grammar", "text", "decision"),
+                                            ("tool_call_grammar", "text_beside_tools", "tool_calls"))}
 
 
 def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob], laya_jobs: list[BenchJob],
@@ -324,8 +333,9 @@ def service_phase(config: BenchConfig, env: dict[str, str], jobs: list[BenchJob]
         log.info("service: %.3f jobs/s, %d claim groups", figures["jobs_per_s"], len(groups))
         save()
 
-        figures["decision_grammar"] = grammar_pairs(service, jobs, config.pair_rounds)
-        log.info("service under the decision grammar: %s", figures["decision_grammar"])
+        figures.update(grammar_pairs(service, jobs, config.pair_rounds))
+        log.info("service under the decision grammar: %s; forced to call a tool: %s",
+                 figures["decision_grammar"], figures["tool_call_grammar"])
         save()
 
         if stream_jobs:

@@ -9,6 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from shared.settings import Settings
+from shared.tools import with_tools
 
 WORDS = ("option", "cost", "risk", "low", "medium", "high", "days", "quality", "budget", "constraint", "choose",
          "supplier", "deadline", "team", "plan", "A", "B", "C", "D", "12", "40", "25", "7", "and", "or", "with")
@@ -22,9 +23,29 @@ class BenchJob:
     prompt_tokens: int  # of the chat-templated prompt, as the worker will count it
 
     def body(self, output: str = "text") -> dict[str, Any]:
-        """The job as `POST /v1/jobs` takes it: greedy; raw text, or under the decision grammar (`decision`)."""
-        return {"adapter": self.adapter, "input": {"messages": self.messages},
-                "params": {"max_new_tokens": self.max_new_tokens, "temperature": 0, "output": output}}
+        """The job as `POST /v1/jobs` takes it: greedy; raw text, under the decision grammar (`decision`), or a
+        forced call of one of `TOOLS` (`tool_calls`)."""
+        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": 0, "output": output}
+        if output == "tool_calls":
+            params.update(TOOL_PARAMS)
+        return {"adapter": self.adapter, "input": {"messages": self.messages}, "params": params}
+
+    def body_beside_tools(self) -> dict[str, Any]:
+        """Free text from the prompt a forced tool call sees (the tools in its system message), so the two differ
+        only by the grammar."""
+        body = self.body()
+        body["input"]["messages"] = with_tools(self.messages, {"output": "tool_calls", **TOOL_PARAMS})
+        return body
+
+
+# What an agent offers: a function with an enumerated, a bounded and a formatted argument, so the tool-call
+# grammar's masks cost what they cost in use.
+TOOLS = [{"type": "function", "function": {"name": "book_trip", "description": "Book a trip.", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["mode", "date"], "properties": {
+        "mode": {"type": "string", "enum": ["train", "flight", "bus"]},
+        "date": {"type": "string", "format": "date"},
+        "seats": {"type": "integer", "minimum": 1, "maximum": 9}}}}}]
+TOOL_PARAMS: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required"}
 
 
 def prompt_length(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> int:
