@@ -153,6 +153,25 @@ def test_the_worker_reports_each_decision_at_its_adapters_calibration(service_en
     assert any(calibrated > raw for (_, raw), (_, calibrated) in zip(before, after, strict=True))
 
 
+def test_jobs_claimed_before_a_new_calibration_are_settled_with_their_versions(service_env, demo_copy: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch):
+    """A new version written into the adapter's own directory brings its own calibration (a reload in place):
+    the rows claimed before it are settled with the calibration of the weights that answered them, not with the
+    file the directory holds by the time each is stored."""
+    from worker.engine import writer
+
+    before = _laya_confidences(demo_copy)
+    settle, rewritten = writer.settle_job, []
+
+    def settle_after_a_new_calibration(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if not rewritten:  # between the claim and the first result stored
+            rewritten.append(write_calibration(demo_copy / "laya", Calibration(exponent=0.5), {}))
+        return settle(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "settle_job", settle_after_a_new_calibration)
+    assert _laya_confidences(demo_copy) == before and rewritten
+
+
 def test_a_worker_refuses_an_adapter_whose_calibration_is_broken(demo_copy: Path):
     from worker.model.loading import load_model
 

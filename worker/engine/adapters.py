@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shared.adapter_assignments import Desired, desired
 from shared.adapter_identity import AdapterIdentity
 from shared.adapter_versions import record_loaded
 from shared.base_source import base_directory
+from shared.calibration import Calibration, adapter_calibration, read_calibration
 from shared.db import session_scope, write_scope
 from shared.settings import Settings
 from worker.metrics import METRICS
@@ -36,7 +38,7 @@ class AdapterSwitcher:
     loaded: LoadedModel
     settings: Settings
     generations: dict[str, int] = field(default_factory=dict)  # of the desired state each role follows
-    paths: dict[str, str] = field(default_factory=dict)  # the directory each role's version was read from
+    calibrations: dict[str, Calibration] = field(default_factory=dict)  # of the version each role serves
     pending: dict[str, Desired] = field(default_factory=dict)  # changes not applied yet
     unloaded: set[str] = field(default_factory=set)
     blocked: dict[str, str] = field(default_factory=dict)  # role -> why the version asked for is not served
@@ -44,7 +46,8 @@ class AdapterSwitcher:
     next_poll: float = 0.0
 
     def __post_init__(self) -> None:
-        self.paths = {name: self.settings.adapter_profile(name).path for name in self.loaded.versions}
+        self.calibrations = {name: adapter_calibration(self.settings.adapter_profile(name).path)  # read at load
+                             for name in self.loaded.versions}
 
     def held(self) -> set[str]:
         """Roles whose jobs are not claimed now."""
@@ -101,14 +104,16 @@ class AdapterSwitcher:
 
                     torch.cuda.synchronize()  # a step launched ahead may still read the old block
                 lora.replace(role, new.weights, new.scaling)
-                served = new.identity
+                served, calibration = new.identity, new.calibration
+            else:  # the same weights: their calibration may have been fitted again
+                calibration = read_calibration(Path(path))
         except Exception as exc:
             self.blocked[role] = f"adapter {role} ({path}) cannot be served: {exc}"
             log.error("%s; its jobs wait until another version is loaded", self.blocked[role])
             return
         self.blocked.pop(role, None)
         self.unloaded.discard(role)
-        self.loaded.versions[role], self.paths[role] = served, path
+        self.loaded.versions[role], self.calibrations[role] = served, calibration
         METRICS.adapters_loaded([served])
         self.unrecorded.append(served)
         self._record()

@@ -157,7 +157,7 @@ class Engine:
         """A claim group's jobs: each checked alone (one that cannot run fails at once), the rest wait for their
         prefill."""
         # each job records the version its claim found: a switch waits for these rows (`_follow_adapters`)
-        self.writer.add(group, jobs, self.adapters.versions(), dict(self.adapters.paths))
+        self.writer.add(group, jobs, self.adapters.versions(), dict(self.adapters.calibrations))
         self.stream.started(jobs)
         METRICS.rows_in_flight.set(len(self.decoder.rows) + len(jobs))
         log.info("claim group %s: %d job(s) on %s take free slots", group.id, len(jobs), group.adapters)

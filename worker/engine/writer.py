@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from shared import lifecycle
+from shared.calibration import Calibration
 from shared.clock import db_now
 from shared.db import write_scope
 from shared.lifecycle import JobOutcome
@@ -54,7 +55,7 @@ class GroupProgress:
     group: ClaimGroup
     jobs: dict[uuid.UUID, Job]
     versions: dict[str, str] = field(default_factory=dict)  # adapter -> the version its jobs run on (sha256)
-    paths: dict[str, str] = field(default_factory=dict)  # adapter -> that version's directory (its calibration)
+    calibrations: dict[str, Calibration] = field(default_factory=dict)  # adapter -> that version's calibration
     results: list[GenerationResult] = field(default_factory=list)  # of the jobs that reached the model
     stored: int = 0
     escalated: int = 0
@@ -91,11 +92,11 @@ class ResultWriter:
         self._lock = threading.Lock()
 
     def add(self, group: ClaimGroup, jobs: list[Job], versions: dict[str, str] | None = None,
-            paths: dict[str, str] | None = None) -> None:
-        """A claim group taken: `versions` (adapter -> sha256) and `paths` (adapter -> directory) of the adapter
-        versions its jobs run on, as the claim found them; stored with each answer."""
+            calibrations: dict[str, Calibration] | None = None) -> None:
+        """A claim group taken: `versions` (adapter -> sha256) and `calibrations` of the adapter versions its jobs
+        run on, as the claim found them; the version is stored with each answer, the calibration settles it."""
         progress = GroupProgress(group=group, jobs={job.id: job for job in jobs}, versions=versions or {},
-                                 paths=paths or {})
+                                 calibrations=calibrations or {})
         with self._lock:
             self.groups[group.id] = progress
         for job in jobs:
@@ -203,7 +204,7 @@ class ResultWriter:
         with write_scope() as session:
             stored_at = db_now(session)
             settled = [settle_job(session, progress.jobs[job_id], progress.group.id, result, self.settings,
-                                  progress.versions, progress.paths)
+                                  progress.versions, progress.calibrations)
                        for progress, job_id, result in items]
             # A group whose last jobs these are closes in the same commit: whoever sees all of a group's jobs
             # finished also sees the group closed.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from shared import lifecycle
-from shared.calibration import adapter_calibration
+from shared.calibration import Calibration, adapter_calibration
 from shared.lifecycle import JobOutcome
 from shared.models import Job, JobStatus, Priority
 from shared.queue import QueueUnavailable, publish_wakeup
@@ -61,15 +61,16 @@ class Settled:
 
 
 def settle_job(session: Session, job: Job, group_id: uuid.UUID, result: GenerationResult | JobOutcome,
-               settings: Settings, versions: Mapping[str, str], paths: Mapping[str, str] | None = None) -> Settled:
+               settings: Settings, versions: Mapping[str, str],
+               calibrations: Mapping[str, Calibration] | None = None) -> Settled:
     """Store what became of one job of claim group `group_id`; `versions`: each adapter's version (sha256) its
-    group ran on, stored with an answer its weights wrote; `paths`: that version's directory, whose calibration
-    settles it (else the configured one)."""
+    group ran on, stored with an answer its weights wrote; `calibrations`: that version's calibration, which
+    settles it (else the configured adapter's)."""
     if isinstance(result, JobOutcome):
         outcome = result
     else:
-        path = (paths or {}).get(job.adapter) or settings.adapter_profile(job.adapter).path  # type: ignore[arg-type]
-        calibration = adapter_calibration(path)
+        calibration = (calibrations or {}).get(job.adapter) or adapter_calibration(
+            settings.adapter_profile(job.adapter).path)  # type: ignore[arg-type]
         outcome = job_outcome(result, job.params.get("output", "decision"), calibration,
                               job_choices(job.params, to_messages(job.input)))
         outcome.adapter_version = versions.get(job.adapter)

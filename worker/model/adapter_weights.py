@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from shared.adapter_identity import AdapterIdentity, describe_adapter
 from shared.base_match import base_mismatch
-from shared.calibration import adapter_calibration
+from shared.calibration import Calibration, read_calibration
 from shared.manifest import ADAPTER_CONFIG, verify_manifest
 
 WEIGHTS = "adapter_model.safetensors"
@@ -27,6 +27,7 @@ class AdapterWeights:
     path: str
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name (as PEFT saves it) -> (A, B)
     scaling: float  # lora_alpha / r (or / sqrt(r) with rsLoRA)
+    calibration: Calibration  # of this version: the jobs it answers are settled with it
 
 
 def read_adapter(name: str, path: str, base_dir: str, base_setting: str, verify: bool) -> AdapterWeights:
@@ -36,10 +37,9 @@ def read_adapter(name: str, path: str, base_dir: str, base_setting: str, verify:
         raise ValueError(f"it failed verification: {'; '.join(problems)}")
     if reason := base_mismatch(directory, Path(base_dir)):
         raise ValueError(f"it is for another base: {reason}")
-    # Read now, so a broken one refuses the switch, not each job at settle; and read afresh: the cache is keyed by
-    # directory, and a new version may come in the same directory with its own calibration.
-    adapter_calibration.cache_clear()
-    adapter_calibration(path)
+    # Read now, so a broken one refuses the switch, not each job at settle; read here, not through the cache keyed
+    # by directory: a new version may come in the same directory with its own calibration.
+    calibration = read_calibration(directory)
     config = json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     rank, alpha = config["r"], config["lora_alpha"]
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
@@ -55,4 +55,4 @@ def read_adapter(name: str, path: str, base_dir: str, base_setting: str, verify:
     if incomplete := [m for m, pair in halves.items() if len(pair) != 2]:
         raise ValueError(f"{WEIGHTS}: {incomplete[0]} has only one of its A and B")
     weights = {module: (pair["lora_A"], pair["lora_B"]) for module, pair in halves.items()}
-    return AdapterWeights(describe_adapter(name, directory, base_setting), path, weights, scaling)
+    return AdapterWeights(describe_adapter(name, directory, base_setting), path, weights, scaling, calibration)
