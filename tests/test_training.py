@@ -16,8 +16,6 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modellab.model_factory import build_random_model
-from modellab.training.data import example_batches
-from modellab.training.loop import completion_loss
 from modellab.training import (
     IGNORE_INDEX,
     OUTPUT_FILES,
@@ -33,6 +31,8 @@ from modellab.training import (
     read_samples,
     train_adapter,
 )
+from modellab.training.data import example_batches
+from modellab.training.loop import completion_loss
 from shared.base_match import base_mismatch
 from shared.manifest import MANIFEST_NAME, verify_manifest
 
