@@ -21,9 +21,11 @@ the questions have an option exactly on a price, time, rating or amount limit ("
 write `4 >= 4 -> keep`), and it is usually, not always, the winner. Limits are said in more inclusive ways ("no less
 than", "a minimum of", "up to", "at most", "within", "max."), some ratings and amounts have decimals ("4.5 stars",
 "99.95%"), some prices have no currency ("quotes 1800") or a thousands comma ("$1,400"), and some asides name a
-figure that does not count ("Money isn't an issue."). Validation and test questions draw exactly as before, through
-the same random stream, so their files are byte-identical to the ones earlier figures were measured on
-(tests/test_prose_questions_reading.py holds their digests).
+figure that does not count ("Money isn't an issue."). Test questions draw exactly as before, through the same random
+stream, so their file is byte-identical to the one earlier figures were measured on (tests/test_prose_questions_reading.py
+holds its digest). Validation questions, which calibrate the roles' confidence, come from CALIBRATION_DOMAINS, never
+trained on nor evaluated on: confidence is fitted where a role reads a domain for the first time, as it does a
+person's question.
 
 Each question is stored as a `Scenario` (modellab/decision_data.py): price in `cost`, time in `days`, a rating or
 an amount in `quality` (higher is better; a figure with decimals as an integer of its smallest step, 4.5 stars as 45,
@@ -135,6 +137,25 @@ HELD_OUT_DOMAINS = (
            ("EUR", 0, 0, 1), ("h", 2, 9, 1), rating=10, amount=("views", "viewpoints", 1, 12, 1), risk="injury"),
     Domain("a moving company", ("Movers Inc", "BoxBros", "SwiftMove", "CarryAll", "Two Men"), ("USD", 400, 4000, 50),
            ("days", 1, 10, 1), rating=5, risk="damage", verb="needs"),
+)
+
+# Never trained on nor evaluated on: the validation split (`kevlaya models calibrate`) comes from these alone, so a
+# role's confidence is calibrated on domains it has not seen, as people's questions are; calibrated on training's
+# domains, it was fitted to how often a role is right where it was trained (second and third rounds: ECE 0.05-0.07
+# there, 0.08-0.18 on the held-out domains).
+CALIBRATION_DOMAINS = (
+    Domain("a car rental for the holiday", ("Hertz", "Avis", "Sixt", "Europcar", "Enterprise"), ("EUR", 90, 900, 10),
+           ("min", 5, 60, 5), rating=5, risk="hidden fees", verb="is a shuttle ride of"),
+    Domain("a web hosting plan", ("Hetzner", "OVH", "DigitalOcean", "Linode", "Vultr"), ("USD", 3, 120, 1),
+           ("h", 1, 24, 1), rating=10, amount=("bandwidth", "TB", 1, 20, 1), risk="downtime", verb="is set up in"),
+    Domain("a language school for Spanish", ("Cervantes", "Babel", "Hola Academy", "Lingua", "Don Quijote"),
+           ("EUR", 120, 1500, 20), ("weeks", 4, 24, 1), rating=5, amount=("lessons", "lessons a week", 2, 10, 1)),
+    Domain("a dentist for the crown", ("Smile Clinic", "Dr. Weber", "DentaCare", "Bright Teeth", "City Dental"),
+           ("EUR", 300, 1500, 25), ("days", 1, 30, 1), rating=5, risk="complication", verb="can see me in"),
+    Domain("a coworking space", ("WeWork", "Spaces", "Mindspace", "Regus", "The Hub"), ("EUR", 150, 700, 10),
+           ("min", 5, 50, 5), rating=10, amount=("desks", "desks", 1, 20, 1), verb="is a ride of"),
+    Domain("a translation agency for the manual", ("Lingo", "TransPerfect", "Welocalize", "Alpha Words", "Babelfish"),
+           ("GBP", 200, 3000, 50), ("days", 1, 15, 1), rating=10, risk="errors", verb="delivers in"),
 )
 
 # Training only (split "train"): domains whose amount is a rate or quantity where more is better, in many units, some
@@ -844,12 +865,12 @@ class Question:
 
 
 def sample(rng: random.Random, split: str, none_share: float = 0.06) -> Question:
-    """One question of `split`: train and val from the training domains and phrasings; test from the held-out
-    domains, with half of its phrasings held out too. Ties on the objective are redrawn (a person could not say
-    which is meant), as is "none" beyond its share."""
+    """One question of `split`: train from the training domains and phrasings; val from the calibration domains
+    in training's phrasings; test from the held-out domains, with half of its phrasings held out too. Ties on the
+    objective are redrawn (a person could not say which is meant), as is "none" beyond its share."""
     held_out = split == "test"
     reading = split == "train"  # training's reading practice; validation and test draw as they always did
-    domains = HELD_OUT_DOMAINS if held_out else TRAIN_DOMAINS
+    domains = {"test": HELD_OUT_DOMAINS, "val": CALIBRATION_DOMAINS}.get(split, TRAIN_DOMAINS)
     while True:
         if reading:
             facts = _draw_reading_facts(rng, rng.choice(READING_DOMAINS if rng.random() < READING_DOMAIN_SHARE
@@ -918,7 +939,7 @@ def write_dataset(out_dir: Path, n_train: int, n_templated: int, n_val: int, n_t
     """The roles' training data on a real base: plain-words questions mixed with templated scenarios.
 
     Writes `<adapter>/train.jsonl` (records `{"prompt", "completion", "label"}`, the label being the winner's place),
-    `val_scenarios.jsonl` (training domains; for `kevlaya models calibrate`) and `test_questions.jsonl` (held-out
+    `val_scenarios.jsonl` (the calibration domains; for `kevlaya models calibrate`) and `test_questions.jsonl` (held-out
     domains and phrasings; for `kevlaya eval`). Templated scenarios come from their own generator's train split."""
     out_dir = Path(out_dir)
     rows: dict[str, list[dict[str, str]]] = {"kev": [], "laya": []}

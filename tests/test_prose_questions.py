@@ -93,6 +93,13 @@ def test_held_out_questions_come_from_domains_and_phrasings_training_never_sees(
     assert not any(q.text.startswith("Here is what I found") or "First there is" in q.text for q in train)
 
 
+def test_validation_questions_come_from_domains_neither_trained_nor_evaluated_on():
+    calibration = {d.topic for d in pq.CALIBRATION_DOMAINS}
+    others = {d.topic for d in pq.TRAIN_DOMAINS + pq.READING_DOMAINS + pq.HELD_OUT_DOMAINS}
+    assert calibration and not calibration & others
+    assert {q.facts.domain.topic for q in pq.questions(300, seed=0, split="val")} == calibration
+
+
 def test_each_split_is_repeatable_and_the_splits_differ():
     first = [q.text for q in pq.questions(50, seed=9, split="val")]
     assert first == [q.text for q in pq.questions(50, seed=9, split="val")]
