@@ -195,8 +195,9 @@ def models_calibrate(
                                              "--no-write: only report the fit")] = True,
 ) -> None:
     """Fit each adapter's confidence calibration on its answers to validation scenarios and write it beside the
-    adapter: a job's confidence is then its decision's probability raised to the fitted exponent, so that answers
-    reported at 0.9 are right about 90 % of the time. Decisions do not change.
+    adapter: a job's confidence is then sigmoid(slope * ln p + intercept) of its decision's probability p, fitted so
+    that answers reported at 0.9 are right about 90 % of the time. Decisions do not change. Validation questions
+    from domains the roles were never trained on fit the confidence they will have on people's questions.
 
     Uses the configured base model and adapters (KEVLAYA_MODEL__BASE, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
     import logging
@@ -219,7 +220,7 @@ def models_calibrate(
         fail(str(exc))
     command = shlex.join(["kevlaya", *sys.argv[1:]])
     for adapter, (fitted, report) in fits.items():
-        typer.echo(f"{adapter}: exponent {fitted.exponent:g} over {report['answers']} answers (accuracy "
+        typer.echo(f"{adapter}: confidence {fitted.describe()} over {report['answers']} answers (accuracy "
                    f"{report['accuracy']:.1%}); ECE {report['ece_before']:.4f} -> {report['ece_after']:.4f}, "
                    f"log-loss {report['log_loss_before']:.4f} -> {report['log_loss_after']:.4f}")
         if write:

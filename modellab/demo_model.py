@@ -530,9 +530,9 @@ def calibrate_adapters(out: Path, device: str) -> dict[str, Any]:
             calibrations[adapter] = {"skipped": str(exc)}
             continue
         write_calibration(out / adapter, fitted, {"fitted_on": VAL_SCENARIOS, **report})
-        log.info("calibrated %s: exponent %g; ECE %.4f -> %.4f", adapter, fitted.exponent, report["ece_before"],
+        log.info("calibrated %s: confidence %s; ECE %.4f -> %.4f", adapter, fitted.describe(), report["ece_before"],
                  report["ece_after"])
-        calibrations[adapter] = {"exponent": fitted.exponent, **report}
+        calibrations[adapter] = fitted.to_dict() | report
     return calibrations
 
 

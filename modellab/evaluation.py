@@ -245,8 +245,8 @@ def run_evaluation(loaded: LoadedModel, settings: Settings, scenarios: list[tupl
         "modes": {mode: {k: v for k, v in asdict(r).items() if k != "answers"} for mode, r in reports.items()},
         "laya_calibration": calibration(answers["laya"]) if "laya" in answers else None,
         "kev_calibration": calibration(answers["kev"]) if "kev" in answers else None,
-        # what each adapter's calibration file changed: its exponent, and the ECE of the probabilities before it
-        "confidence_exponent": {a: evaluator.calibration(a).exponent for a in ("laya", "kev") if a in answers},
+        # what each adapter's calibration file changed: its fit, and the ECE of the probabilities before it
+        "confidence_calibration": {a: evaluator.calibration(a).to_dict() for a in ("laya", "kev") if a in answers},
         "ece_before_calibration": {a: calibration(answers[a], of="probability")["ece"]
                                    for a in ("laya", "kev") if a in answers},
         "cascade_threshold_sweep": sweep,
@@ -293,11 +293,11 @@ def table(report: dict[str, object]) -> str:
                      f"{r['mean_completion_tokens']:>7.1f} {escalated:>10}  {failures}")
     for adapter in ("laya", "kev"):
         if (rated := report.get(f"{adapter}_calibration")) and rated["ece"] is not None:
-            exponent = (report.get("confidence_exponent") or {}).get(adapter, 1.0)
+            fitted = Calibration(**(report.get("confidence_calibration") or {}).get(adapter, {}))
             before = (report.get("ece_before_calibration") or {}).get(adapter)
             lines.append(f"{adapter.capitalize()} confidence calibration: ECE {rated['ece']:.3f} over {rated['n']} "
-                         f"answers (exponent {exponent:g}" + (f"; {before:.3f} before it)" if exponent != 1.0 and
-                                                              before is not None else ")"))
+                         f"answers (confidence {fitted.describe()}" + (f"; {before:.3f} before it)" if fitted !=
+                                                                     Calibration() and before is not None else ")"))
     for row in report.get("cascade_threshold_sweep") or []:
         lines.append(f"  auto at threshold {row['threshold']:.2f}: accuracy {row['accuracy']:.1%}, "
                      f"mean {row['mean_latency_ms']:.1f} ms, escalated {row['escalation_rate']:.1%}")

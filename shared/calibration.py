@@ -1,10 +1,13 @@
-"""An adapter's confidence calibration (docs/architecture.md §9): the exponent its decision probability is raised to.
+"""An adapter's confidence calibration (docs/architecture.md §9): how its decision probability becomes a confidence.
 
 A decision's confidence is the probability the model gave to the tokens that wrote it. A model can be cautious or
 over-sure, so each adapter may carry `calibration.json`, written by `kevlaya models calibrate` from its answers to
-validation scenarios: the confidence is then `probability ** exponent`, the exponent that makes "right" and "wrong"
-likeliest on those answers (temperature scaling, applied to the answer's log-probability). The exponent is fitted
-once, offline, and changes no decision and no ranking: the likelier of two answers stays the more confident.
+validation scenarios: the confidence is then `sigmoid(slope * ln p + intercept)` (Platt scaling on the answer's
+log-probability), the slope and intercept that make "right" and "wrong" likeliest on those answers. The intercept
+lets a role whose probabilities say little (a small base reading a domain it never saw) be as sure as it is right on
+average, which a slope alone cannot. Files with only an `exponent`, from before intercepts, still mean
+`p ** exponent`. A fit happens once, offline, and changes no decision and no ranking: the slope is positive, so the
+likelier of two answers stays the more confident.
 """
 
 from __future__ import annotations
@@ -20,64 +23,114 @@ from typing import Any
 from shared.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 
 CALIBRATION_FILE = "calibration.json"
-# The exponents a fit may return: beyond these, a few answers would decide it, not the model.
-EXPONENT_RANGE = (0.05, 20.0)
+# The slopes and intercepts a fit may return: beyond these, a few answers would decide it, not the model.
+EXPONENT_RANGE = (0.001, 20.0)
+INTERCEPT_RANGE = (-50.0, 50.0)
 
 
 class CalibrationError(ValueError):
     """A calibration file that cannot be used; the message names the file and what is wrong."""
 
 
+def _log_sigmoid(z: float) -> float:
+    return -math.log1p(math.exp(-z)) if z >= 0 else z - math.log1p(math.exp(z))
+
+
 @dataclass(frozen=True)
 class Calibration:
-    exponent: float = 1.0  # 1: the probability as the model gave it
+    exponent: float = 1.0  # the slope on the log-probability (1 and no intercept: the probability as the model gave it)
+    intercept: float | None = None  # None: the probability raised to the exponent (files from before intercepts)
+
+    def log_odds(self, probability: float) -> tuple[float, float]:
+        """ln(confidence) and ln(1 - confidence), without losing precision at either end."""
+        log_p = self.exponent * math.log(max(probability, 1e-300))
+        if self.intercept is None:
+            return log_p, math.log(-math.expm1(min(log_p, -1e-12)))
+        z = log_p + self.intercept
+        return _log_sigmoid(z), _log_sigmoid(-z)
 
     def confidence(self, probability: float) -> float:
-        return probability ** self.exponent
+        return math.exp(self.log_odds(probability)[0])
+
+    def describe(self) -> str:
+        """How a probability becomes a confidence, in a log line's words."""
+        if self.intercept is None:
+            return f"p ** {self.exponent:g}"
+        return f"sigmoid({self.exponent:g} ln p {'+' if self.intercept >= 0 else '-'} {abs(self.intercept):g})"
+
+    def to_dict(self) -> dict[str, float]:
+        return {"exponent": self.exponent} | ({} if self.intercept is None else {"intercept": self.intercept})
 
 
 def log_loss(probabilities: Sequence[float], correct: Sequence[bool], calibration: Calibration) -> float:
     """Mean negative log-likelihood of the outcomes when each answer is right with its calibrated confidence."""
     total = 0.0
     for p, right in zip(probabilities, correct, strict=True):
-        log_p = calibration.exponent * math.log(max(p, 1e-300))
-        # log(1 - e^x) without losing precision when e^x is close to 1
-        total -= log_p if right else math.log(-math.expm1(min(log_p, -1e-12)))
+        log_right, log_wrong = calibration.log_odds(p)
+        total -= log_right if right else log_wrong
     return total / len(probabilities)
 
 
 def fit_calibration(probabilities: Sequence[float], correct: Sequence[bool]) -> Calibration:
-    """The exponent that minimises the log-loss of right/wrong on these answers. The loss is convex in the
-    exponent, so a golden-section search on its logarithm finds the minimum."""
+    """The slope and intercept that minimise the log-loss of right/wrong on these answers: a logistic regression on
+    the log-probability, convex, solved by Newton's method with a backtracking line search, the slope kept positive
+    (within EXPONENT_RANGE) so that no ranking changes."""
     if not probabilities:
         raise ValueError("no answers to fit a calibration on")
     if not all(0 < p <= 1 for p in probabilities):
         raise ValueError("every probability must be within (0, 1]")
-    low, high = (math.log(bound) for bound in EXPONENT_RANGE)
-    ratio = (math.sqrt(5) - 1) / 2
-    for _ in range(80):
-        first, second = high - ratio * (high - low), low + ratio * (high - low)
-        if (log_loss(probabilities, correct, Calibration(math.exp(first)))
-                <= log_loss(probabilities, correct, Calibration(math.exp(second)))):
-            high = second
+    xs = [math.log(p) for p in probabilities]
+    ys = [1.0 if right else 0.0 for right in correct]
+    (low, high), (b_low, b_high) = EXPONENT_RANGE, INTERCEPT_RANGE
+
+    def clamp(a: float, b: float) -> Calibration:
+        return Calibration(exponent=min(max(a, low), high), intercept=min(max(b, b_low), b_high))
+
+    current = Calibration(exponent=1.0, intercept=0.0)
+    loss = log_loss(probabilities, correct, current)
+    for _ in range(100):
+        ga = gb = haa = hab = hbb = 0.0
+        for x, y in zip(xs, ys, strict=True):
+            c = 1 / (1 + math.exp(-min(max(current.exponent * x + current.intercept, -500), 500)))
+            ga, gb = ga + (c - y) * x, gb + (c - y)
+            w = c * (1 - c) + 1e-9
+            haa, hab, hbb = haa + w * x * x, hab + w * x, hbb + w
+        det = haa * hbb - hab * hab
+        if det <= 0:
+            break
+        da, db = (hbb * ga - hab * gb) / det, (haa * gb - hab * ga) / det
+        step = 1.0
+        while step > 1e-6:
+            trial = clamp(current.exponent - step * da, current.intercept - step * db)
+            trial_loss = log_loss(probabilities, correct, trial)
+            if trial_loss <= loss:
+                break
+            step /= 2
         else:
-            low = first
-    return Calibration(exponent=round(math.exp((low + high) / 2), 4))
+            break
+        moved = abs(trial.exponent - current.exponent) + abs(trial.intercept - current.intercept)
+        current, loss = trial, trial_loss
+        if moved < 1e-9:
+            break
+    return Calibration(exponent=round(current.exponent, 6), intercept=round(current.intercept, 6))
 
 
 def read_calibration(adapter_dir: Path) -> Calibration:
-    """The adapter's calibration, or none (exponent 1) when it has no calibration file."""
+    """The adapter's calibration, or none (the probability as the model gave it) when it has no calibration file."""
     path = Path(adapter_dir) / CALIBRATION_FILE
     if not path.is_file():
         return Calibration()
     try:
-        exponent = json.loads(path.read_text(encoding="utf-8"))["exponent"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        exponent, intercept = fields["exponent"], fields.get("intercept")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise CalibrationError(f"{path}: not a calibration (a JSON object with an `exponent`): {exc}") from exc
-    low, high = EXPONENT_RANGE
-    if isinstance(exponent, bool) or not isinstance(exponent, int | float) or not low <= exponent <= high:
-        raise CalibrationError(f"{path}: `exponent` must be a number within [{low}, {high}], not {exponent!r}")
-    return Calibration(exponent=float(exponent))
+    for name, value, (low, high) in (("exponent", exponent, EXPONENT_RANGE), ("intercept", intercept, INTERCEPT_RANGE)):
+        if value is None and name == "intercept":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+            raise CalibrationError(f"{path}: `{name}` must be a number within [{low}, {high}], not {value!r}")
+    return Calibration(exponent=float(exponent), intercept=None if intercept is None else float(intercept))
 
 
 @lru_cache
@@ -98,7 +151,7 @@ def write_calibration(adapter_dir: Path, calibration: Calibration, report: dict[
                                    "not calibrating a changed model")
     path = adapter_dir / CALIBRATION_FILE
     partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps({"exponent": calibration.exponent, **report}, indent=2) + "\n", encoding="utf-8")
+    partial.write_text(json.dumps(calibration.to_dict() | report, indent=2) + "\n", encoding="utf-8")
     partial.replace(path)
     for directory in covering:
         write_manifest(directory)

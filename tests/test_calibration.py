@@ -19,6 +19,7 @@ from shared.calibration import (
     Calibration,
     CalibrationError,
     fit_calibration,
+    log_loss,
     read_calibration,
     write_calibration,
 )
@@ -31,13 +32,34 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
 
 
-@pytest.mark.parametrize("exponent", [0.4, 1.0, 2.5])
-def test_the_fit_finds_the_exponent_the_outcomes_were_drawn_with(exponent: float):
-    """Answers right with probability p ** exponent: the fit recovers the exponent (1: already calibrated)."""
+@pytest.mark.parametrize(("slope", "intercept"), [(0.4, 0.0), (1.0, 2.0), (2.5, -0.5), (0.05, 0.7)])
+def test_the_fit_finds_the_slope_and_intercept_the_outcomes_were_drawn_with(slope: float, intercept: float):
+    """Answers right with confidence sigmoid(slope ln p + intercept): the fit recovers both. The last pair is what a
+    role whose probabilities say little looks like on domains it never saw (nearly flat, right two times in three)."""
     rng = random.Random(7)
-    probabilities = [rng.uniform(0.2, 1.0) for _ in range(20_000)]
-    correct = [rng.random() < p ** exponent for p in probabilities]
-    assert fit_calibration(probabilities, correct).exponent == pytest.approx(exponent, rel=0.06)
+    truth = Calibration(exponent=slope, intercept=intercept)
+    probabilities = [rng.uniform(0.001, 1.0) for _ in range(20_000)]
+    correct = [rng.random() < truth.confidence(p) for p in probabilities]
+    fitted = fit_calibration(probabilities, correct)
+    assert fitted.exponent == pytest.approx(slope, rel=0.1, abs=0.02)
+    assert fitted.intercept == pytest.approx(intercept, abs=0.08)
+
+
+def test_an_intercept_calibrates_what_an_exponent_alone_cannot():
+    """A role right 65 % of the time whatever its probability: the best exponent alone stays far off, the fit
+    with an intercept reports about 0.65 throughout."""
+    rng = random.Random(3)
+    probabilities = [rng.uniform(0.001, 1.0) for _ in range(5_000)]
+    correct = [rng.random() < 0.65 for _ in probabilities]
+    fitted = fit_calibration(probabilities, correct)
+    assert all(abs(fitted.confidence(p) - 0.65) < 0.05 for p in (0.01, 0.3, 0.9))
+    assert log_loss(probabilities, correct, fitted) < min(
+        log_loss(probabilities, correct, Calibration(exponent=e)) for e in (0.05, 0.1, 0.2, 0.4, 1.0))
+
+
+def test_a_calibration_file_from_before_intercepts_still_means_the_probability_to_the_exponent(tmp_path: Path):
+    (tmp_path / CALIBRATION_FILE).write_text('{"exponent": 0.5, "fitted_on": "val.jsonl"}')
+    assert read_calibration(tmp_path).confidence(0.25) == pytest.approx(0.5)
 
 
 def test_a_fit_needs_answers_with_a_probability():
@@ -60,6 +82,8 @@ def test_an_adapter_without_a_calibration_file_reports_the_probability_as_it_is(
     ('{"exponent": true}', "`exponent` must be a number"),
     ('{"exponent": 0}', "`exponent` must be a number"),
     ('{"exponent": 1000}', "`exponent` must be a number"),
+    ('{"exponent": 0.5, "intercept": "1"}', "`intercept` must be a number"),
+    ('{"exponent": 0.5, "intercept": 99}', "`intercept` must be a number"),
 ])
 def test_a_broken_calibration_file_is_refused_naming_the_file(tmp_path: Path, content: str, named: str):
     (tmp_path / CALIBRATION_FILE).write_text(content)
@@ -81,10 +105,10 @@ def _adapter_with_manifests(root: Path) -> Path:
 
 def test_writing_a_calibration_keeps_the_adapter_and_its_parent_verified(tmp_path: Path):
     adapter = _adapter_with_manifests(tmp_path)
-    written = write_calibration(adapter, Calibration(exponent=0.5), {"fitted_on": "val.jsonl"})
-    assert json.loads(written.read_text()) == {"exponent": 0.5, "fitted_on": "val.jsonl"}
+    written = write_calibration(adapter, Calibration(exponent=0.5, intercept=-0.25), {"fitted_on": "val.jsonl"})
+    assert json.loads(written.read_text()) == {"exponent": 0.5, "intercept": -0.25, "fitted_on": "val.jsonl"}
     assert verify_manifest(adapter) == [] and verify_manifest(tmp_path) == []
-    assert read_calibration(adapter) == Calibration(exponent=0.5)
+    assert read_calibration(adapter) == Calibration(exponent=0.5, intercept=-0.25)
     assert {p.name for p in adapter.iterdir()} == {CALIBRATION_FILE, "MANIFEST.sha256", "adapter_model.safetensors"}
 
 
@@ -192,16 +216,17 @@ def _calibrate(model: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_calibrate_fits_laya_on_validation_answers_and_writes_it_beside_the_adapter(demo_copy: Path):
-    """The demo's Laya counts its kept options in its confidence, so it is cautious: the fitted exponent is below 1
-    and lowers the calibration error on the answers it was fitted on."""
+    """The fit lowers the calibration error and the log-loss on the answers it was fitted on, keeps every ranking
+    (a positive slope), and is written with how it was made."""
     result = _calibrate(demo_copy, "--adapters", "laya", "--limit", "200", "--batch-size", "50")
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads((demo_copy / "laya" / CALIBRATION_FILE).read_text())
-    assert 0.05 <= written["exponent"] < 1
+    assert 0.001 <= written["exponent"] <= 20 and -50 <= written["intercept"] <= 50
     assert written["answers"] == 200 and written["ece_after"] < written["ece_before"]
     assert written["log_loss_after"] < written["log_loss_before"]
     assert written["command"].startswith("kevlaya models calibrate")
-    assert f"laya: exponent {written['exponent']:g} over 200 answers" in result.stdout
+    fitted = Calibration(exponent=written["exponent"], intercept=written["intercept"])
+    assert f"laya: confidence {fitted.describe()} over 200 answers" in result.stdout
     assert not (demo_copy / "kev" / CALIBRATION_FILE).exists()
     assert verify_manifest(demo_copy / "laya") == [] and verify_manifest(demo_copy) == []
 

@@ -204,8 +204,8 @@ def load_model(settings: Settings) -> LoadedModel:
                 model = load_base(base, device, settings.engine.vram_budget_gb, settings.model.quantization)
             continue
         versions[name] = identity
-        log.info("loaded adapter %s version %s (rank %s) from %s in %.2fs (confidence exponent %g)", name,
-                 identity.sha256, identity.rank, path, time.perf_counter() - adapter_started, calibration.exponent)
+        log.info("loaded adapter %s version %s (rank %s) from %s in %.2fs (confidence %s)", name,
+                 identity.sha256, identity.rank, path, time.perf_counter() - adapter_started, calibration.describe())
     adapters_to(model, compute_dtype(device))
     model.eval()
     if device == "cuda":
