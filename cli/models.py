@@ -195,9 +195,10 @@ def models_calibrate(
                                              "--no-write: only report the fit")] = True,
 ) -> None:
     """Fit each adapter's confidence calibration on its answers to validation scenarios and write it beside the
-    adapter: a job's confidence is then sigmoid(slope * ln p + intercept) of its decision's probability p, fitted so
-    that answers reported at 0.9 are right about 90 % of the time. Decisions do not change. Validation questions
-    from domains the roles were never trained on fit the confidence they will have on people's questions.
+    adapter: a job's confidence is then sigmoid(exponent * ln p + linear * p + intercept) of its decision's
+    probability p, fitted so that answers reported at 0.9 are right about 90 % of the time. Decisions do not
+    change. Validation questions from domains the roles were never trained on fit the confidence they will have
+    on people's questions.
 
     Uses the configured base model and adapters (KEVLAYA_MODEL__BASE, KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH)."""
     import logging

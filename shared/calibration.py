@@ -1,13 +1,15 @@
 """An adapter's confidence calibration (docs/architecture.md §9): how its decision probability becomes a confidence.
 
-A decision's confidence is the probability the model gave to the tokens that wrote it. A model can be cautious or
+A decision's confidence is the probability p the model gave to the tokens that wrote it. A model can be cautious or
 over-sure, so each adapter may carry `calibration.json`, written by `kevlaya models calibrate` from its answers to
-validation scenarios: the confidence is then `sigmoid(slope * ln p + intercept)` (Platt scaling on the answer's
-log-probability), the slope and intercept that make "right" and "wrong" likeliest on those answers. The intercept
-lets a role whose probabilities say little (a small base reading a domain it never saw) be as sure as it is right on
-average, which a slope alone cannot. Files with only an `exponent`, from before intercepts, still mean
-`p ** exponent`. A fit happens once, offline, and changes no decision and no ranking: the slope is positive, so the
-likelier of two answers stays the more confident.
+validation scenarios: the confidence is then `sigmoid(exponent * ln p + linear * p + intercept)`, the weights that
+make "right" and "wrong" likeliest on those answers (a logistic regression on the probability and its logarithm;
+Platt scaling of either alone is a special case). Both are needed for a small base reading a domain it never saw:
+its right answers spread from p = 10^-19 to 0.97, so the logarithm alone ranks a long tail it cannot tell apart and
+keeps the few near-certain answers from looking certain, and p alone cannot tell the tail's orders of magnitude.
+Files with an `exponent` and no `intercept`, from before, still mean `p ** exponent`. A fit happens once, offline, and
+changes no decision and no ranking: both weights are positive, so the likelier of two answers stays the more
+confident.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from typing import Any
 from shared.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 
 CALIBRATION_FILE = "calibration.json"
-# The slopes and intercepts a fit may return: beyond these, a few answers would decide it, not the model.
-EXPONENT_RANGE = (0.001, 20.0)
+# The weights a fit may return: beyond these, a few answers would decide it, not the model. The exponent's floor is
+# above 0 so that confidence always grows with the probability.
+EXPONENT_RANGE = (0.0001, 20.0)
+LINEAR_RANGE = (0.0, 50.0)
 INTERCEPT_RANGE = (-50.0, 50.0)
 
 
@@ -38,15 +42,16 @@ def _log_sigmoid(z: float) -> float:
 
 @dataclass(frozen=True)
 class Calibration:
-    exponent: float = 1.0  # the slope on the log-probability (1 and no intercept: the probability as the model gave it)
+    exponent: float = 1.0  # the weight of ln p (1, no intercept: the probability as the model gave it)
     intercept: float | None = None  # None: the probability raised to the exponent (files from before intercepts)
+    linear: float = 0.0  # the weight of p itself
 
     def log_odds(self, probability: float) -> tuple[float, float]:
         """ln(confidence) and ln(1 - confidence), without losing precision at either end."""
         log_p = self.exponent * math.log(max(probability, 1e-300))
         if self.intercept is None:
             return log_p, math.log(-math.expm1(min(log_p, -1e-12)))
-        z = log_p + self.intercept
+        z = log_p + self.linear * probability + self.intercept
         return _log_sigmoid(z), _log_sigmoid(-z)
 
     def confidence(self, probability: float) -> float:
@@ -56,10 +61,13 @@ class Calibration:
         """How a probability becomes a confidence, in a log line's words."""
         if self.intercept is None:
             return f"p ** {self.exponent:g}"
-        return f"sigmoid({self.exponent:g} ln p {'+' if self.intercept >= 0 else '-'} {abs(self.intercept):g})"
+        return f"sigmoid({self.exponent:g} ln p + {self.linear:g} p {'+' if self.intercept >= 0 else '-'} " \
+               f"{abs(self.intercept):g})"
 
     def to_dict(self) -> dict[str, float]:
-        return {"exponent": self.exponent} | ({} if self.intercept is None else {"intercept": self.intercept})
+        if self.intercept is None:
+            return {"exponent": self.exponent}
+        return {"exponent": self.exponent, "linear": self.linear, "intercept": self.intercept}
 
 
 def log_loss(probabilities: Sequence[float], correct: Sequence[bool], calibration: Calibration) -> float:
@@ -71,48 +79,77 @@ def log_loss(probabilities: Sequence[float], correct: Sequence[bool], calibratio
     return total / len(probabilities)
 
 
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when the system is singular."""
+    n = len(vector)
+    rows = [row[:] + [v] for row, v in zip(matrix, vector, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) < 1e-12:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col], strict=True)]
+    solution = [0.0] * n
+    for r in reversed(range(n)):
+        solution[r] = (rows[r][n] - sum(rows[r][c] * solution[c] for c in range(r + 1, n))) / rows[r][r]
+    return solution
+
+
 def fit_calibration(probabilities: Sequence[float], correct: Sequence[bool]) -> Calibration:
-    """The slope and intercept that minimise the log-loss of right/wrong on these answers: a logistic regression on
-    the log-probability, convex, solved by Newton's method with a backtracking line search, the slope kept positive
-    (within EXPONENT_RANGE) so that no ranking changes."""
+    """The weights that minimise the log-loss of right/wrong on these answers: a logistic regression on (ln p, p),
+    convex, solved by Newton's method with a backtracking line search, each weight kept within its range (a weight
+    held at its bound leaves the Newton system while the gradient pushes it outward)."""
     if not probabilities:
         raise ValueError("no answers to fit a calibration on")
     if not all(0 < p <= 1 for p in probabilities):
         raise ValueError("every probability must be within (0, 1]")
-    xs = [math.log(p) for p in probabilities]
+    bounds = (EXPONENT_RANGE, LINEAR_RANGE, INTERCEPT_RANGE)
+    xs = [(math.log(p), p, 1.0) for p in probabilities]  # what each weight multiplies
     ys = [1.0 if right else 0.0 for right in correct]
-    (low, high), (b_low, b_high) = EXPONENT_RANGE, INTERCEPT_RANGE
 
-    def clamp(a: float, b: float) -> Calibration:
-        return Calibration(exponent=min(max(a, low), high), intercept=min(max(b, b_low), b_high))
+    def calibration(theta: Sequence[float]) -> Calibration:
+        a, b, c = (min(max(v, low), high) for v, (low, high) in zip(theta, bounds, strict=True))
+        return Calibration(exponent=a, linear=b, intercept=c)
 
-    current = Calibration(exponent=1.0, intercept=0.0)
+    current = calibration((1.0, 0.0, 0.0))
     loss = log_loss(probabilities, correct, current)
-    for _ in range(100):
-        ga = gb = haa = hab = hbb = 0.0
+    for _ in range(200):
+        theta = (current.exponent, current.linear, current.intercept)
+        grad, hess = [0.0] * 3, [[0.0] * 3 for _ in range(3)]
         for x, y in zip(xs, ys, strict=True):
-            c = 1 / (1 + math.exp(-min(max(current.exponent * x + current.intercept, -500), 500)))
-            ga, gb = ga + (c - y) * x, gb + (c - y)
+            z = sum(t * v for t, v in zip(theta, x, strict=True))
+            c = 1 / (1 + math.exp(-min(max(z, -500), 500)))
             w = c * (1 - c) + 1e-9
-            haa, hab, hbb = haa + w * x * x, hab + w * x, hbb + w
-        det = haa * hbb - hab * hab
-        if det <= 0:
+            for i in range(3):
+                grad[i] += (c - y) * x[i]
+                for j in range(3):
+                    hess[i][j] += w * x[i] * x[j]
+        free = [i for i in range(3) if not (theta[i] <= bounds[i][0] and grad[i] > 0)
+                and not (theta[i] >= bounds[i][1] and grad[i] < 0)]
+        step_free = _solve([[hess[i][j] for j in free] for i in free], [grad[i] for i in free]) if free else None
+        if step_free is None:
             break
-        da, db = (hbb * ga - hab * gb) / det, (haa * gb - hab * ga) / det
-        step = 1.0
-        while step > 1e-6:
-            trial = clamp(current.exponent - step * da, current.intercept - step * db)
+        step = [0.0] * 3
+        for i, d in zip(free, step_free, strict=True):
+            step[i] = d
+        scale = 1.0
+        while scale > 1e-8:
+            trial = calibration([t - scale * d for t, d in zip(theta, step, strict=True)])
             trial_loss = log_loss(probabilities, correct, trial)
             if trial_loss <= loss:
                 break
-            step /= 2
+            scale /= 2
         else:
             break
-        moved = abs(trial.exponent - current.exponent) + abs(trial.intercept - current.intercept)
+        moved = abs(trial.exponent - current.exponent) + abs(trial.linear - current.linear) + \
+            abs(trial.intercept - current.intercept)
         current, loss = trial, trial_loss
-        if moved < 1e-9:
+        if moved < 1e-10:
             break
-    return Calibration(exponent=round(current.exponent, 6), intercept=round(current.intercept, 6))
+    return Calibration(exponent=round(current.exponent, 6), linear=round(current.linear, 6),
+                       intercept=round(current.intercept, 6))
 
 
 def read_calibration(adapter_dir: Path) -> Calibration:
@@ -122,15 +159,22 @@ def read_calibration(adapter_dir: Path) -> Calibration:
         return Calibration()
     try:
         fields = json.loads(path.read_text(encoding="utf-8"))
-        exponent, intercept = fields["exponent"], fields.get("intercept")
+        weights = {"exponent": fields["exponent"], "intercept": fields.get("intercept"), "linear": fields.get("linear")}
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise CalibrationError(f"{path}: not a calibration (a JSON object with an `exponent`): {exc}") from exc
-    for name, value, (low, high) in (("exponent", exponent, EXPONENT_RANGE), ("intercept", intercept, INTERCEPT_RANGE)):
-        if value is None and name == "intercept":
+    ranges = {"exponent": EXPONENT_RANGE, "intercept": INTERCEPT_RANGE, "linear": LINEAR_RANGE}
+    for name, value in weights.items():
+        low, high = ranges[name]
+        if value is None and name != "exponent":
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
             raise CalibrationError(f"{path}: `{name}` must be a number within [{low}, {high}], not {value!r}")
-    return Calibration(exponent=float(exponent), intercept=None if intercept is None else float(intercept))
+    if weights["intercept"] is None:
+        if weights["linear"] is not None:
+            raise CalibrationError(f"{path}: `linear` needs an `intercept`")
+        return Calibration(exponent=float(weights["exponent"]))
+    return Calibration(exponent=float(weights["exponent"]), intercept=float(weights["intercept"]),
+                       linear=float(weights["linear"] or 0.0))
 
 
 @lru_cache

@@ -32,29 +32,44 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "models" / "demo"
 
 
-@pytest.mark.parametrize(("slope", "intercept"), [(0.4, 0.0), (1.0, 2.0), (2.5, -0.5), (0.05, 0.7)])
-def test_the_fit_finds_the_slope_and_intercept_the_outcomes_were_drawn_with(slope: float, intercept: float):
-    """Answers right with confidence sigmoid(slope ln p + intercept): the fit recovers both. The last pair is what a
-    role whose probabilities say little looks like on domains it never saw (nearly flat, right two times in three)."""
+@pytest.mark.parametrize(("exponent", "linear", "intercept"),
+                         [(0.4, 0.0, 0.0), (1.0, 0.0, 2.0), (2.5, 0.0, -0.5), (0.05, 0.0, 0.7), (0.0001, 4.0, -0.5)])
+def test_the_fit_finds_the_weights_the_outcomes_were_drawn_with(exponent: float, linear: float, intercept: float):
+    """Answers right with confidence sigmoid(exponent ln p + linear p + intercept): the fit recovers the curve. The
+    fourth is a role whose probabilities say little (nearly flat, right two times in three), the last one whose
+    near-certain answers are right and whose others are a coin toss whatever their order of magnitude."""
     rng = random.Random(7)
-    truth = Calibration(exponent=slope, intercept=intercept)
+    truth = Calibration(exponent=exponent, linear=linear, intercept=intercept)
     probabilities = [rng.uniform(0.001, 1.0) for _ in range(20_000)]
     correct = [rng.random() < truth.confidence(p) for p in probabilities]
     fitted = fit_calibration(probabilities, correct)
-    assert fitted.exponent == pytest.approx(slope, rel=0.1, abs=0.02)
-    assert fitted.intercept == pytest.approx(intercept, abs=0.08)
+    assert max(abs(fitted.confidence(p) - truth.confidence(p)) for p in (0.001, 0.01, 0.1, 0.3, 0.6, 0.9, 1.0)) < 0.03
 
 
-def test_an_intercept_calibrates_what_an_exponent_alone_cannot():
-    """A role right 65 % of the time whatever its probability: the best exponent alone stays far off, the fit
-    with an intercept reports about 0.65 throughout."""
+def test_the_probability_and_its_logarithm_each_calibrate_what_the_other_cannot():
+    """Right 60 % of the time below p = 0.5 whatever the order of magnitude, 97 % above: the fit reports the
+    near-certain answers as near-certain, which the logarithm alone cannot, and the tail as a coin toss, which an
+    exponent alone cannot; its log-loss beats both."""
     rng = random.Random(3)
-    probabilities = [rng.uniform(0.001, 1.0) for _ in range(5_000)]
-    correct = [rng.random() < 0.65 for _ in probabilities]
+    probabilities = [10 ** -rng.uniform(0, 12) if rng.random() < 0.7 else rng.uniform(0.5, 1.0) for _ in range(5_000)]
+    correct = [rng.random() < (0.97 if p > 0.5 else 0.6) for p in probabilities]
     fitted = fit_calibration(probabilities, correct)
-    assert all(abs(fitted.confidence(p) - 0.65) < 0.05 for p in (0.01, 0.3, 0.9))
-    assert log_loss(probabilities, correct, fitted) < min(
-        log_loss(probabilities, correct, Calibration(exponent=e)) for e in (0.05, 0.1, 0.2, 0.4, 1.0))
+    assert fitted.confidence(0.95) > 0.9 and abs(fitted.confidence(1e-9) - 0.6) < 0.05
+    log_alone = min((Calibration(exponent=a / 100, intercept=b / 10) for a in range(1, 60, 2) for b in range(-10, 30)),
+                    key=lambda c: log_loss(probabilities, correct, c))
+    exponent_alone = min((Calibration(exponent=e / 100) for e in range(1, 200)),
+                         key=lambda c: log_loss(probabilities, correct, c))
+    assert log_loss(probabilities, correct, fitted) < log_loss(probabilities, correct, log_alone) - 0.01
+    assert log_loss(probabilities, correct, fitted) < log_loss(probabilities, correct, exponent_alone) - 0.01
+
+
+def test_confidence_grows_with_the_probability_whatever_the_fit():
+    rng = random.Random(5)
+    probabilities = [rng.uniform(0.001, 1.0) for _ in range(2_000)]
+    correct = [rng.random() < 0.5 for _ in probabilities]  # no signal at all: the fit must still keep every order
+    fitted = fit_calibration(probabilities, correct)
+    grid = [i / 100 for i in range(1, 101)]
+    assert all(fitted.confidence(a) < fitted.confidence(b) for a, b in zip(grid, grid[1:]))
 
 
 def test_a_calibration_file_from_before_intercepts_still_means_the_probability_to_the_exponent(tmp_path: Path):
@@ -84,6 +99,8 @@ def test_an_adapter_without_a_calibration_file_reports_the_probability_as_it_is(
     ('{"exponent": 1000}', "`exponent` must be a number"),
     ('{"exponent": 0.5, "intercept": "1"}', "`intercept` must be a number"),
     ('{"exponent": 0.5, "intercept": 99}', "`intercept` must be a number"),
+    ('{"exponent": 0.5, "intercept": 0, "linear": -1}', "`linear` must be a number"),
+    ('{"exponent": 0.5, "linear": 1}', "`linear` needs an `intercept`"),
 ])
 def test_a_broken_calibration_file_is_refused_naming_the_file(tmp_path: Path, content: str, named: str):
     (tmp_path / CALIBRATION_FILE).write_text(content)
@@ -105,10 +122,12 @@ def _adapter_with_manifests(root: Path) -> Path:
 
 def test_writing_a_calibration_keeps_the_adapter_and_its_parent_verified(tmp_path: Path):
     adapter = _adapter_with_manifests(tmp_path)
-    written = write_calibration(adapter, Calibration(exponent=0.5, intercept=-0.25), {"fitted_on": "val.jsonl"})
-    assert json.loads(written.read_text()) == {"exponent": 0.5, "intercept": -0.25, "fitted_on": "val.jsonl"}
+    fitted = Calibration(exponent=0.5, linear=2.0, intercept=-0.25)
+    written = write_calibration(adapter, fitted, {"fitted_on": "val.jsonl"})
+    assert json.loads(written.read_text()) == {"exponent": 0.5, "linear": 2.0, "intercept": -0.25,
+                                               "fitted_on": "val.jsonl"}
     assert verify_manifest(adapter) == [] and verify_manifest(tmp_path) == []
-    assert read_calibration(adapter) == Calibration(exponent=0.5, intercept=-0.25)
+    assert read_calibration(adapter) == fitted
     assert {p.name for p in adapter.iterdir()} == {CALIBRATION_FILE, "MANIFEST.sha256", "adapter_model.safetensors"}
 
 
@@ -221,11 +240,11 @@ def test_calibrate_fits_laya_on_validation_answers_and_writes_it_beside_the_adap
     result = _calibrate(demo_copy, "--adapters", "laya", "--limit", "200", "--batch-size", "50")
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads((demo_copy / "laya" / CALIBRATION_FILE).read_text())
-    assert 0.001 <= written["exponent"] <= 20 and -50 <= written["intercept"] <= 50
+    assert 0 < written["exponent"] <= 20 and 0 <= written["linear"] <= 50 and -50 <= written["intercept"] <= 50
     assert written["answers"] == 200 and written["ece_after"] < written["ece_before"]
     assert written["log_loss_after"] < written["log_loss_before"]
     assert written["command"].startswith("kevlaya models calibrate")
-    fitted = Calibration(exponent=written["exponent"], intercept=written["intercept"])
+    fitted = Calibration(exponent=written["exponent"], linear=written["linear"], intercept=written["intercept"])
     assert f"laya: confidence {fitted.describe()} over 200 answers" in result.stdout
     assert not (demo_copy / "kev" / CALIBRATION_FILE).exists()
     assert verify_manifest(demo_copy / "laya") == [] and verify_manifest(demo_copy) == []
