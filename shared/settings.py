@@ -70,7 +70,7 @@ class AdapterProfile(BaseModel):
 class KevProfile(AdapterProfile):
     path: str = str(DEFAULT_ADAPTERS_DIR / "kev")
     max_new_tokens: int = Field(default=512, ge=1)
-    temperature: float = Field(default=0.3, ge=0)
+    temperature: float = Field(default=0.0, ge=0)  # greedy: the answer that was evaluated, the same each time
     analysis: bool = True
     system_prompt: str = (
         "You are Kev, a deliberate analyst. Check every option against the constraints, "
@@ -81,7 +81,7 @@ class KevProfile(AdapterProfile):
 class LayaProfile(AdapterProfile):
     path: str = str(DEFAULT_ADAPTERS_DIR / "laya")
     max_new_tokens: int = Field(default=128, ge=1)
-    temperature: float = Field(default=0.1, ge=0)
+    temperature: float = Field(default=0.0, ge=0)  # greedy, as Kev
     system_prompt: str = "You are Laya, a fast decider. Answer with one short JSON decision object only."
     reserved_slots: int = Field(default=4, ge=0)  # a fast decider starts at the next step, even under Kev load
 
