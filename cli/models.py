@@ -5,6 +5,8 @@ service's adapters: `models list`, `models load`, `models unload`."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -25,6 +27,21 @@ def _presets(field: str) -> str:
     values = {name: getattr(p, field) for name, p in LORA_PRESETS.items()}
     return ", ".join(f"{name} {value:.0e}".replace("e-0", "e-") if isinstance(value, float) else f"{name} {value}"
                      for name, value in values.items())
+
+
+@contextmanager
+def _batch_within_budget(batch_size: int, budget_gb: float) -> Iterator[None]:
+    """A --batch-size whose rows do not fit the VRAM budget is a bad argument: one line naming it, not a CUDA
+    traceback."""
+    from worker.memory import is_out_of_memory
+
+    try:
+        yield
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        fail(f"--batch-size {batch_size}: its rows ran out of GPU memory within the {budget_gb:g} GiB budget "
+             "(KEVLAYA_ENGINE__VRAM_BUDGET_GB); use a smaller --batch-size")
 
 
 def _subset(text: str, allowed: tuple[str, ...], option: str) -> tuple[str, ...]:
@@ -216,7 +233,8 @@ def models_calibrate(
     if refused := {a: loaded.refusal(a) for a in chosen if loaded.refusal(a)}:
         fail("; ".join(refused.values()))
     try:
-        fits = fit_adapter_calibrations(loaded, settings, items, chosen, batch_size)
+        with _batch_within_budget(batch_size, settings.engine.vram_budget_gb):
+            fits = fit_adapter_calibrations(loaded, settings, items, chosen, batch_size)
     except ValueError as exc:
         fail(str(exc))
     command = shlex.join(["kevlaya", *sys.argv[1:]])
@@ -480,12 +498,14 @@ def evaluate(
     logging.basicConfig(level=logging.WARNING)
     settings = get_settings()
     loaded = load_model(settings)
-    report = run_evaluation(loaded, settings, items, chosen, batch_size, grammar)
+    with _batch_within_budget(batch_size, settings.engine.vram_budget_gb):
+        report = run_evaluation(loaded, settings, items, chosen, batch_size, grammar)
     if compare_precision:
         nf4 = uses_nf4(loaded.device, settings.model.quantization, base_parameters(prepare_base(settings)))
         other = settings.updated(model={"quantization": "none" if nf4 else "nf4"})
         del loaded
-        second = run_evaluation(load_model(other), other, items, ("laya", "kev"), batch_size, grammar)
+        with _batch_within_budget(batch_size, settings.engine.vram_budget_gb):
+            second = run_evaluation(load_model(other), other, items, ("laya", "kev"), batch_size, grammar)
         nf4_run, reference = (report, second) if nf4 else (second, report)
         report["precision_comparison"] = {
             "reference": "fp16" if second["device"] == "cuda" else "fp32",
@@ -544,7 +564,8 @@ def evaluate_tools(
     loaded = load_model(settings)
     if refused := {r: loaded.refusal(r) for r in chosen if loaded.refusal(r)}:
         fail("; ".join(refused.values()))
-    report = run_tool_evaluation(loaded, settings, items, chosen, batch_size, max_new_tokens)
+    with _batch_within_budget(batch_size, settings.engine.vram_budget_gb):
+        report = run_tool_evaluation(loaded, settings, items, chosen, batch_size, max_new_tokens)
     report["command"] = shlex.join(["kevlaya", *sys.argv[1:]])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -80,3 +80,33 @@ def test_a_scenarios_file_that_is_not_one_is_refused_in_one_line(tmp_path: Path,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and named in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_batch_size_that_runs_out_of_gpu_memory_is_refused_in_one_line(tiny_model, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """Rows that do not fit the VRAM budget (as 200 of Kev's did on a 6 GB budget) name --batch-size and what to do,
+    not a CUDA traceback, and write no report."""
+    import torch
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from modellab import evaluation
+    from shared.settings import get_settings
+
+    data = write_dataset(tmp_path / "data", n_train=4, n_val=2, n_test=2, seed=1)
+    for name, value in {"KEVLAYA_MODEL__BASE": tiny_model["base"], "KEVLAYA_KEV__PATH": tiny_model["kev"],
+                        "KEVLAYA_LAYA__PATH": tiny_model["laya"], "KEVLAYA_MODEL__DEVICE": "cpu"}.items():
+        monkeypatch.setenv(name, str(value))
+    get_settings.cache_clear()
+
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 76.00 MiB.")
+
+    monkeypatch.setattr(evaluation, "run_evaluation", out_of_memory)
+    out = tmp_path / "results"
+    result = CliRunner().invoke(app, ["eval", "--scenarios", str(data["test_scenarios"]), "--out", str(out),
+                                      "--modes", "laya", "--batch-size", "200"])
+    get_settings.cache_clear()
+    assert result.exit_code == 2, result.output
+    assert "error: --batch-size 200" in result.output and "smaller --batch-size" in result.output
+    assert "Traceback" not in result.output and not out.exists()
