@@ -79,24 +79,6 @@ def log_loss(probabilities: Sequence[float], correct: Sequence[bool], calibratio
     return total / len(probabilities)
 
 
-def _solve(matrix: list[list[float]], vector: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when the system is singular."""
-    n = len(vector)
-    rows = [row[:] + [v] for row, v in zip(matrix, vector, strict=True)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
-        if abs(rows[pivot][col]) < 1e-12:
-            return None
-        rows[col], rows[pivot] = rows[pivot], rows[col]
-        for r in range(col + 1, n):
-            factor = rows[r][col] / rows[col][col]
-            rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col], strict=True)]
-    solution = [0.0] * n
-    for r in reversed(range(n)):
-        solution[r] = (rows[r][n] - sum(rows[r][c] * solution[c] for c in range(r + 1, n))) / rows[r][r]
-    return solution
-
-
 def fit_calibration(probabilities: Sequence[float], correct: Sequence[bool]) -> Calibration:
     """The weights that minimise the log-loss of right/wrong on these answers: a logistic regression on (ln p, p),
     convex, solved by Newton's method with a backtracking line search, each weight kept within its range (a weight
@@ -105,38 +87,32 @@ def fit_calibration(probabilities: Sequence[float], correct: Sequence[bool]) -> 
         raise ValueError("no answers to fit a calibration on")
     if not all(0 < p <= 1 for p in probabilities):
         raise ValueError("every probability must be within (0, 1]")
-    bounds = (EXPONENT_RANGE, LINEAR_RANGE, INTERCEPT_RANGE)
-    xs = [(math.log(p), p, 1.0) for p in probabilities]  # what each weight multiplies
-    ys = [1.0 if right else 0.0 for right in correct]
+    import numpy as np
 
-    def calibration(theta: Sequence[float]) -> Calibration:
-        a, b, c = (min(max(v, low), high) for v, (low, high) in zip(theta, bounds, strict=True))
+    bounds = np.array((EXPONENT_RANGE, LINEAR_RANGE, INTERCEPT_RANGE))
+    p = np.asarray(probabilities, dtype=np.float64)
+    x = np.stack([np.log(p), p, np.ones_like(p)], axis=1)  # what each weight multiplies
+    y = np.asarray(correct, dtype=np.float64)
+
+    def calibration(theta: np.ndarray) -> Calibration:
+        a, b, c = np.clip(theta, bounds[:, 0], bounds[:, 1]).tolist()
         return Calibration(exponent=a, linear=b, intercept=c)
 
-    current = calibration((1.0, 0.0, 0.0))
+    current = calibration(np.array([1.0, 0.0, 0.0]))
     loss = log_loss(probabilities, correct, current)
     for _ in range(200):
-        theta = (current.exponent, current.linear, current.intercept)
-        grad, hess = [0.0] * 3, [[0.0] * 3 for _ in range(3)]
-        for x, y in zip(xs, ys, strict=True):
-            z = sum(t * v for t, v in zip(theta, x, strict=True))
-            c = 1 / (1 + math.exp(-min(max(z, -500), 500)))
-            w = c * (1 - c) + 1e-9
-            for i in range(3):
-                grad[i] += (c - y) * x[i]
-                for j in range(3):
-                    hess[i][j] += w * x[i] * x[j]
-        free = [i for i in range(3) if not (theta[i] <= bounds[i][0] and grad[i] > 0)
-                and not (theta[i] >= bounds[i][1] and grad[i] < 0)]
-        step_free = _solve([[hess[i][j] for j in free] for i in free], [grad[i] for i in free]) if free else None
-        if step_free is None:
+        theta = np.array([current.exponent, current.linear, current.intercept])
+        c = 1 / (1 + np.exp(-np.clip(x @ theta, -500, 500)))
+        grad, hess = x.T @ (c - y), (x * (c * (1 - c) + 1e-9)[:, None]).T @ x
+        free = ~(((theta <= bounds[:, 0]) & (grad > 0)) | ((theta >= bounds[:, 1]) & (grad < 0)))
+        step = np.zeros(3)
+        try:
+            step[free] = np.linalg.solve(hess[np.ix_(free, free)], grad[free])
+        except np.linalg.LinAlgError:
             break
-        step = [0.0] * 3
-        for i, d in zip(free, step_free, strict=True):
-            step[i] = d
         scale = 1.0
         while scale > 1e-8:
-            trial = calibration([t - scale * d for t, d in zip(theta, step, strict=True)])
+            trial = calibration(theta - scale * step)
             trial_loss = log_loss(probabilities, correct, trial)
             if trial_loss <= loss:
                 break
