@@ -20,15 +20,15 @@ import logging
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, event, exists, or_, select, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy import ColumnElement, and_, case, event, exists, literal, or_, select, update
+from sqlalchemy.orm import InstrumentedAttribute, Session, aliased
 
 from shared import usage
 from shared.clock import db_now, elapsed_ms
-from shared.models import Job, JobStatus
+from shared.models import Job, JobStatus, UTCDateTime
 from shared.notify import publish_finished
 
 log = logging.getLogger("kevlaya.lifecycle")
@@ -68,6 +68,13 @@ class JobOutcome:
     adapter_version: str | None = None  # the sha256 of the adapter whose weights wrote the answer, if any did
 
 
+def _not_before(moment: datetime, earlier: InstrumentedAttribute[datetime]) -> ColumnElement[datetime]:
+    """`moment`, or the row's `earlier` time where that lies after it. Two processes carry the database's clock
+    forward each on its own (shared/clock.py), so the worker's reading can fall a few ms before the API's; a
+    job's times must still run in order, and its queue time never be negative."""
+    return case((earlier > literal(moment, UTCDateTime()), earlier), else_=literal(moment, UTCDateTime()))
+
+
 def _move(session: Session, source: str, target: str, *where: ColumnElement[bool], **values: Any) -> list[Job]:
     """One conditional UPDATE `source → target`; returns the rows that moved (none when another writer won)."""
     if target not in TRANSITIONS[source]:
@@ -96,7 +103,7 @@ def claim(session: Session, ids: Iterable[uuid.UUID], batch_id: uuid.UUID, worke
     now = db_now(session)
     return _move(session, QUEUED, RUNNING, Job.id.in_(list(ids)),
                  batch_id=batch_id, lease_owner=worker, lease_expires_at=now + timedelta(seconds=lease_s),
-                 started_at=now, attempts=Job.attempts + 1)
+                 started_at=_not_before(now, Job.created_at), attempts=Job.attempts + 1)
 
 
 def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome) -> bool:
@@ -104,7 +111,7 @@ def finish(session: Session, job: Job, batch_id: uuid.UUID, outcome: JobOutcome)
     expired can never end up with two results. False when the lease was lost."""
     if outcome.status not in (SUCCEEDED, FAILED):
         raise IllegalTransition(f"a job cannot finish as {outcome.status}")
-    now = db_now(session)
+    now = max(db_now(session), job.started_at)  # see _not_before
     queue_ms = elapsed_ms(job.started_at, job.created_at)
     return bool(_move(
         session, RUNNING, outcome.status, Job.id == job.id, Job.batch_id == batch_id, Job.lease_owner.is_not(None),
@@ -137,12 +144,14 @@ def escalate(session: Session, parent: Job, batch_id: uuid.UUID) -> bool:
 
 def cancel(session: Session, job_id: uuid.UUID) -> bool:
     """queued → cancelled. False when the job is no longer queued."""
-    return bool(_move(session, QUEUED, CANCELLED, Job.id == job_id, finished_at=db_now(session)))
+    return bool(_move(session, QUEUED, CANCELLED, Job.id == job_id,
+                      finished_at=_not_before(db_now(session), Job.created_at)))
 
 
 def cancel_many(session: Session, ids: Iterable[uuid.UUID], error_code: str, error_message: str) -> list[uuid.UUID]:
     """queued → cancelled for those of `ids` still queued, with the reason (a file batch cancelled or expired)."""
-    return [job.id for job in _move(session, QUEUED, CANCELLED, Job.id.in_(list(ids)), finished_at=db_now(session),
+    return [job.id for job in _move(session, QUEUED, CANCELLED, Job.id.in_(list(ids)),
+                                    finished_at=_not_before(db_now(session), Job.created_at),
                                     error_code=error_code, error_message=error_message)]
 
 
@@ -168,7 +177,8 @@ def _requeue_orphans(session: Session, max_attempts: int, orphaned: ColumnElemen
 
 def _fail_orphans(session: Session, max_attempts: int, *where: ColumnElement[bool]) -> list[Job]:
     return _move(session, RUNNING, FAILED, *where, Job.attempts >= max_attempts,
-                 error_code="internal", finished_at=db_now(session), lease_owner=None, lease_expires_at=None,
+                 error_code="internal", finished_at=_not_before(db_now(session), Job.started_at),
+                 lease_owner=None, lease_expires_at=None,
                  answered_by=Job.adapter,
                  error_message=f"the worker stopped {max_attempts} times while running this job")
 
@@ -193,7 +203,7 @@ def settle_parent(session: Session, parent_id: uuid.UUID) -> bool:
         return sum(values) if values else None
 
     parent = session.scalar(select(Job).where(Job.id == parent_id))
-    now = db_now(session)
+    now = max([db_now(session), parent.created_at] + [s.finished_at for s in stages if s.finished_at])  # _not_before
     # The caller's first token of the answer it gets is the Kev stage's: count from the parent's creation.
     ttft_ms = (None if stage.ttft_ms is None
                else elapsed_ms(stage.created_at, parent.created_at) + stage.ttft_ms)

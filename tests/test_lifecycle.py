@@ -170,6 +170,32 @@ def test_times_stamped_by_two_processes_never_give_a_negative_duration(service_e
         assert job.total_ms >= 0 and (job.ttft_ms is None or job.ttft_ms >= 0), (job.total_ms, job.ttft_ms)
 
 
+def test_a_jobs_times_run_in_order_though_another_process_stamped_its_creation_later(service_env, notices):
+    """The API's carried reading of the database's clock can lie a few ms ahead of the worker's: the start, the
+    end, a cancellation and a sweep's failure are still never stamped before the time they follow."""
+    ahead = datetime.now(timezone.utc) + timedelta(milliseconds=400)
+    with session_scope() as session:
+        session.add_all(Job(adapter="laya", requested_adapter="laya", input=f"job {i}", params={}, created_at=ahead)
+                        for i in range(2))
+        session.add(Job(adapter="kev", requested_adapter="kev", input="to cancel", params={}, created_at=ahead))
+    with session_scope() as session:
+        batch, claimed = claim_group(session, "laya", 100, "w1", lease_s=30)
+        cancelled = session.scalar(select(Job.id).where(Job.adapter == "kev"))
+        assert lifecycle.cancel(session, cancelled)
+    with session_scope() as session:
+        session.execute(update(Job).where(Job.id == claimed[1].id)
+                        .values(started_at=ahead + timedelta(milliseconds=400), attempts=9))
+    with session_scope() as session:
+        assert lifecycle.finish(session, claimed[0], batch.id, JobOutcome(status="succeeded", result_text="A"))
+    expire_all_leases()
+    with session_scope() as session:
+        lifecycle.expire_leases(session, max_attempts=3)
+    finished, failed, cancelled = row(claimed[0].id), row(claimed[1].id), row(cancelled)
+    assert finished.created_at <= finished.started_at <= finished.finished_at, finished
+    assert failed.status == "failed" and failed.started_at <= failed.finished_at
+    assert cancelled.created_at <= cancelled.finished_at
+
+
 def test_a_rolled_back_finish_announces_nothing(service_env, notices):
     add_jobs(["kev"])
     with session_scope() as session:
