@@ -276,7 +276,7 @@ def models_list() -> None:
 
     from shared.adapter_identity import describe_adapter
     from shared.db import session_scope
-    from shared.models import AdapterVersion, Job
+    from shared.models import AdapterAssignment, AdapterVersion, Job
 
     settings = get_settings()
     require_database()
@@ -285,15 +285,21 @@ def models_list() -> None:
                                                                    AdapterVersion.loaded_at.desc())).all()
         answered = dict(session.execute(select(Job.adapter_version, func.count())
                                         .where(Job.adapter_version.is_not(None)).group_by(Job.adapter_version)).all())
-    for name in ADAPTERS:
-        path = settings.adapter_profile(name).path
-        try:
-            configured = describe_adapter(name, Path(path), settings.model.base).sha256
-        except (OSError, ValueError) as exc:
-            configured, problem = None, f"unreadable: {exc}"
-        else:
-            problem = ""
-        typer.echo(f"{name}: {path} {problem or f'version {configured[:16]}'}")
+        assigned = {row.role: row for row in session.scalars(select(AdapterAssignment))}
+    for name in [*ADAPTERS, *sorted(set(assigned) - set(ADAPTERS))]:
+        configured = None
+        if name in ADAPTERS:
+            path = settings.adapter_profile(name).path
+            try:
+                configured = describe_adapter(name, Path(path), settings.model.base).sha256
+            except (OSError, ValueError) as exc:
+                typer.echo(f"{name}: {path} unreadable: {exc}")
+            else:
+                typer.echo(f"{name}: {path} version {configured[:16]}")
+        else:  # a role loaded at run time under a new name: its adapter is the load's
+            row = assigned[name]
+            typer.echo(f"{name}: {row.path} version {(row.sha256 or '?')[:16]}, loaded at run time"
+                       f"{' (unloaded)' if row.unloaded else ''}")
         loaded = [v for v in versions if v.name == name]
         for i, version in enumerate(loaded):
             marks = [m for m, on in (("loaded last", i == 0), ("configured", version.sha256 == configured)) if on]
@@ -315,7 +321,8 @@ def _wake(role: str) -> None:
 
 @app.command("load")
 def models_load(
-    name: Annotated[str, typer.Argument(help="the role: kev or laya (new roles are not supported yet)")],
+    name: Annotated[str, typer.Argument(help="the role: kev or laya (their adapter replaced), or a new name (a "
+                                        "role of its own, KEVLAYA_MODEL__SPARE_ROLES at once)")],
     path: Annotated[Path, typer.Argument(help="the adapter's directory (adapter_config.json, "
                                          "adapter_model.safetensors, MANIFEST.sha256), under "
                                          "KEVLAYA_MODEL__ADAPTER_ROOT")],
@@ -343,8 +350,11 @@ def models_load(
         checked = check_adapter(name, str(path), settings)
     except AdapterRefused as refusal:
         fail(f"refused, nothing recorded: {refusal}")
-    with write_scope() as session:
-        assign(session, checked)
+    try:
+        with write_scope() as session:
+            assign(session, checked, settings.model.spare_roles)
+    except AdapterRefused as refusal:
+        fail(f"refused, nothing recorded: {refusal}")
     _wake(checked.role)
     typer.echo(f"{checked.role}: {checked.path} version {checked.sha256[:16]} asked for; workers switch once its "
                "rows in flight finish")
@@ -352,7 +362,7 @@ def models_load(
 
 @app.command("unload")
 def models_unload(
-    name: Annotated[str, typer.Argument(help="the role: kev or laya")],
+    name: Annotated[str, typer.Argument(help="the role: kev, laya, or one loaded under a new name")],
 ) -> None:
     """Stop role NAME taking jobs while the service runs, as POST /v1/unload_lora_adapter does: submits to it are
     refused (503 adapter_unloaded), its queued jobs wait until it is loaded again (`kevlaya models load`), its rows in
@@ -369,7 +379,7 @@ def models_unload(
     with write_scope() as session:
         changed = unload(session, role)
     if not changed:
-        fail(f"{role} is unloaded already")
+        fail(f"{role} is not loaded: unloaded already, or never loaded")
     _wake(role)
     typer.echo(f"{role}: unloaded; its queued jobs wait until it is loaded again")
 

@@ -22,6 +22,11 @@ def run_migrations_online() -> None:
     url = config.get_main_option("sqlalchemy.url") or get_settings().database.url
     engine = make_engine(url)
     with engine.connect() as connection:
+        if connection.dialect.name == "sqlite":
+            # Batch mode alters a table by copying it into a new one and dropping the old: with foreign keys on, the
+            # drop of `jobs` would cascade to every job's stages. The pragma is a no-op inside a transaction.
+            connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+            connection.commit()
         context.configure(connection=connection, target_metadata=target_metadata,
                           render_as_batch=connection.dialect.name == "sqlite")
         with context.begin_transaction():

@@ -8,6 +8,7 @@ every job in it (batch size 1 = a job served alone)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import statistics
@@ -95,7 +96,7 @@ def slot_decoder(loaded: LoadedModel, settings: Settings, slots: int) -> SlotDec
     """The worker's decoder (its options from the settings, as served) with `slots` slots."""
     window = min(settings.engine.window_tokens, loaded.context or settings.engine.window_tokens)
     return SlotDecoder(loaded.model, loaded.tokenizer, sorted(loaded.adapters), slots=slots, window=window,
-                       eos_ids=loaded.eos_ids, options=decoder_options(settings, loaded.device))
+                       eos_ids=loaded.eos_ids, options=dataclasses.replace(decoder_options(settings, loaded.device), spare_adapters=0))
 
 
 class Evaluator:

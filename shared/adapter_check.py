@@ -4,12 +4,14 @@ files are read with `json` and the safetensors format read by hand into numpy, s
 
 What the running worker can take in place is fixed at its start (worker/decoder/kernels/row_lora.py): the LoRA
 layers of the configured adapters (KEVLAYA_KEV__PATH, KEVLAYA_LAYA__PATH) and each role's rank block, at least
-KEVLAYA_MODEL__ADAPTER_MAX_RANK wide. An adapter is refused here unless it fits those."""
+KEVLAYA_MODEL__ADAPTER_MAX_RANK wide, with KEVLAYA_MODEL__SPARE_ROLES blocks as wide for roles loaded under new
+names. An adapter is refused here unless it fits those."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ from shared.base_match import base_mismatch
 from shared.base_source import BaseSourceError, base_directory
 from shared.calibration import CalibrationError, read_calibration
 from shared.manifest import ADAPTER_CONFIG, adapter_sha256, verify_manifest
-from shared.settings import ADAPTERS, Settings
+from shared.settings import ADAPTERS, ROLE_NAME_PATTERN, Settings
 
 WEIGHTS = "adapter_model.safetensors"  # the one format read without torch (a pickled .bin is not)
 _NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
@@ -46,9 +48,11 @@ class CheckedAdapter:
 
 
 def check_role(role: str) -> str:
-    if role not in ADAPTERS:
-        raise AdapterRefused("lora_name", f"{role!r} is not a role of this service; new roles are not supported yet "
-                             f"(load one of {', '.join(ADAPTERS)}, which replaces that role's adapter)")
+    """A role's name: kev, laya (their adapter replaced), or a new one (it takes one of the worker's spare blocks,
+    KEVLAYA_MODEL__SPARE_ROLES)."""
+    if role == "auto" or not re.fullmatch(ROLE_NAME_PATTERN, role):
+        raise AdapterRefused("lora_name", f"{role!r} cannot name a role: lower-case letters, digits, `-` and `_`, "
+                             "starting with a letter, at most 32 characters, and not `auto` (the cascade)")
     return role
 
 
@@ -192,7 +196,10 @@ def served_modules(settings: Settings) -> set[str]:
 
 
 def max_rank(role: str, settings: Settings) -> int:
-    """The rank block the worker sizes for `role` at start: the setting, or the configured adapter's rank if larger."""
+    """The rank block the worker sizes for `role` at start: the setting, or the configured adapter's rank if larger;
+    a spare block, which a new role takes, is as wide as the widest of Kev's and Laya's."""
+    if role not in ADAPTERS:
+        return max(max_rank(configured_role, settings) for configured_role in ADAPTERS)
     try:
         configured = json.loads((Path(settings.adapter_profile(role).path) / ADAPTER_CONFIG).read_text()).get("r", 0)
     except (OSError, ValueError):

@@ -148,11 +148,11 @@ class Job(Base):
     )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
-    adapter: Mapped[str] = mapped_column(String(8))
-    requested_adapter: Mapped[str] = mapped_column(String(8))
+    adapter: Mapped[str] = mapped_column(String(32))  # a role: kev, laya, or one loaded at run time (0014)
+    requested_adapter: Mapped[str] = mapped_column(String(32))
     # The adapter whose answer (or failure) the job ended with: its own adapter, or for `auto` laya, or kev once
     # escalated. Null while queued or running, and for a cancelled job (migration 0007).
-    answered_by: Mapped[str | None] = mapped_column(String(8))
+    answered_by: Mapped[str | None] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED)
     input: Mapped[Any] = mapped_column(JSON)
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)

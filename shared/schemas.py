@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StringConstraints,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -23,7 +24,13 @@ from pydantic import (
 from shared import grammar, tools
 from shared.decision import offered_options
 
-RequestedAdapter = Literal["kev", "laya", "auto"]
+# The name of a role loaded at run time (`POST /v1/load_lora_adapter`): lower case, as Kev's and Laya's.
+ROLE_NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+# `kev`, `laya`, `auto` (Laya, then Kev when she is unsure), or a role loaded at run time under a new name: whether
+# such a name is a role is checked against the database when the request is taken (api/jobs/intake.py).
+RequestedAdapter = Annotated[str, StringConstraints(pattern=ROLE_NAME_PATTERN), Field(
+    examples=["kev", "laya", "auto"], description="the role: `kev`, `laya`, `auto` (Laya, then Kev when she is "
+    "unsure), or a role loaded at run time (GET /v1/models lists them)")]
 OutputFormat = Literal["decision", "text", "tool_calls"]
 
 # Below this, sampling divides the logits by a number so small that they overflow to inf/NaN in fp16/fp32.
@@ -585,7 +592,7 @@ class JobOut(BaseModel):
     status: str
     adapter: str = Field(description="the adapter that runs it first: the requested one, laya for `auto`")
     requested_adapter: RequestedAdapter
-    answered_by: Literal["kev", "laya"] | None = Field(
+    answered_by: str | None = Field(
         default=None, description="the adapter whose answer (or failure) the job ended with: the requested one, or "
         "for `auto` laya, kev once Laya escalated; null while queued or running, and when cancelled")
     adapter_version: str | None = Field(

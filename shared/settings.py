@@ -27,7 +27,7 @@ from pydantic_settings import (
 )
 
 from shared.base_source import DEFAULT_BASE
-from shared.schemas import check_temperature
+from shared.schemas import ROLE_NAME_PATTERN, check_temperature  # noqa: F401 (re-exported)
 
 Adapter = Literal["kev", "laya"]
 ADAPTERS: tuple[Adapter, ...] = ("kev", "laya")
@@ -84,6 +84,20 @@ class LayaProfile(AdapterProfile):
     temperature: float = Field(default=0.0, ge=0)  # greedy, as Kev
     system_prompt: str = "You are Laya, a fast decider. Answer with one short JSON decision object only."
     reserved_slots: int = Field(default=4, ge=0)  # a fast decider starts at the next step, even under Kev load
+
+
+class RoleProfile(AdapterProfile):
+    """The defaults of every role loaded at run time under a new name (docs/architecture.md §10): its adapter is the
+    one the load named; its jobs generate with these unless they set their own."""
+
+    model_config = ConfigDict(title="Roles loaded at run time")
+
+    path: str = Field(default="", exclude=True)  # unused: a new role's adapter is the one its load names
+    max_new_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0)
+    system_prompt: str = ""  # the adapter was trained for its task: no system message unless the job brings one
+    # slots are reserved at a worker's start, before any new role exists: none can be kept for one
+    reserved_slots: int = Field(default=0, ge=0, le=0, exclude=True)
 
 
 class ApiSettings(BaseModel):
@@ -254,6 +268,11 @@ class ModelSettings(BaseModel):
         "rank block in the worker's per-row LoRA is sized at start to this or to its configured adapter's rank, "
         "whichever is larger, so any adapter up to it is copied in place; 0: the configured adapter's rank (a "
         "wider block costs every step of the role the work of its zero columns)")
+    spare_roles: int = Field(
+        default=1, ge=0, le=8, description="how many roles a worker can take at run time under new names (`POST "
+        "/v1/load_lora_adapter` with a `lora_name` other than kev or laya): each is a rank block of the per-row LoRA "
+        "sized as Kev's and Laya's, kept at start and costing every step its columns; an unloaded new role frees "
+        "its block")
     adapter_poll_s: float = Field(
         default=1.0, gt=0, description="how often a worker that is serving jobs reads the adapters it should serve "
         "(an idle worker is woken by the load's wake-up message)")
@@ -495,6 +514,8 @@ class Settings(BaseSettings):
                             "adapter and its jobs' defaults")
     laya: LayaProfile = Field(default=LayaProfile(), description="the profile of Laya, the fast decider: its "
                               "adapter and its jobs' defaults")
+    roles: RoleProfile = Field(default=RoleProfile(), description="the jobs' defaults of roles loaded at run time "
+                               "under new names")
     cascade: CascadeSettings = Field(default_factory=CascadeSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     reliability: ReliabilitySettings = Field(default_factory=ReliabilitySettings)
@@ -504,8 +525,9 @@ class Settings(BaseSettings):
     quotas: QuotasSettings = Field(default_factory=QuotasSettings)
     monitoring: MonitoringSettings = Field(default_factory=MonitoringSettings)
 
-    def adapter_profile(self, adapter: Adapter) -> AdapterProfile:
-        return self.kev if adapter == "kev" else self.laya
+    def adapter_profile(self, adapter: str) -> AdapterProfile:
+        """The role's profile: Kev's, Laya's, or that of every role loaded at run time."""
+        return self.kev if adapter == "kev" else self.laya if adapter == "laya" else self.roles
 
     def updated(self, **groups: dict[str, Any]) -> Settings:
         """A copy with some fields of some groups replaced (not validated, as `model_copy`):

@@ -97,8 +97,9 @@ def rows(names: list[str]) -> list[str]:
     model = group_model(names[0])
     lines = []
     for sub in model.model_fields:
-        variables = ", ".join(f"`{variable(p, sub)}`" for p in names)
-        defaults = " / ".join(default(sub, getattr(Settings.model_fields[p].default, sub)) for p in names)
+        having = [p for p in names if not group_model(p).model_fields[sub].exclude]  # a field a profile does not use
+        variables = ", ".join(f"`{variable(p, sub)}`" for p in having)
+        defaults = " / ".join(default(sub, getattr(Settings.model_fields[p].default, sub)) for p in having)
         lines.append(f"| {variables} | {defaults} | {profile_description(model, sub)} |")
     return lines
 

@@ -17,7 +17,8 @@ from sqlalchemy import event, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from shared.models import Job, JobStatus, KeyUsage, Priority
+from shared.models import AdapterAssignment, Job, JobStatus, KeyUsage, Priority
+from shared.settings import ADAPTERS
 
 _PENDING = "kevlaya.usage_charges"
 REQUEST_FIELDS = ("input", "params", "meta", "idempotency_key", "response_request")
@@ -74,9 +75,11 @@ def lock(session: Session, key_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, KeyU
 
 
 def queued_jobs(session: Session, key_id: uuid.UUID) -> int:
-    """The key's interactive jobs waiting in the queue (batch lines are bounded by their files instead)."""
+    """The key's interactive jobs waiting in the queue (batch lines are bounded by their files instead). Every role
+    is named, so that the claim index is read (status, adapter, priority, key) rather than all queued jobs."""
+    roles = {*ADAPTERS, *session.scalars(select(AdapterAssignment.role))}
     return session.scalar(select(func.count()).select_from(Job).where(
-        Job.status == JobStatus.QUEUED, Job.adapter.in_(("kev", "laya")), Job.priority == Priority.INTERACTIVE,
+        Job.status == JobStatus.QUEUED, Job.adapter.in_(sorted(roles)), Job.priority == Priority.INTERACTIVE,
         Job.api_key_id == key_id)) or 0
 
 

@@ -76,8 +76,11 @@ def test_each_bad_adapter_is_refused_naming_why_and_nothing_is_recorded(runtime_
     def copy(name: str, source: Path = laya) -> Path:
         return Path(shutil.copytree(source, adapter_root / name))
 
+    named = copy("named")
     cases: list[tuple[str, str | Path, str, str]] = [
-        ("mira", copy("new-role"), "lora_name", "new roles are not supported yet"),
+        ("Mira", named, "lora_name", "cannot name a role"),
+        ("auto", named, "lora_name", "cannot name a role"),
+        ("mira/../laya", named, "lora_name", "cannot name a role"),
         ("laya", laya, "lora_path", "outside the allowed directory"),  # the configured one lies elsewhere
         ("laya", adapter_root / ".." / "elsewhere", "lora_path", "outside the allowed directory"),
     ]
@@ -126,7 +129,7 @@ def test_each_bad_adapter_is_refused_naming_why_and_nothing_is_recorded(runtime_
     assert assignments() == 0
 
     unload = client.post("/v1/unload_lora_adapter", json={"lora_name": "mira"}, headers=AUTH)
-    assert unload.status_code == 400 and "new roles are not supported yet" in unload.json()["error"]["message"]
+    assert unload.status_code == 404 and "'mira' is not loaded" in unload.json()["error"]["message"]  # never loaded
     assert assignments() == 0
 
     good = copy("good")
@@ -156,6 +159,46 @@ def test_an_unloaded_role_takes_no_submits_and_leaves_the_model_list(runtime_env
         assert session.scalar(select(func.count()).select_from(Job).where(Job.adapter == "laya")) == 0
     listed = [m["id"] for m in client.get("/v1/models", headers=AUTH).json()["data"]]
     assert listed == ["kev"]
+
+
+def test_a_new_name_becomes_a_role_of_its_own_while_a_spare_block_is_free(runtime_env, adapter_root, client):
+    laya = Path(runtime_env["KEVLAYA_LAYA__PATH"])
+    mira = Path(shutil.copytree(laya, adapter_root / "mira"))
+
+    def load(name: str):  # noqa: ANN202
+        return client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(mira)}, headers=AUTH)
+
+    def submit(name: str):  # noqa: ANN202
+        return client.post("/v1/jobs", json={"adapter": name, "input": "Options: A, B."}, headers=AUTH)
+
+    def chat(name: str):  # noqa: ANN202
+        return client.post("/v1/chat/completions", headers=AUTH,
+                           json={"model": name, "messages": [{"role": "user", "content": "x"}]})
+
+    for unknown in (submit("mira"), chat("mira")):  # not a role before its load: 422 naming the field
+        assert unknown.status_code == 422, unknown.text
+    assert submit("mira").json()["error"]["message"].startswith("adapter: 'mira' is not a role")
+    assert chat("mira").json()["error"]["message"].startswith("model: 'mira' is not a role")
+    batch = client.post("/v1/jobs/batch", headers=AUTH, json={"jobs": [{"adapter": "kev", "input": "x"},
+                                                                      {"adapter": "mira", "input": "x"}]})
+    assert batch.status_code == 422 and batch.json()["error"]["message"].startswith("jobs.1.adapter: 'mira'")
+
+    assert load("mira").status_code == 200
+    assert [m["id"] for m in client.get("/v1/models", headers=AUTH).json()["data"]] == ["kev", "laya", "auto",
+                                                                                      "mira"]
+    accepted = submit("mira")
+    assert accepted.status_code == 202 and accepted.json()["adapter"] == "mira"
+    with db.session_scope() as session:
+        job = session.get(Job, uuid.UUID(accepted.json()["id"]))
+        assert (job.adapter, job.requested_adapter, job.status) == ("mira", "mira", "queued")
+
+    full = load("zed")  # KEVLAYA_MODEL__SPARE_ROLES is 1, and mira holds it
+    assert full.status_code == 400 and "no room for another role: mira hold" in full.json()["error"]["message"]
+    assert load("mira").status_code == 200  # a reload of a new role in place needs no second block
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "mira"}, headers=AUTH).status_code == 200
+    assert submit("mira").status_code == 503  # unloaded: still a role, refused as unloaded
+    assert load("zed").status_code == 200  # mira's block is free again
+    assert [m["id"] for m in client.get("/v1/models", headers=AUTH).json()["data"]][-1] == "zed"
 
 
 def test_the_command_line_loads_and_unloads_with_the_same_checks(runtime_env, adapter_root):
@@ -274,9 +317,67 @@ def test_a_reload_under_load_loses_and_mixes_nothing(runtime_env, adapter_root, 
     api.close()
 
 
+def told(api, adapter: str, offset: int = 0) -> list[str]:  # noqa: ANN001
+    """`answers` with the same system message for every role (a new role's profile has none of its own)."""
+    jobs = [{"adapter": adapter, "params": {"output": "text", "temperature": 0, "max_new_tokens": 8},
+             "input": {"messages": [{"role": "system", "content": "Answer briefly."},
+                                    {"role": "user", "content": PROMPTS[(offset + i) % len(PROMPTS)]}]}}
+            for i in range(len(PROMPTS))]
+    response = api.post("/v1/jobs/batch", json={"jobs": jobs})
+    assert response.status_code == 202, response.text
+    return [job["id"] for job in response.json()["jobs"]]
+
+
+def by_user_prompt(jobs: list[dict]) -> dict[str, str]:
+    return by_prompt([{**job, "input": job["input"]["messages"][-1]["content"]} for job in jobs])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_role_loaded_under_a_new_name_serves_its_own_weights_and_gives_its_block_back(runtime_env, adapter_root,
+                                                                                      start_process):
+    """A running worker takes `mira` (another version of Laya's adapter) into its spare block: its jobs and chat
+    answers are those the same weights give as Laya, and record its version; unloaded, its block serves `zed`."""
+    from tests.conftest import start_api
+
+    env = {**runtime_env, "KEVLAYA_API__PORT": str(free_port())}
+    api = start_api(start_process, env)
+    start_worker(start_process, env, api)
+    laya = Path(env["KEVLAYA_LAYA__PATH"])
+    mira = Path(shutil.copytree(laya, adapter_root / "mira"))
+    perturbed(mira)
+    before = by_user_prompt(wait_finished(api, told(api, "laya")))
+
+    started = time.monotonic()
+    assert api.post("/v1/load_lora_adapter", json={"lora_name": "mira", "lora_path": str(mira)}).status_code == 200
+    own = wait_finished(api, told(api, "mira"), timeout=60)
+    print(f"a new role's first answers {time.monotonic() - started:.2f}s after its load")
+    assert all(job["answered_by"] == "mira" and job["adapter_version"] == adapter_sha256(mira) for job in own)
+    chat = api.post("/v1/chat/completions", json={
+        "model": "mira", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": PROMPTS[0]}]})
+    assert chat.status_code == 200 and chat.json()["model"] == "mira", chat.text
+    assert chat.json()["kevlaya"]["answered_by"] == "mira"
+    assert chat.json()["kevlaya"]["adapter_version"] == adapter_sha256(mira)
+
+    # the same weights as Laya answer as mira did: the new role served them, not the base or another block
+    assert api.post("/v1/load_lora_adapter", json={"lora_name": "laya", "lora_path": str(mira)}).status_code == 200
+    wait_until(lambda: api.get("/v1/models").json()["data"][1]["kevlaya"]["adapter_version"] == adapter_sha256(mira),
+               30, what="Laya to switch")
+    assert by_user_prompt(wait_finished(api, told(api, "laya"))) == by_user_prompt(own)
+    assert sum(before[p] != by_user_prompt(own)[p] for p in PROMPTS) >= len(PROMPTS) // 2  # another version
+
+    assert api.post("/v1/unload_lora_adapter", json={"lora_name": "mira"}).status_code == 200
+    zed = Path(shutil.copytree(laya, adapter_root / "zed"))  # Laya's first version, as `zed`, in mira's block
+    assert api.post("/v1/load_lora_adapter", json={"lora_name": "zed", "lora_path": str(zed)}).status_code == 200
+    assert by_user_prompt(wait_finished(api, told(api, "zed"), timeout=60)) == before
+    api.close()
+
+
 def test_the_migration_adds_the_assignments_and_takes_them_away(database_url):
-    """Migration 0013 on both databases."""
+    """Migrations 0013 and 0014 on both databases."""
     from sqlalchemy import create_engine, inspect
+    from sqlalchemy.orm import Session
 
     from shared.migrate import downgrade, upgrade
 
@@ -288,5 +389,10 @@ def test_the_migration_adds_the_assignments_and_takes_them_away(database_url):
         engine.dispose()
         assert {c["name"] for c in inspect(engine).get_columns("adapter_assignments")} == {
             "role", "path", "sha256", "unloaded", "generation", "requested_at"}
+        role = "r" + "-" * 31  # the longest name a role may have is a job's adapter (0014)
+        with Session(engine) as session, session.begin():
+            session.add(Job(adapter=role, requested_adapter=role, answered_by=role, input="x", params={}))
+        with Session(engine) as session:
+            assert session.scalar(select(Job.answered_by).where(Job.adapter == role)) == role
     finally:
         engine.dispose()

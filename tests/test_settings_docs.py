@@ -26,6 +26,8 @@ REGENERATE = ("run `kevlaya dev settings-doc --write` (and edit the Field descri
 def variables(model: type[BaseModel] = Settings, prefix: str = "KEVLAYA_") -> set[str]:
     names = set()
     for name, field in model.model_fields.items():
+        if field.exclude:  # a field the profile keeps for its type, which no variable sets (RoleProfile.path)
+            continue
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             names |= variables(annotation, f"{prefix}{name.upper()}__")

@@ -3,7 +3,7 @@ the process's job writer that stores it (one dependency, not three: FastAPI reso
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -14,9 +14,27 @@ from api.jobs.submission import Accepted
 from api.jobs.writer import JobWriter
 from api.jobs.writer_process import WriterProcess
 from api.keys.rate import charge_jobs
+from shared.adapter_assignments import is_role
+from shared.db import session_scope
 from shared.models import ApiKey
 from shared.schemas import JobCreate
-from shared.settings import Settings
+from shared.settings import ADAPTERS, Settings
+
+
+class Roles:
+    """Which names are roles: kev, laya, auto, and those loaded at run time under new names. A name once loaded
+    stays a role (unloaded, its submits are refused by the writer, 503), so what was found is kept; a name not
+    found is looked up again each time, and a role just loaded is taken at once."""
+
+    def __init__(self) -> None:
+        self.known = {*ADAPTERS, "auto"}
+
+    def __contains__(self, name: str) -> bool:
+        if name not in self.known:
+            with session_scope() as session:
+                if is_role(session, name):
+                    self.known.add(name)
+        return name in self.known
 
 
 @dataclass(frozen=True)
@@ -24,10 +42,16 @@ class Intake:
     settings: Settings
     budget: PromptBudget | None  # None: the tokenizer could not be read, prompts are not counted (logged)
     writer: JobWriter | WriterProcess  # KEVLAYA_API__WRITER: a thread of this process, or a process of its own
+    roles: Roles = field(default_factory=Roles)
 
     def check(self, request: JobCreate, field_prefix: str = "", names: FieldNames = JOB_FIELDS) -> None:
-        """422 naming the field when the request is over a limit (characters, new tokens, the context)."""
+        """422 naming the field when the request names no role or is over a limit (characters, new tokens, the
+        context)."""
         settings = self.settings
+        if request.adapter not in self.roles:
+            raise ApiError(422, "invalid_request",
+                           f"{field_prefix}{names.adapter}: {request.adapter!r} is not a role of this service: kev, "
+                           "laya, auto, or one loaded at run time (GET /v1/models lists them)")
         if request.prompt_chars() > settings.limits.prompt_chars:
             raise ApiError(422, "invalid_request",
                            f"{field_prefix}{names.input}: prompt has {request.prompt_chars()} characters, "

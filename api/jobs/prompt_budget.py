@@ -36,6 +36,7 @@ class FieldNames:
 
     input: str = "input"
     max_new_tokens: str = "params.max_new_tokens"
+    adapter: str = "adapter"
 
 
 JOB_FIELDS = FieldNames()

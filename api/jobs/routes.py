@@ -23,6 +23,7 @@ from api.jobs.waiting import wait_finished
 from api.keys.auth import CurrentKey, SubmitterKey
 from api.keys.caps import HeldStream, long_polls, streams
 from shared import lifecycle
+from shared.adapter_assignments import is_role
 from shared.db import one_writer
 from shared.models import Job, JobStatus
 from shared.schemas import (
@@ -85,6 +86,9 @@ def list_jobs(key: CurrentKey, session: SessionDep,
               adapter: Annotated[RequestedAdapter | None, Query()] = None,
               limit: Annotated[int, Query(ge=1, le=200)] = 50,
               cursor: Annotated[str | None, Query()] = None) -> JobPage:
+    if adapter is not None and adapter != "auto" and not is_role(session, adapter):
+        raise ApiError(422, "invalid_request", f"adapter: {adapter!r} is not a role of this service: kev, laya, auto, "
+                       "or one loaded at run time (GET /v1/models lists them)")
     query = select(Job).where(visible_to(key))
     if status_:
         query = query.where(Job.status == status_)

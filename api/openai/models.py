@@ -1,11 +1,11 @@
 """`GET /v1/models`: the model names chat completions accept, in OpenAI's list format; each adapter with the version
-a worker loaded last (docs/architecture.md §10). An unloaded role is not listed, and neither is `auto` while Laya,
-its first stage, is unloaded."""
+a worker loaded last (docs/architecture.md §10), roles loaded at run time under new names included. An unloaded
+role is not listed, and neither is `auto` while Laya, its first stage, is unloaded."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal, get_args
+from typing import Literal
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
@@ -13,10 +13,10 @@ from pydantic import BaseModel, Field
 from api.http.deps import SessionDep, reject_unknown_query_parameters
 from api.http.errors import AUTH_ERRORS, error_responses
 from api.keys.auth import CurrentKey
-from shared.adapter_assignments import unloaded_roles
+from shared.adapter_assignments import new_roles, unloaded_roles
 from shared.adapter_versions import last_loaded
 from shared.models import AdapterVersion
-from shared.schemas import RequestedAdapter
+from shared.settings import ADAPTERS
 
 router = APIRouter(prefix="/v1/models", tags=["chat"], dependencies=[Depends(reject_unknown_query_parameters)])
 
@@ -61,5 +61,5 @@ def list_models(_key: CurrentKey, session: SessionDep) -> ModelList:
     versions, unloaded = last_loaded(session), unloaded_roles(session)
     if "laya" in unloaded:
         unloaded.add("auto")
-    return ModelList(data=[_card(name, versions.get(name)) for name in get_args(RequestedAdapter)
-                           if name not in unloaded])
+    names = [*ADAPTERS, "auto", *sorted(new_roles(session))]
+    return ModelList(data=[_card(name, versions.get(name)) for name in names if name not in unloaded])

@@ -28,7 +28,8 @@ _TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "descr
 class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str = Field(max_length=64, description="the role: `kev` or `laya` (new roles are not supported yet)")
+    lora_name: str = Field(max_length=64, description="the role: `kev` or `laya` (their adapter is replaced), or a new "
+                           "name, which becomes a role of its own (KEVLAYA_MODEL__SPARE_ROLES of them at once)")
     lora_path: str = Field(max_length=4096, description="the adapter's directory, under KEVLAYA_MODEL__ADAPTER_ROOT")
     load_inplace: bool | None = Field(default=None, description="vLLM's flag; a load under a loaded name is always "
                                       "a reload in place here")
@@ -37,7 +38,7 @@ class LoadLoRAAdapterRequest(BaseModel):
 class UnloadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    lora_name: str = Field(max_length=64, description="the role: `kev` or `laya`")
+    lora_name: str = Field(max_length=64, description="the role: `kev`, `laya`, or one loaded under a new name")
     lora_int_id: int | None = Field(default=None, description="vLLM's id; ignored (the name says which)")
 
 
@@ -62,13 +63,18 @@ def load_lora_adapter(body: LoadLoRAAdapterRequest, _key: AdminKey, settings: Se
     when it is the same name, as in vLLM). Jobs claimed before the switch finish on the old version; jobs claimed
     after it are answered by the new one, and record its version. Refused with 400 naming the field and why: a
     path outside the allowed directory, missing files, an unreadable config, another base, a rank over the
-    maximum, target modules the worker does not hold, NaN or infinite weights, or a new role."""
+    maximum, target modules the worker does not hold, NaN or infinite weights, or a new role when every spare
+    block is taken. A new name becomes a role of its own: it is listed in `/v1/models` and takes jobs, chat
+    completions, responses and batch lines."""
     try:
         checked = check_adapter(body.lora_name, body.lora_path, settings)
     except AdapterRefused as refusal:
         raise _refused(refusal) from None
-    with write_scope() as session:
-        generation = assign(session, checked)
+    try:
+        with write_scope() as session:
+            generation = assign(session, checked, settings.model.spare_roles)
+    except AdapterRefused as refusal:
+        raise _refused(refusal) from None
     log.info("adapter %s: %s (version %s) asked for, generation %d", checked.role, checked.path, checked.sha256,
              generation)
     _wake(checked.role)
@@ -79,8 +85,9 @@ def load_lora_adapter(body: LoadLoRAAdapterRequest, _key: AdminKey, settings: Se
     400, 403, 404, 422, *AUTH_ERRORS)})
 def unload_lora_adapter(body: UnloadLoRAAdapterRequest, _key: AdminKey) -> PlainTextResponse:
     """Stop the role `lora_name` taking jobs: new submits to it are refused (503 `adapter_unloaded`), its queued
-    jobs wait until it is loaded again, its running rows finish, and `/v1/models` no longer lists it. 404 when it is
-    unloaded already, as vLLM answers for a name it does not hold."""
+    jobs wait until it is loaded again, its running rows finish, and `/v1/models` no longer lists it; a role under a
+    new name frees its spare block. 404 when it is unloaded already or was never loaded, as vLLM answers for a
+    name it does not hold."""
     try:
         role = check_role(body.lora_name)
     except AdapterRefused as refusal:
@@ -88,8 +95,8 @@ def unload_lora_adapter(body: UnloadLoRAAdapterRequest, _key: AdminKey) -> Plain
     with write_scope() as session:
         changed = unload(session, role)
     if not changed:
-        raise ApiError(404, "not_found", f"lora_name: the LoRA adapter '{role}' is not loaded (unloaded already)",
-                       fields=[{"field": "lora_name", "message": "unloaded already"}])
+        raise ApiError(404, "not_found", f"lora_name: the LoRA adapter '{role}' is not loaded",
+                       fields=[{"field": "lora_name", "message": "not loaded"}])
     log.info("adapter %s: unload asked for", role)
     _wake(role)
     return PlainTextResponse(f"Success: LoRA adapter '{role}' removed successfully.")

@@ -45,3 +45,5 @@ class DecoderOptions:
     # each adapter's rank block at least this wide, so a version up to that rank is copied in place at run time
     # (KEVLAYA_MODEL__ADAPTER_MAX_RANK; 0: each adapter's own rank)
     lora_min_rank: int = 0
+    # rank blocks kept for roles loaded at run time under new names (KEVLAYA_MODEL__SPARE_ROLES)
+    spare_adapters: int = 0

@@ -103,7 +103,8 @@ class SlotDecoder:
         # expand as one kernel
         masked_expand = _served(options.fused_lora, self.device, lora_expand.runs_on)
         self.lora = RowLoRA(model, self.adapters, options.lora_dtype or dtype, masked_expand=masked_expand,
-                            min_rank=options.lora_min_rank)
+                            min_rank=options.lora_min_rank, spare=options.spare_adapters)
+        self.adapters = self.lora.adapters  # one list: a role that takes a spare block is a row's adapter at once
         self.state = ModelState(model, self.kv, self.lora, self.device)  # what the captured step and prefill run on
         self.fused: FusedProjections | None = None
         # RMSNorm as PyTorch's one operator where that was measured (on CUDA); the CPU keeps transformers'

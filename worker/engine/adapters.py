@@ -4,7 +4,9 @@ KEVLAYA_MODEL__ADAPTER_POLL_S while it drains. A changed role is held: the engin
 claimed before finish on the version they started with, and once none is left (the safe point) the new version is
 copied into the decoder's per-row LoRA in place (RowLoRA.replace) and recorded. An unloaded role stays held; its
 queued jobs wait. A version that cannot be served (its files changed since the check, another base, NaN weights)
-keeps the role held, with the reason in the heartbeat: nothing but the version asked for ever answers."""
+keeps the role held, with the reason in the heartbeat: nothing but the version asked for ever answers. A role
+loaded under a new name takes a spare block of the per-row LoRA (KEVLAYA_MODEL__SPARE_ROLES) and serves from it;
+unloaded, it gives the block back."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from shared.adapter_versions import record_loaded
 from shared.base_source import base_directory
 from shared.calibration import Calibration, adapter_calibration, read_calibration
 from shared.db import session_scope, write_scope
-from shared.settings import Settings
+from shared.settings import ADAPTERS, Settings
 from worker.metrics import METRICS
 
 if TYPE_CHECKING:  # torch is imported only in the worker child
@@ -84,14 +86,24 @@ class AdapterSwitcher:
         self.generations[role] = state.generation
         if state.unloaded:
             self.unloaded.add(role)
+            self.blocked.pop(role, None)
+            if role not in ADAPTERS and role in lora.adapters:  # a new role frees its spare block
+                lora.release(role)
+                self.loaded.adapters.discard(role)
+                self.loaded.versions.pop(role, None)
+                self.calibrations.pop(role, None)
             log.info("adapter %s unloaded: it takes no jobs until it is loaded again", role)
             return
         path = state.path or self.settings.adapter_profile(role).path
         started = time.perf_counter()
         served = self.loaded.versions.get(role)
+        took = False
         try:
             if role not in lora.adapters:
-                raise ValueError(f"this worker started without {role}, so its per-row LoRA has no block for it")
+                if role in ADAPTERS:
+                    raise ValueError(f"this worker started without {role}, so its per-row LoRA has no block for it")
+                lora.take(role)  # a new role: a spare block, zeros until its weights are copied in
+                took = True
             if served is None or served.sha256 != state.sha256 or role in self.blocked:
                 base = base_directory(self.settings.model.base, self.settings.model.cache_dir)
                 new = read_adapter(role, path, str(base), self.settings.model.base,
@@ -108,12 +120,15 @@ class AdapterSwitcher:
             else:  # the same weights: their calibration may have been fitted again
                 calibration = read_calibration(Path(path))
         except Exception as exc:
+            if took:
+                lora.release(role)
             self.blocked[role] = f"adapter {role} ({path}) cannot be served: {exc}"
             log.error("%s; its jobs wait until another version is loaded", self.blocked[role])
             return
         self.blocked.pop(role, None)
         self.unloaded.discard(role)
         self.loaded.versions[role], self.calibrations[role] = served, calibration
+        self.loaded.adapters.add(role)
         METRICS.adapters_loaded([served])
         self.unrecorded.append(served)
         self._record()

@@ -27,7 +27,7 @@ def decoder_options(settings: Settings, device: str) -> DecoderOptions:
     engine = settings.engine
     return DecoderOptions(graphs=engine.cuda_graphs and device == "cuda", kv_dtype=STORAGE_DTYPES[engine.kv_dtype],
                           prefill_chunk_tokens=engine.prefill_chunk_tokens, ignore_eos=engine.ignore_eos,
-                          lora_min_rank=settings.model.adapter_max_rank)
+                          lora_min_rank=settings.model.adapter_max_rank, spare_adapters=settings.model.spare_roles)
 
 
 def build_decoder(loaded: LoadedModel, settings: Settings) -> SlotDecoder:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from shared.db import session_scope, write_scope
 from shared.models import ClaimGroup, Job, Priority
-from shared.settings import Settings
+from shared.settings import ADAPTERS, Settings
 from worker.engine.adapters import AdapterSwitcher
 from worker.engine.build import build_decoder
 from worker.engine.scheduler import Claimed, Decoding, Plan, Scheduler
@@ -114,7 +114,8 @@ class Engine:
             self.adapters.poll(force)
         except Exception as exc:  # the database may be away: the roles keep what they serve
             log.warning("could not read the adapters asked for: %s", exc)
-        for role in list(self.adapters.pending):
+        # unloads first: a new role's unload frees the spare block another new role's load may need
+        for role in sorted(self.adapters.pending, key=lambda r: not self.adapters.pending[r].unloaded):
             if not self._runs(role):
                 self.adapters.switch(role, self.decoder.lora)
 
@@ -124,8 +125,11 @@ class Engine:
                 or any(c.request.adapter == role for c in self.scheduler.waiting + self.scheduler.prefilling))
 
     def _claimable_roles(self, snapshot: QueueSnapshot) -> QueueSnapshot:
-        """The queue without the roles held (unloaded, switching, or blocked): their jobs wait."""
-        held = self.adapters.held()
+        """The queue without the roles held (unloaded, switching, or blocked) and the new roles this worker does
+        not serve yet (it has not seen their load): their jobs wait. Kev's and Laya's are claimed when their
+        adapter failed to load, to fail with the reason."""
+        held = self.adapters.held() | {a for a in snapshot.queued.keys() | snapshot.batch_lines.keys()
+                                       if a not in ADAPTERS and a not in self.loaded.adapters}
         if not held:
             return snapshot
         return QueueSnapshot({a: n for a, n in snapshot.queued.items() if a not in held},

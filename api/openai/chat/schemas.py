@@ -38,7 +38,7 @@ from shared.schemas import (
 from shared.tools import cut_call, leading_calls
 
 # Limits are reported under the names this request uses.
-CHAT_FIELDS = FieldNames(input="messages", max_new_tokens="max_tokens")
+CHAT_FIELDS = FieldNames(input="messages", max_new_tokens="max_tokens", adapter="model")
 
 
 def only_zero(value: float | None) -> float | None:
@@ -155,7 +155,7 @@ class KevlayaExtra(BaseModel):
     """Not in OpenAI's schema; clients ignore it, ours can read the decision and the job behind it."""
 
     job_id: str
-    answered_by: Literal["kev", "laya"] | None = Field(
+    answered_by: str | None = Field(
         description="the adapter whose answer this is (`model` is the one asked for): for `auto`, laya, or kev once "
         "Laya escalated")
     adapter_version: str | None = Field(

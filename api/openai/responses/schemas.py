@@ -56,7 +56,7 @@ from shared.schemas import (
 from shared.tools import leading_calls
 
 # Limits are reported under the names this request uses.
-RESPONSES_FIELDS = FieldNames(input="input", max_new_tokens="max_output_tokens")
+RESPONSES_FIELDS = FieldNames(input="input", max_new_tokens="max_output_tokens", adapter="model")
 RESPONSE_PREFIX = "resp_"
 ENDPOINT = "/v1/responses"
 

@@ -22,6 +22,7 @@ from peft.tuners.lora import LoraLayer
 from worker.decoder.kernels import lora_expand
 
 NO_ADAPTER = -1  # a row index that selects no adapter (the bare base model)
+SPARE = "#spare-"  # the name of a block no role holds yet (never a role's name: those start with a letter)
 
 
 def _compute_dtype(base: torch.nn.Module) -> torch.dtype:
@@ -46,15 +47,16 @@ class RowLoRA:
     profile_label: str | None = None
 
     def __init__(self, model: PeftModel, adapters: list[str], dtype: torch.dtype | None = None,
-                 masked_expand: bool = False, min_rank: int = 0):
+                 masked_expand: bool = False, min_rank: int = 0, spare: int = 0):
         """`dtype`: the LoRA products' dtype, by default the dtype the base layers compute in. PEFT keeps adapter
         weights in fp32 beside a 4-bit base, which costs a cast each way and fp32 (SIMT) matmuls per layer.
         `masked_expand`: the mask and the expand as one kernel where it applies (worker/decoder/kernels/lora_expand.py).
         `min_rank`: each adapter's rank block is at least this wide (zeros past its own rank), so an adapter of up
-        to that rank can later `replace` it in place."""
+        to that rank can later `replace` it in place. `spare`: blocks of zeros as wide as the widest, which roles
+        loaded at run time under new names `take`."""
         if getattr(model, "_row_lora", None) is not None:  # its hooks and the other's would both add a delta
             raise RuntimeError("this model already serves a decoder: close that decoder first")
-        self.model, self.adapters = model, list(adapters)
+        self.model, self.adapters = model, [*adapters, *(f"{SPARE}{i}" for i in range(spare))]
         self.dtype, self.masked_expand = dtype, masked_expand
         self.names = {m: name for name, m in model.named_modules() if isinstance(m, LoraLayer)}  # as PEFT saves them
         self.layers = list(self.names)
@@ -66,19 +68,20 @@ class RowLoRA:
                 raise ValueError(f"adapters {unsupported} use a LoRA variant this engine does not apply per row")
         # Widest rank block of each adapter over all layers, so one mask fits every layer.
         self.ranks = [max([min_rank, *(layer.r.get(n, 0) for layer in self.layers)]) for n in adapters]
-        self.offsets = [sum(self.ranks[:i]) for i in range(len(adapters))]
+        self.ranks += [max(self.ranks, default=min_rank)] * spare
+        self.offsets = [sum(self.ranks[:i]) for i in range(len(self.adapters))]
         self.width = sum(self.ranks)
         # An adapter whose scaling is the same in every layer (the usual case) has it in its mask row, so its B
         # stays PEFT's own and PEFT's weights can be views into the stacks: the adapters held once, not twice.
         # Otherwise its scaling is folded into each layer's B (a copy) and its mask row is 1.
-        self.scales = [_uniform_scaling(self.layers, name) for name in adapters]
+        self.scales = [_uniform_scaling(self.layers, name) for name in self.adapters]
         # Per LoRA layer: (A_all, B_all), rank blocks side by side (worker/decoder/kernels/fused_projections.py joins them).
         self.stacked: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self.layers:
             self.restack(layer, *self._stack(layer))
         first = next(iter(self.stacked.values()))[0]
         # One mask row per adapter, its rank block set (to its scaling, or 1); the last (NO_ADAPTER) selects nothing.
-        self._table = torch.zeros(len(adapters) + 1, self.width, dtype=first.dtype, device=first.device)
+        self._table = torch.zeros(len(self.adapters) + 1, self.width, dtype=first.dtype, device=first.device)
         for index, (offset, rank, scale) in enumerate(zip(self.offsets, self.ranks, self.scales)):
             self._table[index, offset:offset + rank] = 1 if scale is None else scale
         self.mask = torch.zeros(1, 1, self.width, dtype=first.dtype, device=first.device)
@@ -149,6 +152,20 @@ class RowLoRA:
                     a, b = new
                     block_a[:a.shape[0]].copy_(a)
                     block_b[:, :a.shape[0]].copy_(b if factor == 1.0 else b * factor)
+
+    def take(self, name: str) -> None:
+        """Give a spare block to the new role `name` (its weights come with `replace`); ValueError when none is
+        left. The block keeps its place, so the captured graphs and each row's index stay valid."""
+        spare = next((i for i, held in enumerate(self.adapters) if held.startswith(SPARE)), None)
+        if spare is None:
+            raise ValueError("every spare block is taken (KEVLAYA_MODEL__SPARE_ROLES): unload a role first")
+        self.adapters[spare] = name
+
+    def release(self, name: str) -> None:
+        """Zero `name`'s block and make it spare again. Rows of `name` must not run meanwhile."""
+        index = self.adapters.index(name)
+        self.replace(name, {}, 1.0)
+        self.adapters[index] = f"{SPARE}{index}"
 
     def _rows(self, adapter_of_row: torch.Tensor) -> torch.Tensor:
         """Each row's mask (rows × 1 × width), gathered from the per-adapter table on its device."""
