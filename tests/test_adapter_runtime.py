@@ -396,3 +396,17 @@ def test_the_migration_adds_the_assignments_and_takes_them_away(database_url):
             assert session.scalar(select(Job.answered_by).where(Job.adapter == role)) == role
     finally:
         engine.dispose()
+
+
+def test_the_adapter_load_benchmark_loads_a_new_role_and_reloads_laya_on_the_demo_model(tmp_path):
+    """The committed command that measures load times (modellab/bench/adapter_load.py) runs end to end."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "adapter-load.json"
+    done = subprocess.run([sys.executable, "-m", "modellab.bench.adapter_load", "--shape", "demo", "--repeats", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert len(result["new_role_s"]["all"]) == len(result["reload_s"]["all"]) == 2
+    assert result["command"].startswith("python -m modellab.bench.adapter_load --shape demo")
