@@ -276,3 +276,11 @@ def test_a_simulated_drain_claims_prefills_and_steps_every_job_once_and_ends():
     simulated.run(scheduler(laya_reserved=1))
     assert sorted(simulated.done) == sorted(adapter for adapter, _ in queue)
     assert not simulated.rows and not simulated.block and not simulated.queue
+
+
+def test_a_role_loaded_at_run_time_is_ordered_by_its_own_expected_length_not_ahead_of_every_role():
+    """Its jobs expect `KEVLAYA_ROLES__MAX_NEW_TOKENS` (256): after Laya's (128), before Kev's (512)."""
+    plans = scheduler(laya_reserved=0)
+    queue = QueueSnapshot({"kev": 3, "laya": 3, "mira": 3}, {"kev": 10.0, "laya": 10.0, "mira": 10.0}, {})
+    assert [adapter for adapter, _ in plans.claims(queue, decoding(free=8), now=1.0).groups] == ["laya", "mira",
+                                                                                                 "kev"]

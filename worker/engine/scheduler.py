@@ -162,6 +162,8 @@ class Scheduler:
         slots the claims keep."""
         engine = self.settings.engine
         free = decoding.free - len(self.waiting)
+        for adapter in (snapshot.queued.keys() | snapshot.batch_lines.keys()) - self.expected_tokens.keys():  # new roles
+            self.expected_tokens[adapter] = self.settings.adapter_profile(adapter).max_new_tokens
         groups = plan_slots(snapshot, free, engine.max_wait_ms, self.expected_tokens, self.reserved(decoding.limit),
                             self._in_flight(decoding), self._batch_room(decoding, now))
         # Slots the plan leaves free (a reservation's) are spare already; a claim keeps only the rest.
