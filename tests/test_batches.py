@@ -243,7 +243,7 @@ def test_the_official_openai_client_drives_a_batch_from_upload_to_output(env, ap
                     max_retries=0, timeout=60)
     requests = [line(f"r{i}", model=("laya", "kev", "auto")[i % 3]) for i in range(9)]
     path = tmp_path / "requests.jsonl"
-    path.write_bytes(jsonl([*requests, line("bad", top_p=7)]))
+    path.write_bytes(jsonl([*requests, line("bad", top_p=7), line("nobody", model="zed")]))
     uploaded = client.files.create(file=path.open("rb"), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes == path.stat().st_size
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=URL, completion_window="24h",
@@ -251,7 +251,7 @@ def test_the_official_openai_client_drives_a_batch_from_upload_to_output(env, ap
     batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status in FINAL and b, 180, interval=0.5,
                        what="the batch to finish")
     assert batch.status == "completed" and batch.metadata == {"run": "test"}
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 9, 1)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (11, 9, 2)
     output = [json.loads(raw) for raw in client.files.content(batch.output_file_id).text.splitlines()]
     assert sorted(o["custom_id"] for o in output) == sorted(r["custom_id"] for r in requests)  # each exactly once
     for result in output:
@@ -260,8 +260,12 @@ def test_the_official_openai_client_drives_a_batch_from_upload_to_output(env, ap
         assert result["response"]["status_code"] == 200 and body["object"] == "chat.completion"
         assert body["choices"][0]["message"]["content"] == job["result"]["text"]
         assert body["model"] == job["requested_adapter"]
-    [bad] = [json.loads(raw) for raw in client.files.content(batch.error_file_id).text.splitlines()]
+    bad, nobody = sorted((json.loads(raw) for raw in client.files.content(batch.error_file_id).text.splitlines()),
+                         key=lambda e: e["custom_id"])
     assert bad["custom_id"] == "bad" and "top_p" in bad["response"]["body"]["error"]["message"]
+    # a model no load made a role: refused alone, naming it, as the live endpoint refuses it
+    assert nobody["custom_id"] == "nobody" and nobody["response"]["status_code"] == 422
+    assert nobody["response"]["body"]["error"]["message"].startswith("model: 'zed' is not a role")
     assert batch.id in [b.id for b in client.batches.list(limit=5)]
     assert {f.id for f in client.files.list()} == {uploaded.id, batch.output_file_id, batch.error_file_id}
     assert client.files.delete(uploaded.id).deleted
