@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     DotEnvSettingsSource,
@@ -92,12 +92,22 @@ class RoleProfile(AdapterProfile):
 
     model_config = ConfigDict(title="Roles loaded at run time")
 
-    path: str = Field(default="", exclude=True)  # unused: a new role's adapter is the one its load names
+    # Kept for the profile's type, never set: refused rather than ignored (`_not_settable`)
+    path: str = Field(default="", exclude=True)
     max_new_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0)
     system_prompt: str = ""  # the adapter was trained for its task: no system message unless the job brings one
-    # slots are reserved at a worker's start, before any new role exists: none can be kept for one
-    reserved_slots: int = Field(default=0, ge=0, le=0, exclude=True)
+    reserved_slots: int = Field(default=0, exclude=True)
+
+    @field_validator("path", "reserved_slots")
+    @classmethod
+    def _not_settable(cls, value: object, info: ValidationInfo) -> object:
+        if value and info.field_name == "path":
+            raise ValueError("a role loaded at run time serves the adapter its load names (POST "
+                             "/v1/load_lora_adapter, `kevlaya models load`): it has no configured path")
+        if value:  # slots are reserved at a worker's start, before any role is loaded at run time
+            raise ValueError("a role loaded at run time has no reserved slots")
+        return value
 
 
 class ApiSettings(BaseModel):

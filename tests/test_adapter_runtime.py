@@ -410,3 +410,16 @@ def test_the_adapter_load_benchmark_loads_a_new_role_and_reloads_laya_on_the_dem
     result = json.loads(out.read_text())
     assert len(result["new_role_s"]["all"]) == len(result["reload_s"]["all"]) == 2
     assert result["command"].startswith("python -m modellab.bench.adapter_load --shape demo")
+
+
+@pytest.mark.parametrize("variable", ["KEVLAYA_ROLES__PATH", "KEVLAYA_ROLES__RESERVED_SLOTS"])
+def test_a_setting_roles_loaded_at_run_time_cannot_have_is_refused_naming_it(variable, monkeypatch):
+    from pydantic import ValidationError
+
+    from shared.settings import Settings
+
+    monkeypatch.setenv(variable, "2")
+    with pytest.raises(ValidationError) as refused:
+        Settings(_env_file=None)
+    assert refused.value.errors()[0]["loc"] == ("roles", variable.removeprefix("KEVLAYA_ROLES__").lower())
+    assert "a role loaded at run time" in str(refused.value)
