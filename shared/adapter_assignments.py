@@ -1,8 +1,8 @@
 """What each role should serve, as an admin asked at run time (docs/architecture.md §10): one row per role in
 `adapter_assignments`, written by the API's load and unload routes and by `kevlaya models load|unload` after their
 checks (shared/adapter_check.py), read by workers at start and every KEVLAYA_MODEL__ADAPTER_POLL_S while they serve.
-A role without a row serves its configured adapter; a role under a new name exists from its first load. The row is the desired state, not what a worker did: a worker
-killed mid-switch finds it at its next start."""
+A role without a row serves its configured adapter; a role under a new name exists from its first load. The row is
+the desired state, not what a worker did: a worker killed mid-switch finds it at its next start."""
 
 from __future__ import annotations
 

@@ -21,6 +21,11 @@ from shared.schemas import JobCreate
 from shared.settings import ADAPTERS, Settings
 
 
+def not_a_role(field: str, name: str) -> ApiError:
+    return ApiError(422, "invalid_request", f"{field}: {name!r} is not a role of this service: kev, laya, auto, or "
+                    "one loaded at run time (GET /v1/models lists them)")
+
+
 class Roles:
     """Which names are roles: kev, laya, auto, and those loaded at run time under new names. A name once loaded
     stays a role (unloaded, its submits are refused by the writer, 503), so what was found is kept; a name not
@@ -49,9 +54,7 @@ class Intake:
         context)."""
         settings = self.settings
         if request.adapter not in self.roles:
-            raise ApiError(422, "invalid_request",
-                           f"{field_prefix}{names.adapter}: {request.adapter!r} is not a role of this service: kev, "
-                           "laya, auto, or one loaded at run time (GET /v1/models lists them)")
+            raise not_a_role(f"{field_prefix}{names.adapter}", request.adapter)
         if request.prompt_chars() > settings.limits.prompt_chars:
             raise ApiError(422, "invalid_request",
                            f"{field_prefix}{names.input}: prompt has {request.prompt_chars()} characters, "

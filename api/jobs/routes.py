@@ -16,7 +16,7 @@ from api.http.errors import AUTH_ERRORS, ApiError, error_responses
 from api.jobs.cursors import decode_cursor, encode_cursor
 from api.jobs.deletion import delete_jobs
 from api.jobs.events import job_event_stream
-from api.jobs.intake import IntakeDep
+from api.jobs.intake import IntakeDep, not_a_role
 from api.jobs.lookup import get_visible, visible_to
 from api.jobs.presenters import jobs_out
 from api.jobs.waiting import wait_finished
@@ -87,8 +87,7 @@ def list_jobs(key: CurrentKey, session: SessionDep,
               limit: Annotated[int, Query(ge=1, le=200)] = 50,
               cursor: Annotated[str | None, Query()] = None) -> JobPage:
     if adapter is not None and adapter != "auto" and not is_role(session, adapter):
-        raise ApiError(422, "invalid_request", f"adapter: {adapter!r} is not a role of this service: kev, laya, auto, "
-                       "or one loaded at run time (GET /v1/models lists them)")
+        raise not_a_role("adapter", adapter)
     query = select(Job).where(visible_to(key))
     if status_:
         query = query.where(Job.status == status_)
